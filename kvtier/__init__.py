@@ -1,0 +1,15 @@
+"""kvtier: a tiered prefix KV cache for LLM serving."""
+
+from kvtier.cache import KVCache, KVSink, KVSource, TensorSink, TensorSource
+from kvtier.config import CacheConfig
+from kvtier.errors import BlobError, CodecError, ConfigError, KVTierError, TierError
+from kvtier.keys import ChunkHash, Namespace
+from kvtier.layout import KVSpec
+from kvtier.metrics import Metrics
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlobError", "CacheConfig", "ChunkHash", "CodecError", "ConfigError", "KVCache", "KVSink", "KVSource",
+    "KVSpec", "KVTierError", "Metrics", "Namespace", "TensorSink", "TensorSource", "TierError",
+]

@@ -1,0 +1,326 @@
+"""KVCache: the chain of tiers behind three calls, lookup / store / retrieve.
+
+* ``lookup(tokens)`` -> how many leading tokens are cached (a multiple of the chunk size), with the chunks
+  allowed to sit in different tiers. No side effects (eviction order untouched).
+* ``store(tokens, kv)`` writes the full chunks of ``kv`` that tiers lack: to the first tier and to every tier
+  in write-through mode; write-back tiers receive chunks when the tier above evicts them.
+* ``retrieve(tokens)`` loads the longest cached prefix, verifying every chunk (token ids always; checksum
+  for tiers whose bytes left the process). A chunk that fails is deleted, counted and ends the prefix: the
+  engine recomputes from there. Hits in slower tiers are promoted into the faster ones.
+
+Failures of a tier (``KVTierError``) become misses or skipped stores plus a metric; they never propagate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvtier.blob import decode_blob, encode_blob, parse_blob
+from kvtier.codecs import codec_by_id
+from kvtier.config import CacheConfig
+from kvtier.errors import BlobError, ConfigError, KVTierError
+from kvtier.keys import ChunkHash, Namespace, Tokens, token_array
+from kvtier.layout import KVSpec
+from kvtier.metrics import Metrics
+from kvtier.tiers import Tier, TierContext, WriteMode
+
+log = logging.getLogger(__name__)
+
+
+class KVSource(Protocol):
+    """Where ``store`` reads KV from, one chunk at a time (engine integrations adapt their layout here)."""
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        """Canonical KV of tokens ``[start, end)``: ``[layers, 2, end - start, kv_heads, head_dim]``, any strides."""
+
+
+class KVSink(Protocol):
+    """Where ``retrieve`` writes KV to, one chunk at a time."""
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        """Copy canonical KV of tokens ``[start, end)`` out of ``chunk`` (valid only during the call)."""
+
+
+class TensorSource:
+    """A canonical ``[L, 2, T, H, D]`` tensor as a KVSource."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        return self.kv[:, :, start:end]
+
+
+class TensorSink:
+    """A canonical ``[L, 2, T, H, D]`` tensor as a KVSink."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.out[:, :, start:end].copy_(chunk)
+
+
+def _tier_names(kinds: Sequence[str]) -> list[str]:
+    names: list[str] = []
+    for kind in kinds:
+        name, n = kind, 2
+        while name in names:
+            name, n = f"{kind}{n}", n + 1
+        names.append(name)
+    return names
+
+
+class KVCache:
+    """Tiered prefix KV cache for one model (one namespace apart from per-call tenant salts).
+
+    Thread-safe: tiers lock their own state and the cache keeps none besides them.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        model: str,
+        config: CacheConfig | None = None,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        adapter: str = "",
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config if config is not None else CacheConfig()
+        self.spec = spec
+        self.chunk_size = self.config.chunk_size
+        self.namespace = Namespace(model, spec, self.chunk_size, tp_rank, tp_size, adapter)
+        self.metrics = metrics if metrics is not None else Metrics()
+        names = _tier_names([cfg.kind for cfg in self.config.tiers])
+        self.tiers: list[Tier] = []
+        try:
+            for cfg, name in zip(self.config.tiers, names):
+                self.tiers.append(cfg.build(TierContext(spec, self.metrics, name)))
+            self._wire_write_back()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public API ----------------------------------------------------------------------------------------
+    def keys(self, tokens: Tokens, *, salt: bytes = b"") -> list[ChunkHash]:
+        """Chunk keys of the full chunks of ``tokens`` in this cache's namespace (with ``salt``)."""
+        return self.namespace.with_salt(salt).chunk_hashes(tokens)
+
+    def lookup(self, tokens: Tokens, *, salt: bytes = b"") -> int:
+        """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size)."""
+        with self.metrics.timer("kvtier_lookup_seconds"):
+            keys = self.keys(tokens, salt=salt)
+            n = self._prefix(self._locate(keys))
+        self.metrics.inc("kvtier_lookups_total")
+        self.metrics.inc("kvtier_lookup_tokens_total", len(keys) * self.chunk_size)
+        return n * self.chunk_size
+
+    def store(self, tokens: Tokens, kv: torch.Tensor | KVSource, *, salt: bytes = b"") -> int:
+        """Store the full chunks of ``tokens`` whose KV ``kv`` holds (canonical tensor or KVSource).
+
+        Returns the number of tokens newly written to at least one tier. Never raises for tier failures.
+        """
+        with self.metrics.timer("kvtier_store_seconds"):
+            token_ids = token_array(tokens)
+            keys = self.keys(token_ids, salt=salt)
+            if isinstance(kv, torch.Tensor):
+                if kv.dim() != 5 or kv.shape[2] < len(keys) * self.chunk_size:
+                    raise ConfigError(f"kv {tuple(kv.shape)} does not cover {len(keys)} chunks")
+                self.spec.check(kv[:, :, :0], 0)
+                source: KVSource = TensorSource(kv)
+            else:
+                source = kv
+            written = [False] * len(keys)
+            for tier, cfg in zip(self.tiers, self.config.tiers):
+                if tier is not self.tiers[0] and cfg.write is WriteMode.BACK:
+                    continue
+                for i in self._store_into(tier, keys, token_ids, source):
+                    written[i] = True
+        return sum(written) * self.chunk_size
+
+    def retrieve(
+        self,
+        tokens: Tokens,
+        out: torch.Tensor | KVSink | None = None,
+        *,
+        salt: bytes = b"",
+        max_tokens: int | None = None,
+    ) -> tuple[torch.Tensor | None, int]:
+        """Load the longest cached prefix of ``tokens`` (at most ``max_tokens``).
+
+        ``out`` is a canonical tensor with room for the prefix, or a KVSink; when omitted a tensor is
+        allocated. Returns ``(tensor or None for a sink, n_tokens)``; only the first ``n_tokens`` are valid.
+        """
+        with self.metrics.timer("kvtier_retrieve_seconds"):
+            token_ids = token_array(tokens)
+            keys = self.keys(token_ids, salt=salt)
+            if max_tokens is not None:
+                keys = keys[: max(max_tokens, 0) // self.chunk_size]
+            where = self._locate(keys)
+            n = self._prefix(where)
+            if n == 0:
+                self.metrics.inc("kvtier_miss_tokens_total", len(keys) * self.chunk_size)
+                return (None if out is not None and not isinstance(out, torch.Tensor) else out), 0
+            tensor: torch.Tensor | None
+            if out is None:
+                tensor = self.spec.empty(n * self.chunk_size)
+                sink: KVSink = TensorSink(tensor)
+            elif isinstance(out, torch.Tensor):
+                tensor, sink = out, TensorSink(out)
+            else:
+                tensor, sink = None, out
+            good = self._load(keys[:n], where[:n], token_ids, sink)
+            self.metrics.inc("kvtier_miss_tokens_total", (len(keys) - good) * self.chunk_size)
+        return tensor, good * self.chunk_size
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except KVTierError as exc:
+                log.warning("closing tier %s: %s", tier.name, exc)
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _wire_write_back(self) -> None:
+        for i, cfg in enumerate(self.config.tiers[1:], start=1):
+            if cfg.write is not WriteMode.BACK:
+                continue
+            upper = self.tiers[i - 1]
+            setter = getattr(upper, "set_eviction_listener", None)
+            if setter is None:
+                raise ConfigError(f"tier {upper.name} cannot feed a write-back tier (it reports no evictions)")
+            target = self.tiers[i]
+            setter(lambda key, blob, target=target: self._demote(key, blob, target))
+
+    def _locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
+        """For each key, the index of the fastest tier holding it, up to the first key no tier holds."""
+        where: list[int | None] = [None] * len(keys)
+        start = 0
+        for t, tier in enumerate(self.tiers):
+            todo = [i for i in range(start, len(keys)) if where[i] is None]
+            if not todo:
+                break
+            try:
+                present = tier.contains([keys[i] for i in todo])
+            except KVTierError as exc:
+                self._tier_failed(tier, "contains", exc)
+                continue
+            for i, hit in zip(todo, present):
+                if hit:
+                    where[i] = t
+            while start < len(keys) and where[start] is not None:
+                start += 1
+        return where
+
+    @staticmethod
+    def _prefix(where: Sequence[int | None]) -> int:
+        for i, t in enumerate(where):
+            if t is None:
+                return i
+        return len(where)
+
+    def _load(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray, sink: KVSink) -> int:
+        """Copy chunks into ``sink`` tier by tier; return how many leading chunks arrived intact."""
+        size = self.chunk_size
+        ok = [False] * len(keys)
+        for t, tier in enumerate(self.tiers):
+            idx = [i for i, w in enumerate(where) if w == t]
+            if not idx:
+                continue
+            bad: list[ChunkHash] = []
+            try:
+                with tier.get([keys[i] for i in idx]) as blobs:
+                    for i, blob in zip(idx, blobs):
+                        if blob is None:
+                            continue
+                        start, end = i * size, (i + 1) * size
+                        try:
+                            chunk = decode_blob(blob, keys[i], token_ids[start:end], codec=tier.codec,
+                                                verify=tier.verifies)
+                        except BlobError as exc:
+                            self.metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
+                            log.warning("tier %s: chunk %s is a miss: %s", tier.name, keys[i].hex()[:16], exc)
+                            bad.append(keys[i])
+                            continue
+                        sink.write(start, end, chunk)
+                        ok[i] = True
+                        self.metrics.inc("kvtier_read_bytes_total", blob.nbytes, tier=tier.name)
+                        if t > 0:
+                            self._promote(keys[i], token_ids[start:end], chunk, t)
+            except KVTierError as exc:
+                self._tier_failed(tier, "get", exc)
+            if bad:
+                self._delete(tier, bad)
+        good = self._prefix([t if hit else None for t, hit in zip(where, ok)])
+        for t, tier in enumerate(self.tiers):
+            hits = sum(1 for i in range(good) if where[i] == t)
+            if hits:
+                self.metrics.inc("kvtier_hit_tokens_total", hits * size, tier=tier.name)
+        return good
+
+    def _store_into(self, tier: Tier, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource) -> list[int]:
+        """Write the chunks ``tier`` lacks; return the indices it newly stored."""
+        size = self.chunk_size
+        try:
+            present = tier.contains(keys)
+            missing = [i for i, p in enumerate(present) if not p]
+            if not missing:
+                return []
+            items = [
+                (keys[i], encode_blob(keys[i], token_ids[i * size : (i + 1) * size], tier.codec,
+                                      source.chunk(i * size, (i + 1) * size), seal=tier.verifies))
+                for i in missing
+            ]
+            stored = tier.put(items)
+        except KVTierError as exc:
+            self._tier_failed(tier, "put", exc)
+            return []
+        done = [i for i, s in zip(missing, stored) if s]
+        self.metrics.inc("kvtier_stored_tokens_total", len(done) * size, tier=tier.name)
+        return done
+
+    def _promote(self, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, found_in: int) -> None:
+        for tier in self.tiers[:found_in]:
+            try:
+                stored = tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])
+            except KVTierError as exc:
+                self._tier_failed(tier, "promote", exc)
+                continue
+            if stored[0]:
+                self.metrics.inc("kvtier_promotions_total", tier=tier.name)
+
+    def _demote(self, key: ChunkHash, blob: memoryview, target: Tier) -> None:
+        """Write-back: re-encode an entry the upper tier is evicting into ``target``."""
+        try:
+            header, payload = parse_blob(blob, key, verify=False)
+            chunk = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
+            tokens = header.tokens(blob)
+            stored = target.put([(key, encode_blob(key, tokens, target.codec, chunk, seal=target.verifies))])
+        except KVTierError as exc:
+            self._tier_failed(target, "demote", exc)
+            return
+        if stored[0]:
+            self.metrics.inc("kvtier_demotions_total", tier=target.name)
+
+    def _delete(self, tier: Tier, keys: list[ChunkHash]) -> None:
+        try:
+            tier.delete(keys)
+        except KVTierError as exc:
+            self._tier_failed(tier, "delete", exc)
+
+    def _tier_failed(self, tier: Tier, op: str, exc: KVTierError) -> None:
+        self.metrics.inc("kvtier_tier_errors_total", tier=tier.name, op=op)
+        log.warning("tier %s failed on %s: %s", tier.name, op, exc)

@@ -1,0 +1,61 @@
+"""The Codec protocol: a canonical chunk tensor <-> payload bytes.
+
+A codec never sees keys, tokens or headers (blob.py owns those); it only turns a ``[layers, 2, tokens,
+kv_heads, head_dim]`` tensor into bytes and back. ``decode`` receives the shape and dtype recorded in the blob
+header and must raise CodecError (never crash, never allocate beyond what the shape implies) when the payload
+does not fit them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Payload(Protocol):
+    """Bytes not yet materialised: ``nbytes`` long, written once into caller-owned memory.
+
+    This lets a tier give the writer its own buffer (a slot of the memory tier, a staging buffer of the disk
+    tier), so a chunk is copied once per hop instead of being built, then copied.
+    """
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def write_into(self, out: memoryview) -> None:
+        """Write exactly ``nbytes`` bytes into ``out`` (a writable, C-contiguous byte view of that length)."""
+
+
+class BytesPayload:
+    """A Payload over bytes that already exist."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._data = memoryview(data).cast("B")
+
+    @property
+    def nbytes(self) -> int:
+        return self._data.nbytes
+
+    def write_into(self, out: memoryview) -> None:
+        out[: self._data.nbytes] = self._data
+
+
+class Codec(Protocol):
+    """Turns canonical chunk tensors into payload bytes and back. Stateless and thread-safe."""
+
+    #: Registry name, as written in configs ("raw", "lossless", "int8", ...).
+    name: str
+    #: Stable id written into every blob header. Never reuse an id for a different format.
+    codec_id: int
+
+    def encode(self, chunk: torch.Tensor) -> Payload:
+        """Encode a canonical chunk (any strides) into a payload. May defer the copy to ``write_into``,
+        so ``chunk`` must stay unchanged until the payload is written."""
+
+    def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Decode a payload into a tensor of ``shape``/``dtype``. The result may view ``payload`` (no copy),
+        so it is valid only while the payload's memory is; copy out of it before releasing that memory."""

@@ -1,0 +1,41 @@
+"""The raw codec: the tensor's bytes as they are. Zero-copy decode, one copy on encode."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.errors import CodecError
+from kvtier.layout import tensor_view
+
+
+class _TensorPayload:
+    __slots__ = ("_chunk",)
+
+    def __init__(self, chunk: torch.Tensor) -> None:
+        self._chunk = chunk
+
+    @property
+    def nbytes(self) -> int:
+        return self._chunk.numel() * self._chunk.element_size()
+
+    def write_into(self, out: memoryview) -> None:
+        chunk = self._chunk
+        tensor_view(out, chunk.dtype, tuple(chunk.shape)).copy_(chunk)
+
+
+class RawCodec:
+    name = "raw"
+    codec_id = 0
+
+    def encode(self, chunk: torch.Tensor) -> _TensorPayload:
+        if chunk.device.type != "cpu":
+            chunk = chunk.cpu()
+        return _TensorPayload(chunk)
+
+    def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if payload.nbytes != numel * dtype.itemsize:
+            raise CodecError(f"raw payload of {payload.nbytes} bytes does not hold {shape} {dtype}")
+        return tensor_view(payload, dtype, shape)

@@ -1,0 +1,25 @@
+"""The small error hierarchy kvtier raises across its boundaries.
+
+Tiers translate their backend's failures (OSError, redis errors, ...) into these at the tier boundary;
+KVCache turns every one of them into a miss or a skipped store plus a metric, so none reaches an engine.
+"""
+
+
+class KVTierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """A configuration value is missing, malformed or inconsistent."""
+
+
+class BlobError(KVTierError):
+    """Stored bytes do not decode: truncated, corrupt, of another key or tokens, or of an unknown format."""
+
+
+class CodecError(BlobError):
+    """A codec cannot encode or decode the given chunk or payload."""
+
+
+class TierError(KVTierError):
+    """A tier failed (I/O error, store unreachable, timeout). Callers treat it as a miss or a skipped store."""

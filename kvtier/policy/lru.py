@@ -1,0 +1,35 @@
+"""Least-recently-used eviction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from kvtier.keys import ChunkHash
+
+
+class LRUPolicy:
+    """Evicts the least recently inserted or accessed key that is evictable (pinned keys are skipped)."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[ChunkHash, None] = OrderedDict()
+
+    def on_insert(self, key: ChunkHash) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def on_access(self, key: ChunkHash) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def on_remove(self, key: ChunkHash) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable: Callable[[ChunkHash], bool]) -> ChunkHash | None:
+        for key in self._order:
+            if evictable(key):
+                return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._order)

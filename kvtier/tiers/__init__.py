@@ -1,0 +1,19 @@
+"""Storage tiers. Each kind registers its config class in ``TIER_KINDS`` on import."""
+
+from kvtier.tiers.base import (
+    TIER_KINDS,
+    EvictionListener,
+    Tier,
+    TierConfig,
+    TierContext,
+    TierStats,
+    WriteMode,
+    contains_prefix,
+    register_tier,
+)
+from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
+
+__all__ = [
+    "TIER_KINDS", "EvictionListener", "MemoryTier", "MemoryTierConfig", "Tier", "TierConfig", "TierContext",
+    "TierStats", "WriteMode", "contains_prefix", "register_tier",
+]

@@ -1,0 +1,134 @@
+"""The Tier protocol, tier configs and the registry of tier kinds.
+
+A tier stores opaque blobs (see blob.py) under chunk keys. Every method is batched: it takes a list of keys
+so a tier can pipeline (Redis), overlap (disk) or amortise Python overhead. Contracts every tier keeps (the
+conformance suite in tests/conformance checks them):
+
+* ``used_bytes`` never exceeds ``capacity_bytes``.
+* An entry returned by ``get`` stays valid (pinned, never evicted or overwritten) until the ``with`` block
+  that received it ends, whatever happens inside it.
+* ``put`` has consumed each payload (written or copied it) before it returns; a stored entry becomes visible
+  only when complete. A chunk that cannot be stored (larger than the tier, tier full of pinned entries, I/O
+  error) is skipped: ``put`` returns False for it and raises nothing.
+* Backend failures surface as misses / skipped stores, counted in metrics; a tier never raises into the
+  cache except ``KVTierError`` subclasses from programming errors.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, TypeVar
+
+from kvtier.codecs import Codec, Payload, get_codec
+from kvtier.errors import ConfigError
+from kvtier.keys import ChunkHash
+from kvtier.layout import KVSpec
+from kvtier.metrics import Metrics
+
+#: Called with (key, blob) while an evicted entry's bytes are still valid; must not call back into the tier.
+EvictionListener = Callable[[ChunkHash, memoryview], None]
+
+
+@dataclass(frozen=True)
+class TierStats:
+    used_bytes: int
+    capacity_bytes: int
+    entries: int
+
+
+class Tier(Protocol):
+    name: str
+    codec: Codec
+    #: True where blobs leave the process (disk, network): they are sealed on write and verified on read.
+    verifies: bool
+
+    def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        """Which keys are present now. No side effects on eviction order."""
+
+    def get(self, keys: Sequence[ChunkHash]) -> AbstractContextManager[list[memoryview | None]]:
+        """Blobs of ``keys`` (None for a miss), valid until the ``with`` block exits."""
+
+    def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
+        """Store blobs; True where the key is now present. Existing keys are kept, not rewritten."""
+
+    def delete(self, keys: Sequence[ChunkHash]) -> None:
+        """Remove keys if present (a pinned entry goes once its readers are done)."""
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None:
+        """Release resources; flush pending writes where the tier has them."""
+
+
+def contains_prefix(tier: Tier, keys: Sequence[ChunkHash]) -> int:
+    """How many leading keys the tier holds."""
+    for i, present in enumerate(tier.contains(keys)):
+        if not present:
+            return i
+    return len(keys)
+
+
+class WriteMode(enum.Enum):
+    """How a tier below the first receives chunks."""
+
+    THROUGH = "through"  #: every store is written to this tier too
+    BACK = "back"  #: chunks arrive only when the tier above evicts them
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier needs from the cache that builds it."""
+
+    spec: KVSpec
+    metrics: Metrics
+    name: str
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Base of every tier's config. Subclasses add their own fields (sizes as ints in bytes) and ``build``."""
+
+    kind: ClassVar[str]
+    codec: str = "raw"
+    write: WriteMode = WriteMode.THROUGH
+
+    def __post_init__(self) -> None:
+        get_codec(self.codec)  # raises ConfigError for an unknown codec
+
+    def build(self, ctx: TierContext) -> Tier:
+        raise NotImplementedError
+
+
+TIER_KINDS: dict[str, type[TierConfig]] = {}
+
+C = TypeVar("C", bound=type[TierConfig])
+
+
+def register_tier(cls: C) -> C:
+    """Class decorator: make a TierConfig subclass available under ``cls.kind`` in configs."""
+    if cls.kind in TIER_KINDS:
+        raise ConfigError(f"tier kind {cls.kind!r} registered twice")
+    TIER_KINDS[cls.kind] = cls
+    return cls
+
+
+class NullContext(AbstractContextManager[list[memoryview | None]]):
+    """``get`` result for tiers whose values are plain bytes owned by the caller (nothing to unpin)."""
+
+    def __init__(self, values: list[memoryview | None]) -> None:
+        self._values = values
+
+    def __enter__(self) -> list[memoryview | None]:
+        return self._values
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def iter_present(keys: Sequence[ChunkHash], values: Sequence[memoryview | None]) -> Iterator[tuple[int, ChunkHash, memoryview]]:
+    for i, (key, value) in enumerate(zip(keys, values)):
+        if value is not None:
+            yield i, key, value

@@ -1,0 +1,188 @@
+"""Host-RAM tier: one preallocated buffer, views handed out, eviction through a policy.
+
+The buffer is allocated (and its pages touched) once at start, pinned when CUDA is available so host<->GPU
+copies can be asynchronous. A chunk is written straight into its slot (``Payload.write_into``) and read as a
+view of its slot: one copy in, one copy out, no per-chunk allocation of bytes.
+
+The buffer is private to the process, so blobs here are stored unsealed and read without checksum
+(``verifies = False``); their headers and token ids are still checked by the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.codecs import Payload, get_codec
+from kvtier.keys import ChunkHash
+from kvtier.metrics import Metrics
+from kvtier.policy import EvictionPolicy, make_policy
+from kvtier.tiers.allocator import Allocator
+from kvtier.tiers.base import EvictionListener, TierConfig, TierContext, TierStats, register_tier
+
+
+class _Entry:
+    __slots__ = ("offset", "nbytes", "pins", "doomed")
+
+    def __init__(self, offset: int, nbytes: int) -> None:
+        self.offset, self.nbytes, self.pins, self.doomed = offset, nbytes, 0, False
+
+
+class MemoryTier:
+    verifies = False
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        codec: str = "raw",
+        policy: EvictionPolicy | None = None,
+        metrics: Metrics | None = None,
+        name: str = "memory",
+        pin_memory: bool | None = None,
+        prefault: bool = True,
+    ) -> None:
+        self.name = name
+        self.codec = get_codec(codec)
+        self._policy = policy if policy is not None else make_policy("lru")
+        self._metrics = metrics if metrics is not None else Metrics()
+        self._alloc = Allocator(capacity_bytes)
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, pin_memory=pin)
+        if prefault:
+            self._buffer.zero_()  # fault the pages in now, not on the first stores
+        self._view = memoryview(self._buffer.numpy()) if self._alloc.capacity else memoryview(b"")
+        self._entries: dict[ChunkHash, _Entry] = {}
+        self._lock = threading.Lock()
+        self._on_evict: EvictionListener | None = None
+        self._metrics.add_gauges(self._gauges)
+
+    # -- the Tier protocol ---------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        entries = self._entries
+        with self._lock:
+            return [key in entries for key in keys]
+
+    @contextmanager
+    def get(self, keys: Sequence[ChunkHash]) -> Iterator[list[memoryview | None]]:
+        pinned: list[_Entry] = []
+        views: list[memoryview | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    views.append(None)
+                    continue
+                entry.pins += 1
+                pinned.append(entry)
+                self._policy.on_access(key)
+                views.append(self._view[entry.offset : entry.offset + entry.nbytes])
+        try:
+            yield views
+        finally:
+            with self._lock:
+                for entry in pinned:
+                    entry.pins -= 1
+                    if entry.doomed and entry.pins == 0:
+                        self._alloc.free(entry.offset, entry.nbytes)
+
+    def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
+        return [self._put_one(key, payload) for key, payload in items]
+
+    def delete(self, keys: Sequence[ChunkHash]) -> None:
+        with self._lock:
+            for key in keys:
+                self._remove(key)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self._alloc.used, self._alloc.capacity, len(self._entries))
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    # -- extras --------------------------------------------------------------------------------------------
+    def set_eviction_listener(self, listener: EvictionListener | None) -> None:
+        """Called for every evicted entry while its bytes are still valid (write-back demotion)."""
+        self._on_evict = listener
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _put_one(self, key: ChunkHash, payload: Payload) -> bool:
+        nbytes = payload.nbytes
+        with self._lock:
+            if key in self._entries:
+                self._policy.on_access(key)
+                return True
+            if self._alloc.rounded(nbytes) > self._alloc.capacity:
+                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="too_large")
+                return False
+            offset = self._allocate(nbytes)
+            if offset is None:
+                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="full_of_pinned")
+                return False
+        try:
+            payload.write_into(self._view[offset : offset + nbytes])
+        except BaseException:
+            with self._lock:
+                self._alloc.free(offset, nbytes)
+            raise
+        with self._lock:
+            if key in self._entries:  # a concurrent put of the same key won
+                self._alloc.free(offset, nbytes)
+                return True
+            self._entries[key] = _Entry(offset, nbytes)
+            self._policy.on_insert(key)
+        self._metrics.inc("kvtier_written_bytes_total", nbytes, tier=self.name)
+        return True
+
+    def _allocate(self, nbytes: int) -> int | None:
+        """Find room, evicting unpinned entries in policy order. Caller holds the lock."""
+        while (offset := self._alloc.alloc(nbytes)) is None:
+            victim = self._policy.victim(lambda k: self._entries[k].pins == 0)
+            if victim is None:
+                return None
+            entry = self._entries[victim]
+            if self._on_evict is not None:
+                self._on_evict(victim, self._view[entry.offset : entry.offset + entry.nbytes])
+            self._remove(victim)
+            self._metrics.inc("kvtier_evictions_total", tier=self.name)
+        return offset
+
+    def _remove(self, key: ChunkHash) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self._policy.on_remove(key)
+        if entry.pins:
+            entry.doomed = True  # freed by the last reader
+        else:
+            self._alloc.free(entry.offset, entry.nbytes)
+
+    def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        stats = self.stats()
+        labels = {"tier": self.name}
+        yield "kvtier_tier_used_bytes", labels, stats.used_bytes
+        yield "kvtier_tier_capacity_bytes", labels, stats.capacity_bytes
+        yield "kvtier_tier_entries", labels, stats.entries
+
+
+@register_tier
+@dataclass(frozen=True)
+class MemoryTierConfig(TierConfig):
+    """``capacity_bytes``: hard limit of the host buffer; ``policy``: eviction policy name."""
+
+    kind = "memory"
+    capacity_bytes: int = 1 << 30
+    policy: str = "lru"
+    prefault: bool = True
+
+    def build(self, ctx: TierContext) -> MemoryTier:
+        return MemoryTier(
+            self.capacity_bytes, codec=self.codec, policy=make_policy(self.policy), metrics=ctx.metrics,
+            name=ctx.name, prefault=self.prefault,
+        )
