@@ -11,8 +11,8 @@ import bisect
 
 class Allocator:
     def __init__(self, capacity: int, align: int = 256) -> None:
-        if capacity <= 0 or align <= 0 or align & (align - 1):
-            raise ValueError("capacity must be positive and align a power of two")
+        if capacity < 0 or align <= 0 or align & (align - 1):
+            raise ValueError("capacity must not be negative and align must be a power of two")
         self.capacity = capacity // align * align
         self.align = align
         self._starts: list[int] = [0] if self.capacity else []  # free blocks, sorted by offset

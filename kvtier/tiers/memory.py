@@ -50,7 +50,7 @@ class MemoryTier:
         self.codec = get_codec(codec)
         self._policy = policy if policy is not None else make_policy("lru")
         self._metrics = metrics if metrics is not None else Metrics()
-        self._alloc = Allocator(capacity_bytes)
+        self._alloc = Allocator(capacity_bytes, align=64)  # blob payloads start 64-byte aligned
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, pin_memory=pin)
         if prefault:

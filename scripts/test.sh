@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up everything the tests need, then run the whole suite. CI runs exactly this (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+exec "${PYTHON:-python3}" -m pytest -q "$@"

@@ -1,0 +1,212 @@
+"""Conformance suite every Tier implementation passes.
+
+Subclass ``TierConformance`` in a test module and implement ``make_tier``; pytest collects the inherited
+tests. Class attributes switch off what a tier legitimately does not do (e.g. a shared store whose eviction
+the server handles sets ``evicts = False``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.blob import blob_bytes, encode_blob
+from kvtier.codecs import BytesPayload, get_codec
+from kvtier.keys import ChunkHash
+from kvtier.tiers import Tier
+
+TOKENS = 16
+SHAPE = (2, 2, TOKENS, 2, 32)  # 4 KiB of float32 payload per chunk
+
+
+def key(i: int) -> ChunkHash:
+    return ChunkHash(hashlib.sha256(f"conformance-{i}".encode()).digest())
+
+
+def blob(i: int, *, seal: bool = True, shape: tuple[int, ...] = SHAPE) -> bytes:
+    """A real blob for key(i), deterministic in i."""
+    gen = torch.Generator().manual_seed(i)
+    chunk = torch.randn(shape, generator=gen)
+    tokens = np.arange(i, i + shape[2], dtype="<u4")
+    return bytes(blob_bytes(encode_blob(key(i), tokens, get_codec("raw"), chunk, seal=seal)))
+
+
+BLOB_BYTES = len(blob(0))
+
+
+class TierConformance:
+    evicts = True  #: the tier evicts by itself to stay under its capacity
+    reports_evictions = False  #: the tier supports set_eviction_listener
+
+    def make_tier(self, capacity_bytes: int) -> Tier:
+        raise NotImplementedError
+
+    def settle(self, tier: Tier) -> None:
+        """Wait until writes accepted by ``put`` are visible (tiers that write in the background override)."""
+
+    # -- fixtures ------------------------------------------------------------------------------------------
+    @pytest.fixture
+    def new_tier(self) -> Iterator[Callable[[int], Tier]]:
+        made: list[Tier] = []
+
+        def factory(capacity_bytes: int = 64 * BLOB_BYTES) -> Tier:
+            tier = self.make_tier(capacity_bytes)
+            made.append(tier)
+            return tier
+
+        yield factory
+        for tier in made:
+            tier.close()
+
+    def _put(self, tier: Tier, ids: list[int]) -> list[bool]:
+        result = tier.put([(key(i), BytesPayload(blob(i, seal=tier.verifies))) for i in ids])
+        self.settle(tier)
+        return result
+
+    def _read(self, tier: Tier, ids: list[int]) -> list[bytes | None]:
+        with tier.get([key(i) for i in ids]) as values:
+            return [None if v is None else bytes(v) for v in values]
+
+    # -- behaviour -----------------------------------------------------------------------------------------
+    def test_round_trip_batched(self, new_tier):
+        tier = new_tier()
+        assert self._put(tier, [1, 2, 3]) == [True, True, True]
+        assert self._read(tier, [1, 99, 3, 2]) == [
+            blob(1, seal=tier.verifies), None, blob(3, seal=tier.verifies), blob(2, seal=tier.verifies)]
+        assert tier.contains([key(1), key(99), key(2)]) == [True, False, True]
+
+    def test_empty_batches(self, new_tier):
+        tier = new_tier()
+        assert tier.put([]) == []
+        assert tier.contains([]) == []
+        with tier.get([]) as values:
+            assert values == []
+        tier.delete([])
+
+    def test_put_existing_key_keeps_one_entry(self, new_tier):
+        tier = new_tier()
+        self._put(tier, [5])
+        before = tier.stats()
+        assert self._put(tier, [5]) == [True]
+        after = tier.stats()
+        assert (after.entries, after.used_bytes) == (before.entries, before.used_bytes)
+        assert self._read(tier, [5]) == [blob(5, seal=tier.verifies)]
+
+    def test_delete(self, new_tier):
+        tier = new_tier()
+        self._put(tier, [1, 2])
+        tier.delete([key(1), key(42)])
+        self.settle(tier)
+        assert tier.contains([key(1), key(2)]) == [False, True]
+        assert tier.stats().entries == 1
+
+    def test_chunk_larger_than_tier_is_skipped(self, new_tier):
+        tier = new_tier(4 * BLOB_BYTES)
+        big = blob(7, shape=(2, 2, TOKENS * 8, 2, 32), seal=tier.verifies)
+        assert tier.put([(key(7), BytesPayload(big))]) == [False]
+        self.settle(tier)
+        assert tier.contains([key(7)]) == [False]
+        assert tier.stats().used_bytes <= tier.stats().capacity_bytes
+
+    def test_capacity_never_exceeded(self, new_tier):
+        if not self.evicts:
+            pytest.skip("this tier leaves eviction to its server")
+        capacity = 8 * BLOB_BYTES + BLOB_BYTES // 2
+        tier = new_tier(capacity)
+        for i in range(40):
+            self._put(tier, [i])
+            stats = tier.stats()
+            assert stats.used_bytes <= stats.capacity_bytes <= capacity
+        assert 0 < tier.stats().entries <= 8
+        assert tier.contains([key(39)]) == [True]
+
+    def test_lru_eviction_order(self, new_tier):
+        if not self.evicts:
+            pytest.skip("this tier leaves eviction to its server")
+        tier = new_tier(4 * BLOB_BYTES + 100)
+        for i in range(4):
+            self._put(tier, [i])
+        assert tier.contains([key(i) for i in range(4)]) == [True] * 4
+        self._read(tier, [0])  # 0 is now the most recently used
+        self._put(tier, [10])  # must evict 1, the least recently used
+        assert tier.contains([key(i) for i in (0, 1, 2, 3, 10)]) == [True, False, True, True, True]
+
+    def test_pinned_entries_survive_pressure(self, new_tier):
+        if not self.evicts:
+            pytest.skip("this tier leaves eviction to its server")
+        tier = new_tier(4 * BLOB_BYTES + 100)
+        self._put(tier, [0, 1])
+        with tier.get([key(0)]) as (view,):
+            assert view is not None
+            for i in range(100, 120):  # far more than fits: everything but the pinned entry churns
+                self._put(tier, [i])
+                assert bytes(view) == blob(0, seal=tier.verifies)
+            assert tier.contains([key(0)]) == [True]
+            assert tier.stats().used_bytes <= tier.stats().capacity_bytes
+
+    def test_full_of_pinned_skips_store(self, new_tier):
+        if not self.evicts:
+            pytest.skip("this tier leaves eviction to its server")
+        tier = new_tier(2 * BLOB_BYTES + 100)
+        self._put(tier, [0, 1])
+        with tier.get([key(0), key(1)]) as views:
+            assert all(v is not None for v in views)
+            assert self._put(tier, [2]) == [False]
+        assert self._put(tier, [2]) == [True]  # pins released: it fits again
+
+    def test_delete_while_pinned_keeps_bytes_until_released(self, new_tier):
+        tier = new_tier()
+        self._put(tier, [3])
+        with tier.get([key(3)]) as (view,):
+            tier.delete([key(3)])
+            self._put(tier, list(range(200, 210)))
+            assert bytes(view) == blob(3, seal=tier.verifies)
+        self.settle(tier)
+        assert tier.contains([key(3)]) == [False]
+
+    def test_pins_released_when_reader_raises(self, new_tier):
+        if not self.evicts:
+            pytest.skip("this tier leaves eviction to its server")
+        tier = new_tier(2 * BLOB_BYTES + 100)
+        self._put(tier, [0, 1])
+        with pytest.raises(RuntimeError):
+            with tier.get([key(0), key(1)]):
+                raise RuntimeError("reader failed")
+        assert self._put(tier, [2]) == [True]  # 0 or 1 could be evicted, so they were unpinned
+
+    def test_concurrent_readers_and_writers(self, new_tier):
+        tier = new_tier(16 * BLOB_BYTES)
+        errors: list[BaseException] = []
+
+        def worker(seed: int) -> None:
+            try:
+                for j in range(30):
+                    i = (seed * 7 + j) % 24
+                    self._put(tier, [i])
+                    got = self._read(tier, [i])[0]
+                    assert got is None or got == blob(i, seal=tier.verifies)
+                    stats = tier.stats()
+                    assert stats.used_bytes <= stats.capacity_bytes
+            except BaseException as exc:  # collected and re-raised in the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+
+    def test_eviction_listener_sees_valid_bytes(self, new_tier):
+        if not self.reports_evictions:
+            pytest.skip("this tier reports no evictions")
+        tier = new_tier(2 * BLOB_BYTES + 100)
+        seen: dict[bytes, bytes] = {}
+        tier.set_eviction_listener(lambda k, b: seen.__setitem__(bytes(k), bytes(b)))
+        self._put(tier, [0, 1, 2])
+        assert seen == {key(0): blob(0, seal=tier.verifies)}
