@@ -11,9 +11,10 @@ from kvtier.tiers.base import (
     contains_prefix,
     register_tier,
 )
+from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
 
 __all__ = [
-    "TIER_KINDS", "EvictionListener", "MemoryTier", "MemoryTierConfig", "Tier", "TierConfig", "TierContext",
-    "TierStats", "WriteMode", "contains_prefix", "register_tier",
+    "TIER_KINDS", "DiskTier", "DiskTierConfig", "EvictionListener", "MemoryTier", "MemoryTierConfig", "Tier",
+    "TierConfig", "TierContext", "TierStats", "WriteMode", "contains_prefix", "register_tier",
 ]
