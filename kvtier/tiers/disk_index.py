@@ -1,0 +1,192 @@
+"""The disk tier's index: which chunks it holds, their sizes, pins, eviction order and queued writes. No I/O.
+
+The index decides; the tier's writer threads move bytes. Every decision that changes a file (store a chunk,
+remove one) is handed to ``submit_write`` / ``submit_unlink`` *while the index lock is held*, so the writers
+receive the file operations of one key in exactly the order the index made them: a chunk evicted and then
+stored again is unlinked before it is rewritten, never after.
+
+An entry is *pending* from ``reserve`` until its writer ``publish``-es it: it counts against the capacity
+and a second store of the key is a no-op, but it is not visible (``contains`` False, ``pin`` skips it), so a
+chunk is visible only once its file is complete.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+from kvtier.keys import ChunkHash
+from kvtier.metrics import Metrics
+from kvtier.policy import EvictionPolicy
+from kvtier.tiers.base import TierStats
+
+PRESENT = "present"  #: ``reserve`` result: the key is already stored or queued
+
+
+class Pending:
+    """A reserved store. ``ready`` is set once ``buf`` holds the payload (``buf`` stays None if the copy failed)."""
+
+    __slots__ = ("buf", "cancelled", "key", "nbytes", "ready")
+
+    def __init__(self, key: ChunkHash, nbytes: int) -> None:
+        self.key, self.nbytes, self.buf, self.cancelled = key, nbytes, None, False
+        self.ready = threading.Event()
+
+
+class Entry:
+    __slots__ = ("nbytes", "pending", "pins")
+
+    def __init__(self, nbytes: int, pending: Pending | None = None) -> None:
+        self.nbytes, self.pins, self.pending = nbytes, 0, pending
+
+
+class DiskIndex:
+    """Thread-safe. ``used`` counts stored and pending bytes and never exceeds ``capacity``."""
+
+    def __init__(
+        self,
+        capacity: int,
+        policy: EvictionPolicy,
+        *,
+        queue_depth: int,
+        submit_write: Callable[[Pending], None],
+        submit_unlink: Callable[[ChunkHash], None],
+        metrics: Metrics,
+        name: str,
+    ) -> None:
+        self.capacity = capacity
+        self._policy = policy
+        self._depth = queue_depth
+        self._submit_write, self._submit_unlink = submit_write, submit_unlink
+        self._lock = threading.Lock()
+        self._entries: dict[ChunkHash, Entry] = {}
+        self.used = 0
+        self.queued = 0  #: pending stores not yet published or abandoned
+        self.closed = False  #: no more file operations are submitted
+        self._metrics, self._name = metrics, name
+
+    # -- queries -------------------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        entries = self._entries
+        with self._lock:
+            return [(e := entries.get(key)) is not None and e.pending is None for key in keys]
+
+    def pin(self, keys: Sequence[ChunkHash]) -> list[tuple[int, ChunkHash, Entry]]:
+        """Pin the visible entries among ``keys``: ``(position, key, entry)``; pass the entries to ``unpin``."""
+        out = []
+        with self._lock:
+            if self.closed:
+                return out
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is not None and entry.pending is None:
+                    entry.pins += 1
+                    self._policy.on_access(key)
+                    out.append((i, key, entry))
+        return out
+
+    def unpin(self, entries: Iterable[Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                entry.pins -= 1
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.used, self.capacity, len(self._entries))
+
+    # -- stores --------------------------------------------------------------------------------------------
+    def reserve(self, key: ChunkHash, nbytes: int) -> Pending | str:
+        """Room for a new store, evicting in policy order, and its write submitted; else PRESENT or the reason
+        it is skipped (closed, too_large, queue_full, full_of_pinned)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                if entry.pending is None:
+                    self._policy.on_access(key)
+                return PRESENT
+            if self.closed:
+                return "closed"
+            if nbytes > self.capacity:
+                return "too_large"
+            if self.queued >= self._depth:
+                return "queue_full"
+            while self.used + nbytes > self.capacity:
+                victim = self._policy.victim(lambda k: self._entries[k].pins == 0)
+                if victim is None:
+                    return "full_of_pinned"
+                self._drop(victim, unlink=True)
+                self._metrics.inc("kvtier_evictions_total", tier=self._name)
+            job = Pending(key, nbytes)
+            self._entries[key] = Entry(nbytes, job)
+            self.used += nbytes
+            self.queued += 1
+            self._submit_write(job)
+            return job
+
+    def publish(self, job: Pending) -> bool:
+        """The job's file is complete: make it visible. False if it was deleted meanwhile (remove the file)."""
+        with self._lock:
+            self.queued -= 1
+            entry = self._entries.get(job.key)
+            if entry is None or entry.pending is not job:
+                return False
+            entry.pending = None
+            self._policy.on_insert(job.key)
+            return True
+
+    def abandon(self, job: Pending) -> None:
+        """The job's write failed or was cancelled: give its room back."""
+        with self._lock:
+            self.queued -= 1
+            entry = self._entries.get(job.key)
+            if entry is not None and entry.pending is job:
+                del self._entries[job.key]
+                self.used -= entry.nbytes
+
+    # -- removals ------------------------------------------------------------------------------------------
+    def remove(self, keys: Sequence[ChunkHash]) -> None:
+        """Delete: a visible entry's file is unlinked; a pending one is cancelled (its writer cleans up)."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    if entry.pending is not None:
+                        entry.pending.cancelled = True
+                    self._drop(key, unlink=entry.pending is None)
+
+    def forget(self, key: ChunkHash, *, unlink: bool) -> None:
+        """A visible entry whose file vanished (``unlink`` False) or cannot be read (True)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pending is None:
+                self._drop(key, unlink=unlink)
+
+    def forget_all(self) -> None:
+        """The directory is gone: drop every visible entry (pending writes fail or land on their own)."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e.pending is None]:
+                self._drop(key, unlink=False)
+
+    def load(self, found: Iterable[tuple[ChunkHash, int]]) -> None:
+        """Add chunks found on disk, oldest first; evict the oldest if they exceed the capacity."""
+        with self._lock:
+            for key, nbytes in found:
+                if key not in self._entries:
+                    self._entries[key] = Entry(nbytes)
+                    self.used += nbytes
+                    self._policy.on_insert(key)
+            while self.used > self.capacity and (victim := self._policy.victim(lambda k: True)) is not None:
+                self._drop(victim, unlink=True)
+                self._metrics.inc("kvtier_evictions_total", tier=self._name)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+
+    def _drop(self, key: ChunkHash, *, unlink: bool) -> None:
+        entry = self._entries.pop(key)
+        self.used -= entry.nbytes
+        if entry.pending is None:
+            self._policy.on_remove(key)
+        if unlink and not self.closed:
+            self._submit_unlink(key)
