@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,9 +49,9 @@ from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.tiers import redis_net as net
 from kvtier.tiers.base import TierConfig, TierContext, TierStats, register_tier
-from kvtier.tiers.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.buffers import BufferPool
-from kvtier.tiers.resp import Reader, RespError, WireError
+from kvtier.tiers.redis_servers import Servers
+from kvtier.tiers.resp import Reader, RespError
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +121,14 @@ class RedisTierConfig(TierConfig):
 class _Split:
     """A split value being received: its assembled bytes and where its parts come from."""
 
-    __slots__ = ("view", "nonce", "part_len", "n_parts", "ok")
+    __slots__ = ("n_parts", "nonce", "ok", "part_len", "view")
 
     def __init__(self, view: memoryview, nonce: bytes, part_len: int, n_parts: int) -> None:
         self.view, self.nonce, self.part_len, self.n_parts, self.ok = view, nonce, part_len, n_parts, True
 
 
-_BAD = object()  # a reply that is not a value of ours: a miss
+_BAD = object()  # a reply that is not a value of ours: a miss, and deleted
+_TOO_BIG = object()  # a value larger than max_value_bytes: a miss, left for replicas that accept it
 
 
 class RedisTier:
@@ -145,25 +145,17 @@ class RedisTier:
         self._part_ttl_ms = self._ttl_ms + max(60_000, self._ttl_ms // 10) if self._ttl_ms else 0
         self._rate = float(config.min_rate_bytes)
         self._buffers = BufferPool(config.buffer_pool_bytes)
-        self._conn_class, self._conn_kwargs = net.connection_kwargs(config.url, {
+        conn_class, conn_kwargs = net.connection_kwargs(config.url, {
             "username": config.username, "password": config.password,
             "ssl_ca_certs": config.tls_ca_file, "ssl_certfile": config.tls_cert_file,
             "ssl_keyfile": config.tls_key_file,
             "protocol": 2, "health_check_interval": 0,
         })
-        self._lock = threading.Lock()
-        self._nodes: dict[str, net.Node] = {}
-        self._seed = self._node(self._conn_kwargs.get("host"), self._conn_kwargs.get("port"))
-        self._slots: list[net.Node | None] | None = None
-        self._stale = config.cluster
-        self._last_refresh = float("-inf")
-        self._worker: threading.Thread | None = None
-        self._wake = threading.Event()
-        self._closed = False
+        self._servers = Servers(
+            conn_class, conn_kwargs, cluster=config.cluster, pool_size=config.pool_size, timeout_s=config.timeout_s,
+            connect_timeout_s=config.connect_timeout_s, breaker_failures=config.breaker_failures,
+            breaker_cooldown_s=config.breaker_cooldown_s, metrics=self._metrics, name=name)
         self._last_stats = TierStats(0, 0, 0)
-        self._metrics.add_gauges(self._gauges)
-        if config.cluster:
-            self._refresh_slots()
 
     # -- the Tier protocol ---------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
@@ -171,10 +163,10 @@ class RedisTier:
         if not keys:
             return out
         batches: dict[str, net.Batch] = {}
-        for node, (idx, heads) in self._group([self._key(key) for key in keys]).items():
+        for node, (idx, heads) in self._servers.group([self._key(key) for key in keys]).items():
             batches[node.name] = batch = net.Batch(node)
             batch.add_exists(idx, heads)
-        for batch in self._run(batches, "contains", monotonic() + self.config.timeout_s):
+        for batch in self._servers.run(batches, "contains", monotonic() + self.config.timeout_s):
             for i, reply in zip(batch.tags, batch.replies or ()):
                 out[i] = reply == 1
         return out
@@ -221,24 +213,24 @@ class RedisTier:
         heads = [self._key(key) for key in keys]
         batches: dict[str, net.Batch] = {}
         for head in heads:
-            self._batch(batches, head).add(head, b"GETRANGE", head, b"0", b"%d" % (_SPLIT.size - 1))
+            self._servers.batch(batches, head).add(head, b"GETRANGE", head, b"0", b"%d" % (_SPLIT.size - 1))
         doomed: dict[str, net.Batch] = {}
-        for batch in self._run(batches, "delete", deadline):
+        for batch in self._servers.run(batches, "delete", deadline):
             for head, reply in zip(batch.tags, batch.replies or ()):
                 parts = self._part_keys(head, reply) if isinstance(reply, bytes) else []
-                self._batch(doomed, head).add(head, b"UNLINK", head, *parts)
-        self._run(doomed, "delete", deadline)
+                self._servers.batch(doomed, head).add(head, b"UNLINK", head, *parts)
+        self._servers.run(doomed, "delete", deadline)
 
     def stats(self) -> TierStats:
         deadline = monotonic() + self.config.timeout_s
-        nodes = self._primaries()
+        nodes = self._servers.primaries()
         batches: dict[str, net.Batch] = {}
         for node in nodes:
             batch = batches[node.name] = net.Batch(node)
             batch.add("info", b"INFO", b"memory")
             batch.add("dbsize", b"DBSIZE")
         used = capacity = entries = 0
-        done = self._run(batches, "stats", deadline)
+        done = self._servers.run(batches, "stats", deadline)
         if len(done) < len(nodes):
             return self._last_stats
         for batch in done:
@@ -253,15 +245,10 @@ class RedisTier:
         return self._last_stats
 
     def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        with self._lock:
-            nodes = list(self._nodes.values())
-        for node in nodes:
-            node.close()
+        self._servers.close()
         self._buffers.clear()
 
-    # -- keys and routing ----------------------------------------------------------------------------------
+    # -- keys -----------------------------------------------------------------------------------------
     def _key(self, key: ChunkHash) -> bytes:
         return b"%s{%s}" % (self._prefix, key.hex().encode())
 
@@ -279,80 +266,12 @@ class RedisTier:
     def _parse_split(self, header: bytes) -> tuple[bytes, int, int, int] | None:
         if len(header) < _SPLIT.size or header[:4] != SPLIT_MAGIC:
             return None
-        magic, version, _reserved, nonce, total, part_len, n_parts = _SPLIT.unpack_from(header)
-        if version != SPLIT_VERSION or not 0 < part_len < total <= self.config.max_value_bytes:
+        _magic, version, _reserved, nonce, total, part_len, n_parts = _SPLIT.unpack_from(header)
+        if version != SPLIT_VERSION or not 0 < part_len < total or part_len > REDIS_MAX_BULK - _SPLIT.size:
             return None
-        if n_parts != -(-total // part_len) or part_len > REDIS_MAX_BULK:
+        if n_parts != -(-total // part_len):
             return None
         return nonce, total, part_len, n_parts
-
-    def _node(self, host: str | None, port: int | None) -> net.Node:
-        kwargs = dict(self._conn_kwargs)
-        if host is not None:
-            kwargs["host"], kwargs["port"] = host, port
-        name = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-        with self._lock:
-            node = self._nodes.get(name)
-            if node is None:
-                breaker = CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown_s,
-                                         on_change=lambda state: self._breaker_changed(name, state))
-                node = net.Node(name, lambda: self._conn_class(**kwargs), self.config.pool_size,
-                                self.config.connect_timeout_s, breaker)
-                self._nodes[name] = node
-        return node
-
-    def _batch(self, batches: dict[str, net.Batch], head: bytes) -> net.Batch:
-        slots = self._slots
-        node = self._seed
-        if slots is not None:
-            node = slots[net.key_slot(head)] or self._seed
-        batch = batches.get(node.name)
-        if batch is None:
-            batch = batches[node.name] = net.Batch(node)
-        return batch
-
-    def _group(self, heads: list[bytes]) -> dict[net.Node, tuple[list[int], list[bytes]]]:
-        """Heads by the node that owns them, with their indices."""
-        slots = self._slots
-        if slots is None:
-            return {self._seed: (list(range(len(heads))), heads)}
-        groups: dict[net.Node, tuple[list[int], list[bytes]]] = {}
-        slot_of = net.key_slot
-        for i, head in enumerate(heads):
-            node = slots[slot_of(head)] or self._seed
-            group = groups.get(node)
-            if group is None:
-                group = groups[node] = ([], [])
-            group[0].append(i)
-            group[1].append(head)
-        return groups
-
-    def _primaries(self) -> list[net.Node]:
-        slots = self._slots
-        if slots is None:
-            return [self._seed]
-        return list({node.name: node for node in slots if node is not None}.values())
-
-    def _run(self, batches: dict[str, net.Batch], op: str, deadline: float, rate: float = 0.0) -> list[net.Batch]:
-        """Run the batches; return those that got replies. Failures are counted and logged here."""
-        todo = list(batches.values())
-        if not todo:
-            return []
-        net.run(todo, deadline, rate)
-        done = []
-        for batch in todo:
-            if batch.error is None:
-                done.append(batch)
-                if self.config.cluster and any(net.is_redirect(r) for r in batch.replies or ()):
-                    self._mark_stale()
-            elif isinstance(batch.error, net.BreakerOpen):
-                self._metrics.inc("kvtier_breaker_rejected_total", tier=self.name, op=op)
-            else:
-                self._metrics.inc("kvtier_tier_errors_total", tier=self.name, op=op)
-                log.warning("redis tier %s: %s on %s failed: %s", self.name, op, batch.node.name, batch.error)
-                if self.config.cluster:
-                    self._mark_stale()
-        return done
 
     # -- get -----------------------------------------------------------------------------------------------
     def _get(self, keys: Sequence[ChunkHash], taken: list[np.ndarray]) -> list[memoryview | None]:
@@ -364,10 +283,10 @@ class RedisTier:
         read_head = self._head_reader(taken)
         batches: dict[str, net.Batch] = {}
         for i, head in enumerate(heads):
-            self._batch(batches, head).add(i, *self._get_cmd(head, self._ttl_ms), into=read_head)
+            self._servers.batch(batches, head).add(i, *self._get_cmd(head, self._ttl_ms), into=read_head)
         splits: dict[int, _Split] = {}
         bad: list[ChunkHash] = []
-        for batch in self._run(batches, "get", deadline, self._rate):
+        for batch in self._servers.run(batches, "get", deadline, self._rate):
             for i, reply in zip(batch.tags, batch.replies or ()):
                 if isinstance(reply, memoryview):
                     out[i] = reply
@@ -403,6 +322,9 @@ class RedisTier:
                     reader.skip(n)
                     return _BAD
                 nonce, total, part_len, n_parts = parsed
+                if total > max_value:  # valid, but more than this replica accepts: a miss, left in place
+                    reader.skip(n)
+                    return _TOO_BIG
                 buf = take(total)
                 taken.append(buf)
                 view = memoryview(buf)[:total]
@@ -411,7 +333,7 @@ class RedisTier:
                 return _Split(view, nonce, part_len, n_parts)
             if n > max_value:
                 reader.skip(n)
-                return _BAD
+                return _TOO_BIG
             buf = take(n)
             taken.append(buf)
             view = memoryview(buf)[:n]
@@ -424,7 +346,7 @@ class RedisTier:
                    out: list[memoryview | None], deadline: float) -> None:
         batches: dict[str, net.Batch] = {}
         for i, split in splits.items():
-            batch = self._batch(batches, heads[i])
+            batch = self._servers.batch(batches, heads[i])
             total = split.view.nbytes
             for p in range(1, split.n_parts):
                 start = p * split.part_len
@@ -432,7 +354,7 @@ class RedisTier:
                 batch.add(i, *self._get_cmd(self._part_key(heads[i], split.nonce, p), self._part_ttl_ms),
                           into=self._part_reader(target, split))
         answered: set[int] = set()
-        for batch in self._run(batches, "get", deadline, self._rate):
+        for batch in self._servers.run(batches, "get", deadline, self._rate):
             for i, reply in zip(batch.tags, batch.replies or ()):
                 answered.add(i)
                 if reply is not True:
@@ -478,7 +400,7 @@ class RedisTier:
             offset += n
             payload.write_into(value)
             head = self._key(key)
-            batch = self._batch(batches, head)
+            batch = self._servers.batch(batches, head)
             if n <= part_len:
                 batch.add(("head", i, head), b"SET", head, value, b"NX", *ttl)
                 continue
@@ -490,7 +412,7 @@ class RedisTier:
             header = _SPLIT.pack(SPLIT_MAGIC, SPLIT_VERSION, 0, nonce, n, part_len, n_parts)
             batch.add(("head", i, head), b"SET", head, (header, value[:part_len]), b"NX", *ttl)  # ... the head last
         cleanup: dict[str, net.Batch] = {}
-        for batch in self._run(batches, "put", deadline):
+        for batch in self._servers.run(batches, "put", deadline):
             refused: set[int] = set()
             for (what, i, head), reply in zip(batch.tags, batch.replies or ()):
                 if isinstance(reply, RespError):
@@ -505,101 +427,17 @@ class RedisTier:
                 if i in refused:  # a part was refused (e.g. OOM): the value is unusable
                     self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="refused")
                     cleanup_keys = ([head] if ours else []) + parts_of.get(i, [])
-                    self._batch(cleanup, head).add(i, b"UNLINK", *cleanup_keys)
+                    self._servers.batch(cleanup, head).add(i, b"UNLINK", *cleanup_keys)
                     continue
                 out[i] = True
                 if ours:
                     self._metrics.inc("kvtier_written_bytes_total", sizes[i], tier=self.name)
                 elif i in parts_of:  # lost the race to another writer: our parts are orphans
-                    self._batch(cleanup, head).add(i, b"UNLINK", *parts_of[i])
+                    self._servers.batch(cleanup, head).add(i, b"UNLINK", *parts_of[i])
         for batch in batches.values():
             if batch.error is not None:
                 heads = sum(1 for what, _i, _h in batch.tags if what == "head")
                 self._metrics.inc("kvtier_skipped_stores_total", heads, tier=self.name, reason="unavailable")
         if cleanup:
-            self._run(cleanup, "put", deadline)
+            self._servers.run(cleanup, "put", deadline)
 
-    # -- failure handling: breakers, the background worker, the cluster slot map -----------------------------
-    def _breaker_changed(self, node: str, state: BreakerState) -> None:
-        if state is BreakerState.OPEN:
-            self._metrics.inc("kvtier_breaker_opens_total", tier=self.name)
-            log.warning("redis tier %s: %s keeps failing; circuit open, probing every %.1fs", self.name, node,
-                        self.config.breaker_cooldown_s)
-            if self.config.cluster:
-                self._stale = True
-            self._start_worker()
-        else:
-            log.warning("redis tier %s: %s answers again; circuit closed", self.name, node)
-
-    def _mark_stale(self) -> None:
-        if not self._stale:
-            self._stale = True
-            self._start_worker()
-
-    def _start_worker(self) -> None:
-        with self._lock:
-            self._wake.set()
-            if self._closed or (self._worker is not None and self._worker.is_alive()):
-                return
-            self._worker = threading.Thread(target=self._work, name=f"kvtier-{self.name}-prober", daemon=True)
-            self._worker.start()
-
-    def _work(self) -> None:
-        """Probe open breakers and refresh the slot map, until there is nothing left to do."""
-        cooldown = self.config.breaker_cooldown_s
-        while not self._closed:
-            self._wake.clear()
-            with self._lock:
-                nodes = list(self._nodes.values())
-            for node in nodes:
-                if node.breaker.probe_due() and node.probe(self.config.timeout_s):
-                    node.breaker.success()
-            if self._stale and monotonic() - self._last_refresh >= min(1.0, cooldown):
-                self._refresh_slots()
-            waits = [n.breaker.seconds_to_next_probe() for n in nodes if n.breaker.state is BreakerState.OPEN]
-            if self._stale:
-                waits.append(max(0.05, self._last_refresh + min(1.0, cooldown) - monotonic()))
-            if not waits:
-                with self._lock:
-                    if not self._wake.is_set():
-                        self._worker = None
-                        return
-                continue
-            self._wake.wait(max(0.01, min(waits)))
-
-    def _refresh_slots(self) -> None:
-        """Read the slot map (CLUSTER SLOTS) from the seed or any known node that answers."""
-        self._last_refresh = monotonic()
-        with self._lock:
-            candidates = [self._seed] + [n for n in self._nodes.values() if n is not self._seed]
-        seed_host = str(self._conn_kwargs.get("host", "127.0.0.1"))
-        for node in candidates:
-            if not node.breaker.allow():
-                continue
-            batch = net.Batch(node)
-            batch.add(None, b"CLUSTER", b"SLOTS")
-            net.run([batch], monotonic() + self.config.timeout_s, 0.0)
-            if batch.error is not None or not batch.replies:
-                continue
-            try:
-                ranges = net.parse_cluster_slots(batch.replies[0], seed_host)
-            except WireError as exc:
-                log.warning("redis tier %s: %s", self.name, exc)
-                continue
-            slots: list[net.Node | None] = [None] * net.CLUSTER_SLOTS
-            for first, last, host, port in ranges:
-                owner = self._node(host, port)
-                for slot in range(max(first, 0), min(last, net.CLUSTER_SLOTS - 1) + 1):
-                    slots[slot] = owner
-            self._slots = slots
-            self._stale = False
-            return
-        log.warning("redis tier %s: cannot read the cluster slot map yet; will retry", self.name)
-        self._stale = True
-        self._start_worker()
-
-    def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
-        with self._lock:
-            nodes = list(self._nodes.values())
-        for node in nodes:
-            yield "kvtier_breaker_open", {"tier": self.name, "node": node.name}, float(node.breaker.state)

@@ -38,14 +38,18 @@ class BreakerOpen(WireError):
     """The node's circuit breaker is open: it was not called."""
 
 
+class PoolExhausted(WireTimeout):
+    """Every connection to the node stayed busy until the deadline."""
+
+
 def _redis() -> Any:
     try:
         import redis
+        import redis.backoff
         import redis.connection
         import redis.crc
         import redis.exceptions
         import redis.retry
-        import redis.backoff
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConfigError("the redis tier needs redis-py: pip install 'kvtier[redis]'") from exc
     return redis
@@ -88,7 +92,7 @@ def key_slot(key: bytes) -> int:
 class Conn:
     """One connection: redis-py's for the set-up, our RESP reader and writer afterwards."""
 
-    __slots__ = ("raw", "sock", "reader", "reused")
+    __slots__ = ("raw", "reader", "reused", "sock")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
@@ -133,7 +137,7 @@ class Conn:
     def close(self) -> None:
         try:
             self.raw.disconnect()
-        except Exception:  # noqa: BLE001 - closing must not fail
+        except Exception:
             pass
 
 
@@ -157,7 +161,7 @@ class Node:
             self._after_fork()
         remaining = deadline - monotonic()
         if remaining <= 0 or not self._slots.acquire(timeout=remaining):
-            raise WireTimeout(f"no free connection to {self.name}")
+            raise PoolExhausted(f"no free connection to {self.name} before the deadline")
         try:
             while True:
                 with self._lock:
@@ -256,55 +260,81 @@ class Batch:
 
 
 def run(batches: Sequence[Batch], deadline: float, rate: float) -> None:
-    """Execute every batch (one per node): send all, then read all. Failures land in ``batch.error``."""
-    live: list[tuple[Batch, Conn, list[Any]]] = []
+    """Execute every batch (one per node): send all, then read all. Failures land in ``batch.error``.
+
+    A pooled connection that turns out dead before the server answered (the server restarted, or dropped idle
+    clients) is replaced once by a fresh one. Anything but a WireError (a bug, MemoryError) propagates after
+    every connection still held is closed.
+    """
+    held: dict[int, tuple[Batch, Conn]] = {}
+    try:
+        _run(batches, deadline, rate, held)
+    finally:
+        for batch, conn in held.values():  # only left here when something unexpected was raised
+            batch.node.release(conn, False)
+
+
+def _run(batches: Sequence[Batch], deadline: float, rate: float, held: dict[int, tuple[Batch, Conn]]) -> None:
+    live: list[Batch] = []
     retry: list[Batch] = []
     for batch in batches:
         if not batch.node.breaker.allow():
             batch.error = BreakerOpen(f"circuit open for {batch.node.name}")
             continue
-        pieces = batch.packer.finish()
-        try:
-            conn = batch.node.acquire(deadline)
-        except WireError as exc:
-            _failed(batch, None, exc)
-            continue
-        try:
-            send_all(conn.sock, pieces, deadline)
-        except WireError as exc:
-            if conn.reused and isinstance(exc, WireClosed):
-                batch.node.release(conn, False)
-                retry.append(batch)
-            else:
-                _failed(batch, conn, exc)
-            continue
-        live.append((batch, conn, pieces))
-    for batch, conn, _pieces in live:
+        batch.packer.finish()
+        if _send(batch, deadline, held, retry):
+            live.append(batch)
+    for batch in live:
+        _, conn = held[id(batch)]
         reader = conn.reader
         assert reader is not None
         reader.arm(deadline, rate)
         try:
             batch.replies = batch.read(reader)
         except WireError as exc:
+            del held[id(batch)]
             if conn.reused and isinstance(exc, WireClosed) and not reader.received:
                 batch.node.release(conn, False)  # a stale pooled connection: the server never answered
                 retry.append(batch)
             else:
                 _failed(batch, conn, exc)
             continue
+        del held[id(batch)]
         _finished(batch, conn)
-    for batch in retry:  # once, on a fresh connection
-        try:
-            conn = batch.node.acquire(deadline)
-        except WireError as exc:
-            _failed(batch, None, exc)
+    for batch in retry:  # once, on a fresh connection (acquire drops the stale idle ones)
+        if not _send(batch, deadline, held, None):
             continue
+        _, conn = held[id(batch)]
+        assert conn.reader is not None
+        conn.reader.arm(deadline, rate)
         try:
-            batch.replies = conn.exchange(batch, deadline, rate)
+            batch.replies = batch.read(conn.reader)
         except WireError as exc:
+            del held[id(batch)]
             _failed(batch, conn, exc)
             continue
+        del held[id(batch)]
         _finished(batch, conn)
+
+
+def _send(batch: Batch, deadline: float, held: dict[int, tuple[Batch, Conn]], retry: list[Batch] | None) -> bool:
+    try:
+        conn = batch.node.acquire(deadline)
+    except WireError as exc:
+        _failed(batch, None, exc)
+        return False
+    held[id(batch)] = (batch, conn)
+    try:
+        send_all(conn.sock, batch.packer.pieces, deadline)
+    except WireError as exc:
+        del held[id(batch)]
+        if retry is not None and conn.reused and isinstance(exc, WireClosed):
+            batch.node.release(conn, False)
+            retry.append(batch)
+        else:
+            _failed(batch, conn, exc)
+        return False
+    return True
 
 
 def _finished(batch: Batch, conn: Conn) -> None:
@@ -321,7 +351,8 @@ def _failed(batch: Batch, conn: Conn | None, exc: WireError) -> None:
     batch.replies = None
     if conn is not None:
         batch.node.release(conn, False)
-    batch.node.breaker.failure()
+    if not isinstance(exc, PoolExhausted):  # local contention says nothing about the server
+        batch.node.breaker.failure()
 
 
 def parse_cluster_slots(reply: Any, seed_host: str) -> list[tuple[int, int, str, int]]:

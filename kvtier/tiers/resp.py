@@ -67,7 +67,7 @@ class RespError:
 class Packer:
     """Commands packed for one connection. Small pieces are joined; big arguments stay separate views."""
 
-    __slots__ = ("pieces", "count", "nbytes", "_small")
+    __slots__ = ("_small", "count", "nbytes", "pieces")
 
     def __init__(self) -> None:
         self.pieces: list[bytes | bytearray | memoryview] = []
@@ -137,7 +137,7 @@ class Reader:
     a stalled one is.
     """
 
-    __slots__ = ("sock", "buf", "view", "start", "end", "deadline", "rate", "received")
+    __slots__ = ("buf", "deadline", "end", "rate", "received", "sock", "start", "view")
 
     def __init__(self, sock: socket.socket, size: int = 256 * 1024) -> None:
         self.sock = sock

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -14,9 +15,7 @@ def _require_redis() -> None:
     missing = []
     if not have_redis_server():
         missing.append("redis-server (apt-get install redis-server, or scripts/setup.sh test)")
-    try:
-        import redis  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("redis") is None:
         missing.append("redis-py (pip install 'kvtier[redis]')")
     if missing:
         if os.environ.get("CI"):

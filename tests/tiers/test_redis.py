@@ -118,10 +118,10 @@ def _planted(cache: KVCache, tokens: list[int], kv: torch.Tensor, kind: str) -> 
                                             kv[:, :, :CHUNK])))
     if kind == "flipped_bit":
         return good[:-1] + bytes([good[-1] ^ 1])
-    if kind == "fake_split_header":  # claims a 1 TiB value in parts: must not allocate it
+    if kind == "fake_split_header":  # part count disagrees with the sizes
         import struct
 
-        return struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 1 << 40, 4096, (1 << 40) // 4096) + b"x" * 4096
+        return struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 1 << 20, 4096, 3) + b"x" * 4096
     raise AssertionError(kind)
 
 
@@ -142,6 +142,27 @@ def test_planted_or_damaged_value_is_a_miss(redis_server, kind):
         # stored again, it is whole again
         cache.store(tokens, kv)
         assert cache.retrieve(tokens)[1] == len(tokens)
+
+
+def test_value_larger_than_this_replica_accepts_is_a_miss_left_in_place(redis_server):
+    """A header declaring 1 TiB: nothing of that size is allocated, and a replica configured for smaller
+    values does not delete what others may use."""
+    import struct
+
+    redis_server.flush()
+    tokens, kv = prompt(1)
+    with make_cache(redis_server.url) as cache:
+        head = f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}"
+        redis_server.set_bytes(head, struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 1 << 40, 4096, 1 << 28)
+                               + b"x" * 4096)
+        assert cache.retrieve(tokens)[1] == 0
+        assert redis_server.cli("EXISTS", head) == "1"
+    tokens, kv = prompt(1, seed=3)
+    with make_cache(redis_server.url) as writer, \
+            make_cache(redis_server.url, max_value_bytes=CHUNK_BYTES // 2) as small:
+        writer.store(tokens, kv)
+        assert small.retrieve(tokens)[1] == 0  # too big for this replica: a miss ...
+        assert writer.retrieve(tokens)[1] == CHUNK  # ... that it did not delete
 
 
 def test_value_of_another_type_is_a_miss(redis_server):
@@ -357,3 +378,21 @@ def test_tls_with_ca_file(tmp_path):
         assert int(server.cli("DBSIZE")) == 6
         with make_cache(url, timeout_s=0.5) as cache:  # no CA: the server's certificate is not trusted
             assert cache.store(tokens, kv) == 0
+
+
+def test_readme_examples_parse():
+    """The README's YAML and environment examples are valid configurations."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Sharing one cache between replicas") :]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    config = CacheConfig.from_dict(yaml.safe_load(block))
+    assert [t.kind for t in config.tiers] == ["memory", "redis"] and config.tiers[1].ttl_s == 86400
+    env = dict(re.findall(r"export (KVTIER_\w+)=(\S+)", section))
+    env["KVTIER_REDIS_PASSWORD"] = "x"
+    config = CacheConfig.from_env(env)
+    assert config.tiers[1].url.startswith("rediss://") and config.tiers[1].tls_ca_file

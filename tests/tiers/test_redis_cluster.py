@@ -35,7 +35,7 @@ def test_chunks_spread_over_every_shard_and_come_back(redis_cluster):
         out, n = cache.retrieve(tokens)
         assert n == len(tokens) and torch.equal(out, kv)
         assert cache.tiers[0].stats().entries == sum(redis_cluster.dbsizes())
-        assert len(cache.tiers[0]._primaries()) == 3
+        assert len(cache.tiers[0]._servers.primaries()) == 3
 
 
 def test_any_node_is_a_seed(redis_cluster):

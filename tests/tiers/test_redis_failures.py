@@ -95,7 +95,7 @@ def test_server_killed_mid_run_then_restarted(own_redis):
         slow = [(op, round(s, 3)) for op, s, _, _ in calls if s > BOUND]
         assert not slow, slow
         assert cache.metrics.total("kvtier_breaker_opens_total") >= 1
-        assert cache.tiers[0]._seed.breaker.state == 0  # closed again
+        assert cache.tiers[0]._servers.seed.breaker.state == 0  # closed again
 
 
 def test_reset_connections_are_replaced_without_a_miss(own_redis):
