@@ -207,9 +207,11 @@ class RedisTier:
         return out
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
-        if not keys:
-            return
-        deadline = monotonic() + self.config.timeout_s
+        if keys:
+            self._delete(keys, monotonic() + self.config.timeout_s)
+
+    def _delete(self, keys: Sequence[ChunkHash], deadline: float) -> None:
+        """Read each head's first bytes (a split header names its parts), then unlink head and parts."""
         heads = [self._key(key) for key in keys]
         batches: dict[str, net.Batch] = {}
         for head in heads:
@@ -301,7 +303,7 @@ class RedisTier:
         if bad:
             self._metrics.inc("kvtier_corrupt_chunks_total", len(bad), tier=self.name)
             log.warning("redis tier %s: %d stored value(s) of another format: misses, deleted", self.name, len(bad))
-            self.delete(bad)
+            self._delete(bad, deadline)
         return out
 
     def _get_cmd(self, key: bytes, ttl_ms: int) -> tuple[bytes, ...]:
@@ -369,7 +371,7 @@ class RedisTier:
                 broken.append(keys[i])
         if broken:  # a part was evicted or expired: drop the rest so the chunk can be stored again
             self._metrics.inc("kvtier_incomplete_values_total", len(broken), tier=self.name)
-            self.delete(broken)
+            self._delete(broken, deadline)
 
     @staticmethod
     def _part_reader(target: memoryview, split: _Split) -> Any:

@@ -129,10 +129,11 @@ class Conn:
     def idle_ok(self) -> bool:
         """An idle connection has nothing to read; readable means closed by the server (or out of step)."""
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
+            poller = select.poll()  # not select(): descriptors past 1024 are common in servers
+            poller.register(self.sock, select.POLLIN)
+            return not poller.poll(0)
         except (OSError, ValueError):
             return False
-        return not readable
 
     def close(self) -> None:
         try:

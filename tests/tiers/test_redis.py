@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def prompt(n_chunks: int, seed: int = 0, chunk_size: int = CHUNK) -> tuple[list[
 class TestRedisTierConformance(TierConformance):
     evicts = False  # capacity and eviction are the server's (maxmemory + allkeys-lru)
     exact_usage = False  # used_bytes is the server's used_memory
-    tier_options: dict = {}
+    tier_options: ClassVar[dict] = {}
 
     @pytest.fixture(autouse=True)
     def _server(self, redis_server):
@@ -54,7 +55,7 @@ class TestRedisTierConformance(TierConformance):
 class TestRedisTierConformanceSplitValues(TestRedisTierConformance):
     """Every conformance blob (16 KiB and a header) is split into 8 KiB parts."""
 
-    tier_options = {"max_part_bytes": 8192}
+    tier_options: ClassVar[dict] = {"max_part_bytes": 8192}
 
     def test_delete(self, new_tier):
         # as inherited, except that stats().entries counts keys: a split value is its head plus its other parts
@@ -175,6 +176,27 @@ def test_value_of_another_type_is_a_miss(redis_server):
         assert cache.metrics.total("kvtier_corrupt_chunks_total") == 1
         assert cache.store(tokens, kv) == len(tokens)  # the foreign key was removed on read
         assert cache.retrieve(tokens)[1] == len(tokens)
+
+
+def test_memory_tier_in_front_takes_promoted_hits(redis_server):
+    """The recommended set-up: each replica's RAM first, the shared store behind it."""
+    from kvtier.tiers import MemoryTierConfig
+
+    redis_server.flush()
+    tokens, kv = prompt(4)
+
+    def replica() -> KVCache:
+        tiers = (MemoryTierConfig(capacity_bytes=1 << 20, prefault=False), RedisTierConfig(url=redis_server.url))
+        return KVCache(SPEC, "m@1", CacheConfig(chunk_size=CHUNK, tiers=tiers))
+
+    with replica() as a, replica() as b:
+        assert a.store(tokens, kv) == len(tokens)  # written through to both tiers
+        out, n = b.retrieve(tokens)  # b's RAM is empty: served by Redis, promoted
+        assert n == len(tokens) and torch.equal(out, kv)
+        assert b.metrics.get("kvtier_hit_tokens_total", tier="redis") == len(tokens)
+        assert b.metrics.get("kvtier_promotions_total", tier="memory") == 4
+        _, n = b.retrieve(tokens)
+        assert n == len(tokens) and b.metrics.get("kvtier_hit_tokens_total", tier="memory") == len(tokens)
 
 
 # -- split values ----------------------------------------------------------------------------------------------
@@ -389,7 +411,7 @@ def test_readme_examples_parse():
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text[text.index("## Sharing one cache between replicas") :]
-    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    block = re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1)
     config = CacheConfig.from_dict(yaml.safe_load(block))
     assert [t.kind for t in config.tiers] == ["memory", "redis"] and config.tiers[1].ttl_s == 86400
     env = dict(re.findall(r"export (KVTIER_\w+)=(\S+)", section))

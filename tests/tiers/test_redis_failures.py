@@ -12,7 +12,7 @@ from tests.tiers.test_redis import CHUNK, make_cache, prompt
 
 TIMEOUT = 0.25
 #: What one call may take: its timeout plus scheduling noise on a loaded 2-core machine.
-BOUND = TIMEOUT + 0.25
+BOUND = TIMEOUT + 0.4
 
 
 def timed(fn, *args, **kwargs):
@@ -47,15 +47,14 @@ def test_hung_server_costs_at_most_the_timeout_then_breaker_opens_and_closes(own
             assert cache.metrics.total("kvtier_breaker_rejected_total") >= 6
             assert cache.metrics.get("kvtier_skipped_stores_total", tier="redis", reason="unavailable") > 0
             (_, seconds) = timed(cache.lookup, tokens)
-            assert seconds < 0.05  # open: no waiting at all
-            assert 'kvtier_breaker_open{node="%s",tier="redis"} 1.0' % own_redis.socket in (
-                cache.metrics.render_prometheus())
+            assert seconds < 0.1  # open: no waiting at all (a few ms; the margin is for a loaded machine)
+            gauge = f'kvtier_breaker_open{{node="{own_redis.socket}",tier="redis"}} 1.0'
+            assert gauge in cache.metrics.render_prometheus()
         finally:
             own_redis.resume()
         # the prober closes the breaker by itself; the data survived the freeze
         assert wait_for(lambda: cache.lookup(tokens) == len(tokens))
-        out, n = cache.retrieve(tokens)
-        assert n == len(tokens)
+        assert cache.retrieve(tokens)[1] == len(tokens)
 
 
 def test_server_killed_mid_run_then_restarted(own_redis):

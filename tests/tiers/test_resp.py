@@ -79,7 +79,7 @@ def test_stalled_reply_times_out_at_the_deadline(pair):
     start = time.monotonic()
     with pytest.raises(WireTimeout):
         reader.read_reply()
-    assert 0.15 < time.monotonic() - start < 0.6
+    assert 0.15 < time.monotonic() - start < 1.0
 
 
 def test_big_reply_gets_a_transfer_allowance(pair):
@@ -114,12 +114,12 @@ def test_closed_connection_and_garbage(pair):
 
 
 def test_send_respects_the_deadline(pair):
-    a, b = pair  # nobody reads b: the socket buffers fill up and sendall blocks
+    a, _b = pair  # nobody reads _b: the socket buffers fill up and sendall blocks
     big = memoryview(bytearray(64 << 20))
     start = time.monotonic()
     with pytest.raises(WireTimeout):
         send_all(a, [big], time.monotonic() + 0.2)
-    assert time.monotonic() - start < 0.6
+    assert time.monotonic() - start < 1.0
 
 
 def test_exists_replies_read_in_bulk_or_one_by_one(pair):
