@@ -12,8 +12,9 @@ from kvtier.tiers.base import (
     register_tier,
 )
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
+from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is imported only when a tier is built
 
 __all__ = [
-    "TIER_KINDS", "EvictionListener", "MemoryTier", "MemoryTierConfig", "Tier", "TierConfig", "TierContext",
-    "TierStats", "WriteMode", "contains_prefix", "register_tier",
+    "TIER_KINDS", "EvictionListener", "MemoryTier", "MemoryTierConfig", "RedisTier", "RedisTierConfig", "Tier",
+    "TierConfig", "TierContext", "TierStats", "WriteMode", "contains_prefix", "register_tier",
 ]
