@@ -87,6 +87,8 @@ class GroupQuantCodec:
         numel = layers * two * tokens * heads * dim
         groups = numel // g
         scale = reader.tensor(groups, "<f2").float()
+        if not bool(torch.isfinite(scale).all()):
+            raise CodecError(f"{self.name}: non-finite scales")
         zero = reader.tensor(groups, np.uint8).float()
         codes = reader.tensor((numel * bits + 7) // 8, np.uint8)
         reader.finish()
