@@ -1,0 +1,1 @@
+"""Engine integrations: the only code in kvtier that imports an inference engine."""

@@ -1,0 +1,14 @@
+"""kvtier as a vLLM KV connector (vLLM 0.32, ``KVConnectorBase_V1``).
+
+Load it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"chunk_size": 256, "tiers": [{"kind": "memory", "capacity_bytes": "8GiB"}]}}'
+
+This is the only package in kvtier that imports vLLM.
+"""
+
+from kvtier.integrations.vllm.connector import KVTierConnector
+
+__all__ = ["KVTierConnector"]
