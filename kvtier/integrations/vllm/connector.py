@@ -135,7 +135,11 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._scheduler.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self._scheduler is not None and connector_output.finished_sending:
+        if self._scheduler is None:
+            return
+        if connector_output.invalid_block_ids:
+            self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+        if connector_output.finished_sending:
             self._scheduler.saves_done(set(connector_output.finished_sending))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

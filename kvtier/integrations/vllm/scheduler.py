@@ -41,6 +41,7 @@ class SchedulerSide:
         self._saves: list[SaveSpec] = []
         self._saving: dict[str, list[ChunkHash]] = {}
         self._saving_keys: Counter[ChunkHash] = Counter()
+        self._loading_blocks: dict[str, set[int]] = {}  # req_id -> blocks a load was to fill
 
     def _keys(self, tokens: list[int], salt: bytes) -> list[ChunkHash]:
         """Scheduler-local chunk identities, only compared with each other (not kvtier's keys)."""
@@ -85,7 +86,8 @@ class SchedulerSide:
 
     def _load_spec(self, req_id: str, block_ids: list[int]) -> LoadSpec:
         request, first, end = self._loads[req_id]
-        size = self.chunk_size
+        size, bs = self.chunk_size, self.block_size
+        self._loading_blocks[req_id] = set(block_ids[first // bs : -(-end // bs)])
         read_end = -(-end // size) * size
         tokens = pack_tokens(list(request.all_token_ids[:read_end]))
         return LoadSpec(req_id, tokens, request_salt(request), list(block_ids), first, end)
@@ -94,6 +96,7 @@ class SchedulerSide:
         """Order a save of the request's new full chunks; True when vLLM must keep its blocks for it."""
         hit = self._hits.pop(request.request_id, 0)
         self._plans.pop(request.request_id, None)
+        self._loading_blocks.pop(request.request_id, None)
         n = min(request.num_computed_tokens, len(block_ids) * self.block_size)
         n -= n % self.chunk_size
         if n <= hit:
@@ -105,6 +108,13 @@ class SchedulerSide:
         self._saving_keys.update(keys)
         self._saves.append(SaveSpec(request.request_id, pack_tokens(tokens), salt, list(block_ids)))
         return True
+
+    def load_failed(self, block_ids: set[int]) -> None:
+        """Blocks a worker could not fill: their requests must save again what kvtier lost (it deleted
+        chunks that failed verification), so forget those requests' hits."""
+        for req_id, blocks in self._loading_blocks.items():
+            if blocks & block_ids:
+                self._hits[req_id] = 0
 
     def saves_done(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
