@@ -1,1 +1,1 @@
-"""Engine integrations: the only code in kvtier that imports an inference engine."""
+"""Engine integrations: the only modules that import an inference engine."""
