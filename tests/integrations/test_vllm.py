@@ -58,15 +58,32 @@ def memory_tier() -> str:
     return json.dumps({"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]})
 
 
+def shared_tier(workdir: Path) -> dict | None:
+    """A tier a later process can read: the disk tier where this checkout has it."""
+    from kvtier.tiers import TIER_KINDS
+
+    if "disk" in TIER_KINDS:
+        return {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB"}
+    return None
+
+
+def kvtier_tiers(workdir: Path) -> str:
+    """Memory first, then the shared tier (written through) when there is one."""
+    tiers = [{"kind": "memory", "capacity_bytes": "64MiB"}]
+    if (shared := shared_tier(workdir)) is not None:
+        tiers.append(shared)
+    return json.dumps({"chunk_size": CHUNK, "tiers": tiers})
+
+
 @pytest.fixture(scope="module")
 def baseline(engine) -> list[dict]:
     return engine("baseline", None, ("gen:base",), in_process=True)["base"]
 
 
 @pytest.fixture(scope="module")
-def with_kvtier(engine) -> dict:
+def with_kvtier(engine, workdir) -> dict:
     """Scheduler and worker in different processes (vLLM's default on CPU)."""
-    return engine("kvtier", memory_tier(), ("gen:cold", "reset", "gen:warm", "reset", "gen:again"))
+    return engine("kvtier", kvtier_tiers(workdir), ("gen:cold", "reset", "gen:warm", "reset", "gen:again"))
 
 
 def tokens(outputs: list[dict]) -> list[list[int]]:
@@ -103,3 +120,12 @@ def test_corrupt_chunk_is_recomputed_and_output_unchanged(engine, baseline):
     # The corrupt chunk was dropped; the recomputed request stored it again, intact.
     assert cached(run["healed"]) == FULL_HITS
     assert tokens(run["healed"]) == tokens(baseline)
+
+
+def test_new_engine_process_gets_hits_from_the_first_ones_prompts(engine, workdir, baseline, with_kvtier):
+    if shared_tier(workdir) is None:
+        pytest.skip("needs a tier shared between processes (disk), not in this checkout")
+    # with_kvtier's engine has exited; a new one on the same directory starts with vLLM's cache empty.
+    run = engine("second", kvtier_tiers(workdir), ("gen:first",))
+    assert cached(run["first"]) == FULL_HITS
+    assert tokens(run["first"]) == tokens(baseline)

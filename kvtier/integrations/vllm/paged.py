@@ -54,8 +54,9 @@ class PagedKV:
         self.block_size = block_size
         self.device = first.device
         self.spec = KVSpec(len(self.views), first.shape[1], first.shape[4], first.dtype)
-        self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None  # loads
+        self._save_stream = torch.cuda.Stream(self.device) if cuda else None  # the saving thread's gathers
         self._staging: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event | None] = []
         self._turn = 0
@@ -71,11 +72,12 @@ class PagedKV:
     # -- gather (save) -------------------------------------------------------------------------------------
     def gather(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Canonical KV of tokens ``[start, end)`` as a new host tensor (on a GPU: gathered on a side stream)."""
-        if self._stream is None:
+        if self._save_stream is None:
             return self._gather(block_ids, start, end)
-        with torch.cuda.stream(self._stream):
+        self._save_stream.wait_stream(torch.cuda.default_stream(self.device))  # blocks fully written
+        with torch.cuda.stream(self._save_stream):
             host = self._gather(block_ids, start, end).to("cpu", non_blocking=True)
-        self._stream.synchronize()
+        self._save_stream.synchronize()
         return host
 
     def _gather(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
@@ -100,6 +102,7 @@ class PagedKV:
             self._scatter(ids, chunk)
             return
         staged = self._stage(chunk)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier users of the blocks are done
         with torch.cuda.stream(self._stream):
             self._scatter(ids, staged.to(self.device, non_blocking=True))
             event = torch.cuda.Event()

@@ -53,8 +53,9 @@ class SchedulerSide:
         keys = self._keys(tokens, salt)
         if not keys:
             return 0, False
-        if self._saving_keys and any(k in self._saving_keys for k in keys):
-            return None, False  # asked again next step; the save lands within a few steps
+        beyond_vllm = keys[num_computed_tokens // self.chunk_size :]
+        if self._saving_keys and any(k in self._saving_keys for k in beyond_vllm):
+            return None, False  # chunks vLLM lacks are being saved: ask again next step, then hit
         hit = self.lookup.lookup(tokens[: len(keys) * self.chunk_size], salt)
         self._hits[request.request_id] = hit
         end = min(hit, request.num_tokens - 1)  # vLLM must compute at least one token
