@@ -25,6 +25,7 @@ from kvtier.integrations.vllm.lookup import LookupClient, socket_path
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.stats import KVTierStats
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -113,6 +114,16 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        if self._worker is None:
+            return None
+        counts = self._worker.take_counts()
+        return KVTierStats(data=counts) if any(counts.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
+        return KVTierStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self._worker is not None:

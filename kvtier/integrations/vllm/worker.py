@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Iterable
 
 from kvtier.cache import KVCache
@@ -30,7 +31,8 @@ class WorkerSide:
         self.block_size = paged.block_size
         self._failed: set[int] = set()
         self._done: set[str] = set()
-        self._done_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _done and _counts, shared with the saving thread
+        self._counts: Counter[str] = Counter()
         self._jobs: queue.Queue[SaveSpec | None] = queue.Queue()
         self._saver = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
         self._saver.start()
@@ -46,10 +48,13 @@ class WorkerSide:
         tokens = unpack_tokens(spec.tokens)
         sink = PagedSink(self.paged, spec.block_ids, spec.first_token)
         _, got = self.cache.retrieve(tokens, sink, salt=spec.salt, max_tokens=len(tokens))
-        if got >= spec.end:
-            return
+        loaded = max(min(got, spec.end) - spec.first_token, 0)
         bs = self.block_size
-        bad = spec.block_ids[max(got, spec.first_token) // bs : -(-spec.end // bs)]
+        bad = spec.block_ids[max(got, spec.first_token) // bs : -(-spec.end // bs)] if got < spec.end else []
+        with self._lock:
+            self._counts.update(loaded_tokens=loaded, failed_blocks=len(bad))
+        if not bad:
+            return
         log.warning("kvtier: request %s got %d of %d promised tokens; %d blocks will be recomputed",
                     spec.req_id, max(got - spec.first_token, 0), spec.end - spec.first_token, len(bad))
         self._failed.update(bad)
@@ -65,18 +70,26 @@ class WorkerSide:
 
     def _save_loop(self) -> None:
         while (spec := self._jobs.get()) is not None:
+            stored = 0
             try:
-                self.cache.store(unpack_tokens(spec.tokens), PagedSource(self.paged, spec.block_ids),
-                                 salt=spec.salt)
+                stored = self.cache.store(unpack_tokens(spec.tokens), PagedSource(self.paged, spec.block_ids),
+                                          salt=spec.salt)
             except Exception:  # a bug must not keep vLLM's blocks forever: log it, report the save done
                 log.exception("kvtier: saving request %s failed", spec.req_id)
-            with self._done_lock:
+            with self._lock:
                 self._done.add(spec.req_id)
+                self._counts.update(stored_tokens=stored, saved_requests=1)
 
     def finished_saves(self) -> set[str]:
-        with self._done_lock:
+        with self._lock:
             done, self._done = self._done, set()
         return done
+
+    def take_counts(self) -> dict[str, int]:
+        """Counters since the last call (loaded_tokens, failed_blocks, stored_tokens, saved_requests)."""
+        with self._lock:
+            counts, self._counts = self._counts, Counter()
+        return dict(counts)
 
     def close(self) -> None:
         self._jobs.put(None)
