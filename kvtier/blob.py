@@ -198,10 +198,12 @@ def decode_blob(
 ) -> torch.Tensor:
     """Parse, check and decode a blob into its canonical tensor (possibly a view of ``data``).
 
-    ``codec``, when given, is the only codec accepted: a blob written with another is a BlobError.
+    ``codec``, when given, is the only codec family accepted: a blob written with another is a BlobError. A
+    variant of the same family (``int4-g32`` read by an ``int4`` tier) is accepted: its payload carries its
+    parameters, and the family's codec (the one registered under the id) decodes it.
     """
     header, payload = parse_blob(data, key, tokens, verify=verify)
     found = codec_by_id(header.codec_id)
-    if codec is not None and found is not codec:
+    if codec is not None and header.codec_id != codec.codec_id:
         raise BlobError(f"blob was written with codec {found.name!r}, expected {codec.name!r}")
     return found.decode(payload, header.shape, header.dtype)

@@ -74,6 +74,16 @@ def test_max_tokens_and_caller_buffers():
     assert torch.equal(sink.parts[(32, 48)], kv[:, :, 32:48])
 
 
+def test_retrieve_rejects_an_out_tensor_that_does_not_fit():
+    cache = make_cache()
+    tokens = list(range(64))
+    cache.store(tokens, kv_for(64))
+    with pytest.raises(ConfigError, match="room"):
+        cache.retrieve(tokens, SPEC.empty(32))
+    with pytest.raises(ConfigError):
+        cache.retrieve(tokens, torch.empty(SPEC.chunk_shape(64), dtype=torch.float32))
+
+
 def test_store_rejects_kv_that_does_not_match():
     cache = make_cache()
     with pytest.raises(ConfigError):
