@@ -102,7 +102,7 @@ class KVCache:
         self.tiers: list[Tier] = []
         try:
             for cfg, name in zip(self.config.tiers, names):
-                self.tiers.append(cfg.build(TierContext(spec, self.metrics, name)))
+                self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
             self._wire_write_back()
         except BaseException:
             self.close()

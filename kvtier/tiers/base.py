@@ -85,6 +85,9 @@ class TierContext:
     spec: KVSpec
     metrics: Metrics
     name: str
+    #: The cache's tensor-parallel rank and size: a tier private to one process (disk) keeps ranks apart.
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -324,7 +324,8 @@ class DiskTier:
 @register_tier
 @dataclass(frozen=True)
 class DiskTierConfig(TierConfig):
-    """``path``: root directory (chunks go to ``<path>/<codec>/``; one process per directory);
+    """``path``: root directory (chunks go to ``<path>/<codec>/``, or ``<path>/rank<r>/<codec>/`` for tensor
+    parallel rank ``r``; a directory belongs to one process);
     ``capacity_bytes``: hard limit on stored blob bytes; ``policy``: eviction policy; ``write_queue_depth``:
     stores queued for the writers before new ones are dropped; ``write_threads`` / ``read_threads``: parallel
     file writes / reads; ``o_direct``: bypass the page cache; ``fsync``: make each chunk durable before it
@@ -347,9 +348,11 @@ class DiskTierConfig(TierConfig):
         make_policy(self.policy)
 
     def build(self, ctx: TierContext) -> DiskTier:
+        """With tensor parallelism each rank is its own process: it gets ``<path>/rank<r>``."""
         assert self.path is not None
+        path = self.path / f"rank{ctx.tp_rank}" if ctx.tp_size > 1 else self.path
         return DiskTier(
-            self.path, self.capacity_bytes, codec=self.codec, policy=make_policy(self.policy), metrics=ctx.metrics,
+            path, self.capacity_bytes, codec=self.codec, policy=make_policy(self.policy), metrics=ctx.metrics,
             name=ctx.name, write_queue_depth=self.write_queue_depth, write_threads=self.write_threads,
             read_threads=self.read_threads, o_direct=self.o_direct, fsync=self.fsync,
         )

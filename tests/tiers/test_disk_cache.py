@@ -127,3 +127,20 @@ def test_corrupt_chunks_are_counted_misses_and_removed(tmp_path, damage):
         assert not os.path.exists(p1) and os.path.exists(p2) != both  # removed
         assert disk.contains(keys) == [True, False, not both, True]
         assert c.lookup(toks) == CHUNK
+
+
+def test_tensor_parallel_ranks_get_their_own_directories(tmp_path):
+    config = CacheConfig(chunk_size=CHUNK, tiers=(DiskTierConfig(path=tmp_path, capacity_bytes=1 << 20),))
+    ranks = [KVCache(SPEC, MODEL, config, tp_rank=r, tp_size=2) for r in range(2)]  # one process per rank
+    try:
+        assert [c.tiers[0].layout.dir for c in ranks] == [str(tmp_path / f"rank{r}" / "raw") for r in range(2)]
+    finally:
+        for c in ranks:
+            c.close()
+
+
+def test_a_second_cache_on_one_directory_is_refused(tmp_path):
+    from kvtier.errors import ConfigError
+
+    with cache(tmp_path), pytest.raises(ConfigError, match="give each process its own path"):
+        cache(tmp_path)
