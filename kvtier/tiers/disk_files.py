@@ -57,9 +57,6 @@ class Layout:
         self.root = os.fspath(root)
         self.dir = os.path.join(self.root, codec)
 
-    def subdir(self, key: ChunkHash) -> str:
-        return os.path.join(self.dir, key[:1].hex())
-
     def path(self, key: ChunkHash) -> str:
         return os.path.join(self.dir, key[:1].hex(), key.hex())
 
@@ -125,7 +122,10 @@ def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct:
             os.close(fd)
         _step("rename", os.rename, tmp, path)
     except BaseException:
-        remove(tmp)
+        try:
+            remove(tmp)
+        except DiskIOError:
+            pass  # the original failure is what the caller needs; a later start removes the leftover
         raise
     if fsync:
         dfd = _step("fsync_dir", os.open, os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
@@ -160,9 +160,10 @@ def read_into(path: str, out: memoryview, nbytes: int, *, direct: bool) -> int:
         got = 0
         while got < want:
             n = _step("read", os.preadv, fd, [out[got:want]], got)
-            if n == 0:
-                break
+            short = n < want - got
             got += n
+            if short:
+                break  # a short read of a regular file is its end (O_DIRECT reads round up past it)
         return min(got, nbytes)
     finally:
         os.close(fd)
