@@ -40,7 +40,8 @@ def build_tiny_model(folder: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, tie_word_embeddings=True)
+                         eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id, tie_word_embeddings=False,
+                         initializer_range=0.5)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
 
