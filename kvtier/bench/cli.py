@@ -37,6 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--wait", type=float, default=0, help="seconds to wait for --url endpoints to come up")
     o = p.add_argument_group("run")
     o.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (trace timestamps: open loop)")
+    o.add_argument("--interleave", action="store_true",
+                   help="run the targets side by side, taking turns, instead of one after the other")
     o.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
     o.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
     o.add_argument("--seed", type=int, default=0)
@@ -74,15 +76,26 @@ def workload_spec(args: argparse.Namespace):
 WORKLOAD_FUNCS = {"multiround": wl.multiround, "qa": wl.longdoc_qa, "trace": wl.trace_replay}
 
 
-def bench(targets: list[Target], workload: str, spec, concurrency: int = 1):
-    """Run ``workload`` against each target in turn; returns their RunResults."""
+def bench(targets: list[Target], workload: str, spec, concurrency: int = 1, interleave: bool = False):
+    """Run ``workload`` against each target; returns their RunResults, in the order of ``targets``.
+
+    By default one target after the other. ``interleave`` runs them side by side behind one shared bound of
+    ``concurrency`` requests, so with 1 the targets take turns request by request: load from elsewhere on
+    the machine then falls on all of them alike (throughput figures then cover the shared wall time).
+    """
     from kvtier.bench.runner import run_workload
 
-    runs = []
-    for target in targets:
-        func = partial(WORKLOAD_FUNCS[workload], spec=spec)
-        runs.append(asyncio.run(run_workload(target, workload, func, wl.count(workload, spec), concurrency)))
-    return runs
+    func = partial(WORKLOAD_FUNCS[workload], spec=spec)
+    total = wl.count(workload, spec)
+    if not interleave:
+        return [asyncio.run(run_workload(t, workload, func, total, concurrency)) for t in targets]
+
+    async def together():
+        limit = asyncio.Semaphore(max(1, concurrency))
+        return await asyncio.gather(*(run_workload(t, workload, func, total, limit=limit, position=i)
+                                      for i, t in enumerate(targets)))
+
+    return list(asyncio.run(together()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                 targets += [Target(t.label, t.url, args.api_key) for t in started]
             for target in targets:
                 asyncio.run(wait_ready(target, args.wait))
-            runs = bench(targets, args.workload, spec, args.concurrency)
+            runs = bench(targets, args.workload, spec, args.concurrency, args.interleave)
     except (ConfigError, ValueError, TimeoutError, RuntimeError, OSError) as exc:
         print(f"kvtier bench: {exc}", file=sys.stderr)
         return 2

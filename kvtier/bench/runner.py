@@ -32,12 +32,12 @@ class RunResult:
 class Runner:
     """Sends requests for a workload; ``request`` is what workloads call."""
 
-    def __init__(self, client: httpx.AsyncClient, target: Target, model: str, concurrency: int,
+    def __init__(self, client: httpx.AsyncClient, target: Target, model: str, limit: asyncio.Semaphore,
                  progress: tqdm) -> None:
         self.client = client
         self.target = target
         self.model = model
-        self.limit = asyncio.Semaphore(max(1, concurrency))
+        self.limit = limit
         self.progress = progress
         self.t0 = time.perf_counter()
         self.results: list[RequestResult] = []
@@ -60,15 +60,20 @@ class Runner:
 
 
 async def run_workload(target: Target, workload: str, run: Callable[[Runner], Awaitable[None]], total: int,
-                       concurrency: int = 1, timeout_s: float = 600.0) -> RunResult:
-    """Run ``run(runner)`` against ``target`` and collect its RunResult."""
+                       concurrency: int = 1, timeout_s: float = 600.0, limit: asyncio.Semaphore | None = None,
+                       position: int = 0) -> RunResult:
+    """Run ``run(runner)`` against ``target`` and collect its RunResult.
+
+    ``limit`` (shared between runs that go on at once) replaces the run's own ``concurrency`` bound.
+    """
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=max(64, concurrency * 2))
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = await served_model(client, target)
         before = await scrape(client, target)
-        with tqdm(total=total, desc=f"{workload} @ {target.label}", unit="req", leave=True) as progress:
-            runner = Runner(client, target, model, concurrency, progress)
+        limit = limit if limit is not None else asyncio.Semaphore(max(1, concurrency))
+        with tqdm(total=total, desc=f"{workload} @ {target.label}", unit="req", position=position) as progress:
+            runner = Runner(client, target, model, limit, progress)
             await run(runner)
         wall = time.perf_counter() - runner.t0
         after = await scrape(client, target)

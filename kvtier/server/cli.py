@@ -33,6 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 429 at once")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens when a request names none")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
     return p
@@ -59,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.server.app import create_app
     from kvtier.server.backend import Backend, ServerConfig, check_model_path
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = ServerConfig(model_path=check_model_path(args.model), served_name=args.served_model_name,
