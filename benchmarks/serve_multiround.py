@@ -10,7 +10,7 @@ Per round it prints the median TTFT of each server and the speed-up (cache-off T
 checks that both servers produced the same greedy replies. Target: >= 5x once a user's history passes
 4,096 tokens. Last line: RESULT {json}.
 
-    PYTHONPATH=. python benchmarks/serve_multiround.py [--users 1 --rounds 5] [--model DIR]
+    PYTHONPATH=. python benchmarks/serve_multiround.py [--users 1 --rounds 4] [--model DIR]
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ LONG_HISTORY = 4096
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--users", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--system-words", type=int, default=2900, help="shared system prompt (~1.2 tokens a word)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=3500, help="shared system prompt (~1.1 tokens a word)")
     p.add_argument("--turn-words", type=int, default=150, help="words each user adds per round")
     p.add_argument("--max-tokens", type=int, default=16, help="reply tokens per round")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--serve-args", default="--memory-bytes 1GiB --threads 1",
                    help="extra kvtier serve arguments (one torch thread: the machine is shared)")
-    p.add_argument("--out", default="bench-results/serve_multiround")
+    p.add_argument("--out", default="results/serve_multiround")
     args = p.parse_args()
 
     spec = MultiRoundSpec(args.users, args.rounds, args.system_words, args.turn_words, args.max_tokens)

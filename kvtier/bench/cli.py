@@ -40,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--interleave", action="store_true",
                    help="run the targets side by side, taking turns, instead of one after the other")
     o.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
-    o.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
+    o.add_argument("--out", default="results/bench", help="folder for the JSON and PNG")
     o.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("multiround")
     m.add_argument("--users", type=int, default=2)

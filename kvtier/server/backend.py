@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.cache import KVCache
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity
@@ -45,8 +46,6 @@ class Backend:
     """Model, tokenizer, engine and metrics behind the routes. Use ``close()`` to stop the engine."""
 
     def __init__(self, model, tokenizer, config: ServerConfig, name: str) -> None:
-        from kvtier.cache import KVCache
-
         self.config = config
         self.tokenizer = tokenizer
         self.name = name
