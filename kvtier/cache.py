@@ -173,6 +173,9 @@ class KVCache:
                 tensor = self.spec.empty(n * self.chunk_size)
                 sink: KVSink = TensorSink(tensor)
             elif isinstance(out, torch.Tensor):
+                if out.dim() != 5 or out.shape[2] < n * self.chunk_size:
+                    raise ConfigError(f"out {tuple(out.shape)} has no room for {n * self.chunk_size} tokens")
+                self.spec.check(out[:, :, :0], 0)
                 tensor, sink = out, TensorSink(out)
             else:
                 tensor, sink = None, out

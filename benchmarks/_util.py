@@ -1,0 +1,34 @@
+"""Small helpers shared by the benchmarks: timing, and the RESULT line."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+
+def timed(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> list[float]:
+    """Wall-clock seconds of ``reps`` calls of ``fn``; ``setup`` runs untimed before each."""
+    out = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def best(values: list[float]) -> float:
+    """The fastest repetition: on a shared machine interference only ever adds time."""
+    return min(values)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def result(figures: dict[str, float]) -> None:
+    """Print the one closing line every benchmark ends with."""
+    print("RESULT " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))

@@ -1,0 +1,1 @@
+"""Engine integrations: the only modules that import an inference engine."""

@@ -1,0 +1,154 @@
+"""Hugging Face transformers integration: DynamicCache <-> canonical KV, and prefix-cached greedy generation.
+
+``PrefixCachedLM`` wraps a causal LM (batch size 1, full-attention layers) and a KVCache:
+
+* the longest cached prefix of the prompt is retrieved (always leaving at least one token to compute, since
+  the engine needs the last position's logits) and handed to the model as a ``DynamicCache``;
+* only the remaining tokens are prefilled;
+* the first token is yielded before the prompt's KV is stored, so storing never delays time to first token;
+* decoding is greedy, so outputs with and without the cache are comparable token for token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kvtier.cache import KVCache
+from kvtier.errors import ConfigError
+from kvtier.layout import KVSpec
+
+
+def kv_spec(model: PreTrainedModel) -> KVSpec:
+    """The KVSpec of a decoder-only model's full-attention KV cache."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError("only models whose layers all use full attention are supported")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVSpec(config.num_hidden_layers, kv_heads, head_dim, model.dtype)
+
+
+def model_identity(model: PreTrainedModel) -> str:
+    """Name (or path), revision when known, and a fingerprint of the config: what the KV bytes depend on."""
+    config = model.config
+    body = json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
+    fingerprint = hashlib.sha256(body).hexdigest()[:16]
+    revision = getattr(config, "_commit_hash", None) or "local"
+    return f"{config.name_or_path or type(model).__name__}@{revision}#{fingerprint}"
+
+
+def to_canonical(past: DynamicCache, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """Tokens ``[start, end)`` of a batch-1 DynamicCache as a new canonical ``[L, 2, T, H, D]`` tensor."""
+    layers = []
+    for layer in past.layers:
+        keys, values = layer.keys, layer.values
+        if keys is None or keys.shape[0] != 1:
+            raise ConfigError("only batch size 1 caches convert to canonical KV")
+        layers.append(torch.stack((keys[0, :, start:end], values[0, :, start:end])))  # [2, H, T, D]
+    return torch.stack(layers).transpose(2, 3).contiguous()  # [L, 2, T, H, D]
+
+
+def to_dynamic_cache(kv: torch.Tensor, model: PreTrainedModel) -> DynamicCache:
+    """A DynamicCache holding canonical ``kv`` ([L, 2, T, H, D]) for batch size 1."""
+    layers = [(kv[i, 0].transpose(0, 1).unsqueeze(0), kv[i, 1].transpose(0, 1).unsqueeze(0)) for i in range(kv.shape[0])]
+    return DynamicCache(layers, config=model.config)
+
+
+class DynamicCacheSource:
+    """A DynamicCache as a kvtier KVSource."""
+
+    def __init__(self, past: DynamicCache) -> None:
+        self.past = past
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        return to_canonical(self.past, start, end)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  #: prompt tokens whose KV came from kvtier
+    ttft_s: float = 0.0  #: lookup + retrieve + prefill of the rest + first token
+    retrieve_s: float = 0.0
+    store_s: float = 0.0
+    total_s: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+
+
+class PrefixCachedLM:
+    """Greedy generation for one causal LM, reusing prompt prefixes through a KVCache (or none)."""
+
+    def __init__(self, model: PreTrainedModel, cache: KVCache | None) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+
+    @classmethod
+    def with_new_cache(cls, model: PreTrainedModel, config=None, **kwargs) -> PrefixCachedLM:
+        return cls(model, KVCache(kv_spec(model), model_identity(model), config, **kwargs))
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
+                 stop_ids: Sequence[int] = ()) -> GenerationStats:
+        stats = GenerationStats()
+        for _ in self.stream(prompt_ids, max_new_tokens, salt=salt, stop_ids=stop_ids, stats=stats):
+            pass
+        return stats
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
+               stop_ids: Sequence[int] = (), stats: GenerationStats | None = None) -> Iterator[int]:
+        """Yield generated token ids one by one; ``stats`` (if given) is filled in as generation proceeds.
+
+        Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``.
+        """
+        stats = stats if stats is not None else GenerationStats()
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise ConfigError("the prompt must hold at least one token")
+        stats.prompt_tokens = len(prompt)
+        begin = time.perf_counter()
+        past, n_cached = self._cached_prefix(prompt, salt, stats)
+        ids = torch.tensor([prompt[n_cached:]], device=self.device)
+        # logits_to_keep=1: the LM head only for the last position (for a 49k vocabulary it would otherwise
+        # cost as much as a good part of the prefill).
+        logits = self.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1).logits
+        token = int(logits[0, -1].argmax())
+        stats.ttft_s = time.perf_counter() - begin
+        stats.cached_tokens = n_cached
+        for step in range(max_new_tokens):
+            stats.output_ids.append(token)
+            yield token
+            if step == 0:
+                self._store(prompt, past, salt, stats)
+            if token in stop_ids or step + 1 == max_new_tokens:
+                break
+            logits = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=past,
+                                use_cache=True).logits
+            token = int(logits[0, -1].argmax())
+        stats.total_s = time.perf_counter() - begin
+
+    def _cached_prefix(self, prompt: list[int], salt: bytes, stats: GenerationStats) -> tuple[DynamicCache, int]:
+        if self.cache is None:
+            return DynamicCache(config=self.model.config), 0
+        start = time.perf_counter()
+        kv, n = self.cache.retrieve(prompt, salt=salt, max_tokens=len(prompt) - 1)
+        stats.retrieve_s = time.perf_counter() - start
+        if n == 0 or kv is None:
+            return DynamicCache(config=self.model.config), 0
+        return to_dynamic_cache(kv[:, :, :n].to(self.device), self.model), n
+
+    def _store(self, prompt: list[int], past: DynamicCache, salt: bytes, stats: GenerationStats) -> None:
+        if self.cache is None:
+            return
+        start = time.perf_counter()
+        self.cache.store(prompt, DynamicCacheSource(past), salt=salt)
+        stats.store_s = time.perf_counter() - start

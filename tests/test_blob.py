@@ -1,0 +1,124 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.blob import MAGIC, blob_bytes, decode_blob, encode_blob, parse_blob
+from kvtier.codecs import get_codec
+from kvtier.errors import BlobError
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+RAW = get_codec("raw")
+
+
+def make(dtype=torch.bfloat16, tokens=16, seal=True, key=KEY, seed=0):
+    chunk = torch.randn((3, 2, tokens, 2, 8), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    ids = np.arange(1000, 1000 + tokens, dtype="<u4")
+    return chunk, ids, bytes(blob_bytes(encode_blob(key, ids, RAW, chunk, seal=seal)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_round_trip(dtype):
+    chunk, ids, data = make(dtype)
+    out = decode_blob(data, KEY, ids, codec=RAW)
+    assert out.dtype == dtype and torch.equal(out, chunk)
+
+
+def test_round_trip_from_non_contiguous_chunk():
+    full = torch.randn(3, 2, 64, 2, 8)
+    chunk = full[:, :, 16:32]
+    assert not chunk.is_contiguous()
+    ids = np.arange(16, dtype="<u4")
+    out = decode_blob(blob_bytes(encode_blob(KEY, ids, RAW, chunk)), KEY, ids)
+    assert torch.equal(out, chunk)
+
+
+def test_payload_is_64_byte_aligned():
+    _, ids, data = make()
+    header, payload = parse_blob(data, KEY, ids)
+    assert header.header_len % 64 == 0 and len(data) - payload.nbytes == header.header_len
+
+
+def test_truncation_at_every_length_is_a_miss():
+    _, ids, data = make(tokens=4)
+    for n in range(len(data)):
+        with pytest.raises(BlobError):
+            decode_blob(data[:n], KEY, ids)
+
+
+def test_bit_flip_anywhere_is_a_miss():
+    _, ids, data = make(tokens=4)
+    for i in range(len(data)):
+        flipped = bytearray(data)
+        flipped[i] ^= 0x10
+        with pytest.raises(BlobError):
+            decode_blob(bytes(flipped), KEY, ids)
+
+
+def test_payload_of_another_key_is_a_miss():
+    _, ids, other = make(key=OTHER_KEY)
+    with pytest.raises(BlobError, match="checksum"):
+        decode_blob(other, KEY, ids)
+
+
+def test_other_tokens_are_a_miss():
+    _, ids, data = make()
+    with pytest.raises(BlobError, match="tokens"):
+        decode_blob(data, KEY, ids + 1)
+
+
+def test_unknown_version_and_codec_are_misses():
+    _, ids, data = make()
+    bad_version = bytearray(data)
+    bad_version[4:6] = (99).to_bytes(2, "little")
+    with pytest.raises(BlobError, match="version"):
+        parse_blob(bytes(bad_version), KEY, ids, verify=False)
+    bad_codec = bytearray(data)
+    bad_codec[6:8] = (777).to_bytes(2, "little")
+    with pytest.raises(BlobError, match="codec"):
+        parse_blob(bytes(bad_codec), KEY, ids, verify=False)
+
+
+def test_unsealed_blob_fails_verification_but_parses_unverified():
+    chunk, ids, data = make(seal=False)
+    with pytest.raises(BlobError, match="sealed"):
+        decode_blob(data, KEY, ids)
+    assert torch.equal(decode_blob(data, KEY, ids, verify=False), chunk)
+
+
+def test_huge_declared_shape_is_refused_before_any_allocation():
+    _, ids, data = make(tokens=4)
+    forged = bytearray(data)
+    forged[40:44] = (2**31).to_bytes(4, "little")  # first dim of the shape
+    with pytest.raises(BlobError):
+        parse_blob(bytes(forged), KEY, ids, verify=False)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048))
+def test_fuzz_random_bytes_never_crash(data):
+    with pytest.raises(BlobError):
+        decode_blob(data, KEY, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_fuzz_mutated_blobs_are_misses_or_exact(data):
+    chunk, ids, blob = make(tokens=4, seed=1)
+    mutated = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(mutated) - 1))
+        mutated[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        mutated = mutated[: data.draw(st.integers(0, len(mutated)))]
+    try:
+        out = decode_blob(bytes(mutated), KEY, ids)
+    except BlobError:
+        return
+    assert bytes(mutated) == blob and torch.equal(out, chunk)  # only the untouched blob may decode
+
+
+def test_magic_is_stable():
+    assert MAGIC == b"KVTB"
