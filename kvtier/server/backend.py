@@ -8,7 +8,7 @@ no cache at all (``cache=None``: the same server without kvtier, the baseline fo
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.cache import KVCache
@@ -26,7 +26,7 @@ class ServerConfig:
 
     model_path: Path | None = None
     served_name: str | None = None
-    cache: CacheConfig | None = CacheConfig()
+    cache: CacheConfig | None = field(default_factory=CacheConfig)
     max_queue: int = 16
     default_max_tokens: int = 256
     dtype: str = "float32"

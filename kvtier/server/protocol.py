@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+
 class RequestError(ValueError):
     """A request the server refuses; ``status`` is the HTTP status (4xx) to answer with."""
 

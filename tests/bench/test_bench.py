@@ -106,7 +106,7 @@ def test_bench_command_starts_servers_compares_and_stops_them(tiny_model_dir, tm
     cmd = [sys.executable, "-m", "kvtier", "bench", "multiround", "--serve", "--serve-args",
            f"--model {tiny_model_dir} --chunk-size 16 --memory-bytes 16MiB", "--users", "1", "--rounds", "2",
            "--system-words", "30", "--turn-words", "10", "--max-tokens", "3", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "speed-up (no-cache / kvtier)" in done.stdout
     doc = json.loads((out / "multiround.json").read_text())

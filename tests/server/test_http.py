@@ -45,7 +45,7 @@ def stream(client: httpx.Client, path: str, body: dict) -> tuple[str, list[dict]
     return text, payloads
 
 
-def test_health_models_and_loopback_default(client):
+def test_health_and_models(client):
     assert client.get("/health").json()["status"] == "ok"
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"]

@@ -59,3 +59,17 @@ def test_requests_accept_openai_shapes():
 def test_bad_stop_lists_are_refused(body):
     with pytest.raises(RequestError, match="stop"):
         parse(CompletionRequest, body).stop_strings()
+
+
+def test_serve_binds_loopback_unless_told_and_builds_the_cache_from_flags():
+    import argparse
+
+    from kvtier.server.cli import add_parser, cache_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve"])
+    assert args.host == "127.0.0.1"
+    config = cache_config(parser.parse_args(["serve", "--chunk-size", "64", "--memory-bytes", "8MiB"]))
+    assert config.chunk_size == 64 and config.tiers[0].capacity_bytes == 8 << 20
+    assert cache_config(parser.parse_args(["serve", "--no-cache"])) is None
