@@ -80,15 +80,7 @@ class CacheGenCodec:
     # -- encode ----------------------------------------------------------------------------------------------
     def encode(self, chunk: torch.Tensor) -> PartsPayload:
         layers, two, tokens, heads, dim = check_canonical(tuple(chunk.shape), self.name)
-        x = float_chunk(chunk, self.name)
-        rotated = can_rotate(dim)
-        if rotated:
-            x = x @ hadamard(dim)
-        c = self.step_factors(layers)
-        rms = x.pow(2).mean(-1).sqrt_()
-        amax = x.abs().amax(-1)
-        step = fp16_scale(torch.maximum(c.view(layers, 2, 1, 1) * rms, amax / 127), self.name)
-        sym = torch.round(x / step.float().unsqueeze(-1)).to(torch.int8).view(torch.uint8)
+        rotated, step, sym = self.symbols(chunk)
         head = _HEAD.pack(_VERSION, _ROTATED if rotated else 0, self.anchor, *self.k_steps, *self.v_steps)
         parts: list[bytes | np.ndarray] = [head, step.numpy()]
         compress = _zstd()[0].compress
@@ -98,6 +90,20 @@ class CacheGenCodec:
             frame = compress((delta if use_delta else slab).numpy())
             parts += [_SLAB.pack(int(use_delta), len(frame)), frame]
         return PartsPayload(parts)
+
+    def symbols(self, chunk: torch.Tensor) -> tuple[bool, torch.Tensor, torch.Tensor]:
+        """Steps 1-2: ``(rotated, fp16 steps [L, 2, T, H], symbols as uint8 [L, 2, T, H, D])``."""
+        layers, _, _, _, dim = check_canonical(tuple(chunk.shape), self.name)
+        x = float_chunk(chunk, self.name)
+        rotated = can_rotate(dim)
+        if rotated:
+            x = x @ hadamard(dim)
+        rms = x.pow(2).mean(-1).sqrt_()
+        amax = x.abs().amax(-1)
+        c = self.step_factors(layers).view(layers, 2, 1, 1)
+        step = fp16_scale(torch.maximum(c * rms, amax / 127), self.name)
+        sym = torch.round(x / step.float().unsqueeze(-1)).to(torch.int8).view(torch.uint8)
+        return rotated, step, sym
 
     # -- decode ----------------------------------------------------------------------------------------------
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
