@@ -146,7 +146,7 @@ class CacheGenCodec:
         return out
 
 
-def _inflate(decompress, frame: memoryview, size: int) -> bytes:  # noqa: ANN001
+def _inflate(decompress, frame: memoryview, size: int) -> bytes:
     try:
         if zstandard.frame_content_size(frame) != size:
             raise CodecError("cachegen: a slab's frame declares another size than the shape implies")

@@ -94,8 +94,9 @@ class GroupQuantCodec:
         reader.finish()
         return self._dequantise(codes, scale, zero, g, rotated, shape, dtype)
 
-    def _dequantise(self, codes, scale, zero, g, rotated, shape, dtype) -> torch.Tensor:  # noqa: ANN001
-        """One (layer, K/V) slab at a time through a float32 scratch (see _wire.blocks)."""
+    def _dequantise(self, codes, scale, zero, g, rotated, shape, dtype) -> torch.Tensor:
+        """One (layer, K/V) slab at a time through a reused float32 scratch: whole-chunk float temporaries
+        cost more in page faults than the arithmetic itself, and a slab stays in cache between the steps."""
         layers, two, tokens, heads, dim = shape
         out = torch.empty(shape, dtype=dtype)
         slab = tokens * heads * dim  # even (dim is a multiple of g, which is even or divides an even dim)

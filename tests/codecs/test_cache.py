@@ -133,7 +133,7 @@ def test_blob_of_another_codec_is_never_returned(writer: str, reader: str) -> No
         for key in a.keys(tokens):
             b.tiers[0].put([(key, BytesPayload(_blob_of(a, key)))])
         assert b.lookup(tokens) == len(tokens)  # present under the same keys...
-        out, n = b.retrieve(tokens)
+        _, n = b.retrieve(tokens)
         assert n == 0  # ...but never decoded as the reader's codec
         assert b.metrics.get("kvtier_corrupt_chunks_total", tier="memory") == 3
         assert b.lookup(tokens) == 0  # and dropped

@@ -63,7 +63,7 @@ def test_lossless_is_bit_exact(name: str, dtype: torch.dtype) -> None:
         flat[:6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40, 0.0]).to(dtype)
     else:
         chunk = torch.randint(-128, 128, (2, 2, 9, 2, 16), dtype=dtype)
-    out, buf = roundtrip(get_codec(name), chunk)
+    out, _ = roundtrip(get_codec(name), chunk)
     assert out.dtype == dtype
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
     assert torch.equal(out.view(bits), chunk.contiguous().view(bits))
