@@ -42,6 +42,9 @@ BLOB_BYTES = len(blob(0))
 class TierConformance:
     evicts = True  #: the tier evicts by itself to stay under its capacity
     reports_evictions = False  #: the tier supports set_eviction_listener
+    #: ``stats().used_bytes`` moves only with the entries stored (a server's memory figure also moves with its
+    #: allocator and connection buffers, so a tier reporting one sets this False; entries stay exact)
+    exact_usage = True
 
     def make_tier(self, capacity_bytes: int) -> Tier:
         raise NotImplementedError
@@ -94,7 +97,9 @@ class TierConformance:
         before = tier.stats()
         assert self._put(tier, [5]) == [True]
         after = tier.stats()
-        assert (after.entries, after.used_bytes) == (before.entries, before.used_bytes)
+        assert after.entries == before.entries
+        if self.exact_usage:
+            assert after.used_bytes == before.used_bytes
         assert self._read(tier, [5]) == [blob(5, seal=tier.verifies)]
 
     def test_delete(self, new_tier):

@@ -1,0 +1,44 @@
+"""The connector's settings: ``kv_connector_extra_config`` parsed once, on both sides of vLLM.
+
+Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_dict` (``chunk_size``,
+``tiers``), so the extra config reads like a kvtier config file with two additions:
+
+* ``model_id`` names the weights in every chunk key. Default: vLLM's model path plus ``@revision``. Set it
+  when several servers load the same weights from different paths and should share a disk or Redis tier.
+* ``socket_dir`` is where each worker listens for the scheduler's lookups (a Unix socket per TP rank).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.config import CacheConfig
+from kvtier.errors import ConfigError
+
+_OWN_KEYS = ("model_id", "socket_dir")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    cache: CacheConfig
+    model_id: str | None = None
+    socket_dir: str = tempfile.gettempdir()
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        values = dict(extra or {})
+        own = {key: values.pop(key) for key in _OWN_KEYS if key in values}
+        for key in own:
+            if not isinstance(own[key], str) or not own[key]:
+                raise ConfigError(f"kv_connector_extra_config.{key} must be a non-empty string")
+        return cls(cache=CacheConfig.from_dict(values), **own)
+
+    def check_block_size(self, block_size: int) -> None:
+        """Chunks must be whole vLLM blocks: a chunk is loaded and reported (on failure) block by block."""
+        if self.cache.chunk_size % block_size:
+            raise ConfigError(
+                f"kvtier chunk_size {self.cache.chunk_size} must be a multiple of vLLM's block size {block_size}"
+            )

@@ -1,0 +1,158 @@
+"""KVTierConnector: vLLM's KVConnectorBase_V1 over kvtier, one instance per role.
+
+vLLM builds the connector twice: in the scheduler (role SCHEDULER) and in every worker (role WORKER),
+usually in different processes. Each role delegates to its own small object (scheduler.py, worker.py);
+this class only adapts vLLM's calls to them. See the package docstring for the configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvtier.cache import KVCache
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.lookup import LookupClient, socket_path
+from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.stats import KVTierStats
+from kvtier.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    match = _LAYER_INDEX.search(name)
+    return (int(match.group(1)) if match else -1, name)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """Tiered prefix caching for vLLM: loads cached prefixes before prefill, saves finished requests' KV."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.config.check_block_size(self.block_size)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("KVTierConnector does not support pipeline parallelism yet")
+        self.tp_size = parallel.tensor_parallel_size
+        self.engine_id = str(transfer.engine_id)
+        model = vllm_config.model_config
+        self.model_id = self.config.model_id or f"{model.model}@{model.revision or 'main'}"
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                # A kvtier miss or corrupt chunk is always recomputable; failing the request would be wrong.
+                log.info("kvtier: setting kv_load_failure_policy to 'recompute'")
+                transfer.kv_load_failure_policy = "recompute"
+            paths = [socket_path(self.config.socket_dir, self.engine_id, r) for r in range(self.tp_size)]
+            self._scheduler = SchedulerSide(self.config.cache.chunk_size, self.block_size, LookupClient(paths))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save dropped by preemption is only a future miss
+
+    # ==============================  worker side  ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.platforms import current_platform
+
+        layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+        paged = PagedKV(layers, self.block_size, rows_split=current_platform.is_cpu())
+        rank = get_tensor_model_parallel_rank()
+        cache = KVCache(paged.spec, self.model_id, self.config.cache, tp_rank=rank, tp_size=self.tp_size)
+        self._worker = WorkerSide(paged, cache, socket_path(self.config.socket_dir, self.engine_id, rank))
+        log.info("kvtier: %d layers, spec %s, tiers %s", len(layers), paged.spec,
+                 [t.name for t in cache.tiers])
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata) and self._worker is not None
+        self._worker.submit_saves(meta.saves)
+        if meta.loads:
+            self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # saves read finished requests' blocks on a background thread (see worker.py)
+
+    def wait_for_save(self) -> None:
+        return  # nothing to wait for: saved blocks stay allocated until get_finished reports them
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return (self._worker.finished_saves() or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        if self._worker is None:
+            return None
+        counts = self._worker.take_counts()
+        return KVTierStats(data=counts) if any(counts.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
+        return KVTierStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._scheduler is not None:
+            self._scheduler.lookup.close()
+
+    # ==============================  scheduler side  ==============================
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is None:
+            return
+        if connector_output.invalid_block_ids:
+            self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+        if connector_output.finished_sending:
+            self._scheduler.saves_done(set(connector_output.finished_sending))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids), None

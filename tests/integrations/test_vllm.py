@@ -1,0 +1,131 @@
+"""KVTierConnector against real vLLM (CPU build) and a tiny random-weight Llama.
+
+Each engine runs once per module, in its own interpreter (tests/integrations/vllm_engine.py), and every
+test reads what the engines recorded. Block size 32, chunk size 64; prompts of 300, 256 and 100 tokens
+(full chunks: 4, 4 and 1; the 256-token prompt is entirely cached, so vLLM still computes its last token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.integrations.vllm_model import build_tiny_llama, prompt_ids  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [prompt_ids(1, 300), prompt_ids(2, 256), prompt_ids(3, 100)]
+CHUNK = 64
+FULL_HITS = [256, 255, 64]  # whole chunks, minus the one token vLLM must compute
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("vllm")
+    build_tiny_llama(path / "model")
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(workdir: Path):
+    """``engine(name, kvtier_config, steps, in_process=False)``: run an engine once, return its record."""
+
+    @cache
+    def run(name: str, kvtier: str | None, steps: tuple[str, ...], in_process: bool = False) -> dict:
+        spec = {"model": str(workdir / "model"), "prompts": PROMPTS, "steps": list(steps),
+                "kvtier": None if kvtier is None else json.loads(kvtier)}
+        spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+        proc = subprocess.run([sys.executable, str(ROOT / "tests/integrations/vllm_engine.py"), str(spec_path),
+                               str(out_path)], env=env, cwd=workdir, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        return json.loads(out_path.read_text())
+
+    return run
+
+
+def memory_tier() -> str:
+    return json.dumps({"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]})
+
+
+def shared_tier(workdir: Path) -> dict | None:
+    """A tier a later process can read: the disk tier where this checkout has it."""
+    from kvtier.tiers import TIER_KINDS
+
+    if "disk" in TIER_KINDS:
+        return {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB"}
+    return None
+
+
+def kvtier_tiers(workdir: Path) -> str:
+    """Memory first, then the shared tier (written through) when there is one."""
+    tiers = [{"kind": "memory", "capacity_bytes": "64MiB"}]
+    if (shared := shared_tier(workdir)) is not None:
+        tiers.append(shared)
+    return json.dumps({"chunk_size": CHUNK, "tiers": tiers})
+
+
+@pytest.fixture(scope="module")
+def baseline(engine) -> list[dict]:
+    return engine("baseline", None, ("gen:base",), in_process=True)["base"]
+
+
+@pytest.fixture(scope="module")
+def with_kvtier(engine, workdir) -> dict:
+    """Scheduler and worker in different processes (vLLM's default on CPU)."""
+    return engine("kvtier", kvtier_tiers(workdir), ("gen:cold", "reset", "gen:warm", "reset", "gen:again"))
+
+
+def tokens(outputs: list[dict]) -> list[list[int]]:
+    return [o["tokens"] for o in outputs]
+
+
+def cached(outputs: list[dict]) -> list[int]:
+    return [o["cached"] for o in outputs]
+
+
+def test_greedy_outputs_identical_with_and_without_kvtier(baseline, with_kvtier):
+    assert all(len(t) == 8 for t in tokens(baseline))
+    for label in ("cold", "warm", "again"):
+        assert tokens(with_kvtier[label]) == tokens(baseline), label
+
+
+def test_repeated_prompt_loads_its_prefix_from_kvtier(with_kvtier):
+    assert cached(with_kvtier["cold"]) == [0, 0, 0]
+    # vLLM's own prefix cache was reset: every cached token came from kvtier.
+    assert cached(with_kvtier["warm"]) == FULL_HITS
+    assert cached(with_kvtier["again"]) == FULL_HITS
+
+
+def test_corrupt_chunk_is_recomputed_and_output_unchanged(engine, baseline):
+    run = engine("corrupt", memory_tier(), ("gen:cold", "reset", "metrics:m_before", "corrupt:0:1", "gen:after",
+                                            "reset", "metrics:m_after", "gen:healed"), in_process=True)
+    before, after = run["m_before"], run["m_after"]
+    # Prompt 0's chunk 1 failed verification: counted, and only chunk 0 of it was loaded; vLLM recomputed
+    # the rest (its num_cached_tokens counts what was promised at scheduling time, so it cannot show this).
+    assert after["kvtier_corrupt_chunks_total{tier=\"memory\"}"] == 1
+    hit = 'kvtier_hit_tokens_total{tier="memory"}'
+    assert after[hit] - before.get(hit, 0) == CHUNK + 4 * CHUNK + CHUNK
+    assert tokens(run["after"]) == tokens(baseline)
+    # The corrupt chunk was dropped; the recomputed request stored it again, intact.
+    assert cached(run["healed"]) == FULL_HITS
+    assert tokens(run["healed"]) == tokens(baseline)
+
+
+def test_new_engine_process_gets_hits_from_the_first_ones_prompts(engine, workdir, baseline, with_kvtier):
+    if shared_tier(workdir) is None:
+        pytest.skip("needs a tier shared between processes (disk), not in this checkout")
+    # with_kvtier's engine has exited; a new one on the same directory starts with vLLM's cache empty.
+    run = engine("second", kvtier_tiers(workdir), ("gen:first",))
+    assert cached(run["first"]) == FULL_HITS
+    assert tokens(run["first"]) == tokens(baseline)

@@ -1,0 +1,89 @@
+"""Runs one vLLM engine through a list of steps and writes what it saw as JSON (a script, not a test).
+
+vLLM starts its engine and workers in new processes, so each engine of the tests runs in its own
+interpreter: ``python vllm_engine.py SPEC.json OUT.json``. SPEC holds ``model``, ``prompts`` (token id
+lists), ``max_tokens``, ``kvtier`` (the connector's extra config, or null for plain vLLM) and ``steps``:
+
+* ``"gen:<label>"``  generate greedily; record each prompt's output token ids and ``num_cached_tokens``;
+* ``"reset"``        reset vLLM's own prefix cache (retried while finished requests' saves still hold blocks);
+* ``"corrupt:<p>:<c>"`` (in-process engines only) overwrite the token ids stored in chunk ``c`` of prompt
+  ``p`` in the worker's memory tier, as a bit flip would, so that chunk no longer verifies;
+* ``"metrics:<label>"`` (in-process engines only) record the worker's kvtier counters.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _reset(llm) -> None:
+    import os
+
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    deadline = time.monotonic() + 60
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM's prefix cache could not be reset")
+        if in_process:  # nothing steps an in-process engine between calls: step it so saves complete
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.05)
+
+
+def _worker_cache():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker.cache
+
+
+def _corrupt(prompt: list[int], chunk: int) -> None:
+    cache = _worker_cache()
+    key = cache.keys(prompt)[chunk]
+    tier = cache.tiers[0]
+    with tier.get([key]) as (blob,):
+        assert blob is not None, "chunk to corrupt is not stored"
+        tokens_at = 40 + 4 * 5  # fixed header, then the 5-dim shape, then the chunk's token ids
+        blob[tokens_at] ^= 0xFF
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    spec = json.load(open(spec_path))
+    transfer = None
+    if spec.get("kvtier") is not None:
+        transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+                                    kv_role="kv_both", kv_connector_extra_config=spec["kvtier"])
+    started = time.monotonic()
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), block_size=spec.get("block_size", 32),
+              max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=True, seed=0,
+              kv_transfer_config=transfer, max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+              enforce_eager=spec.get("enforce_eager", True))
+    print(f"engine started in {time.monotonic() - started:.1f} s", file=sys.stderr)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    out: dict[str, object] = {}
+    for step in spec["steps"]:
+        kind, _, arg = step.partition(":")
+        if kind == "gen":
+            results = llm.generate(prompts, params, use_tqdm=False)
+            out[arg] = [{"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens} for r in results]
+        elif kind == "reset":
+            _reset(llm)
+        elif kind == "metrics":
+            out[arg] = _worker_cache().metrics.snapshot()
+        elif kind == "corrupt":
+            p, c = (int(x) for x in arg.split(":"))
+            _corrupt(spec["prompts"][p], c)
+        else:
+            raise ValueError(f"unknown step {step!r}")
+    with open(out_path, "w") as fh:
+        json.dump(out, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
