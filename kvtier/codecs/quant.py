@@ -84,8 +84,8 @@ class GroupQuantCodec:
         reader = Reader(payload, self.name)
         version, bits, g, flags = reader.unpack(_HEAD)
         rotated = bool(flags & _ROTATED)
-        bad_dim = dim % g or (bits == 4 and dim % 2) or (rotated and not can_rotate(dim))
-        if version != _VERSION or bits != self.bits or g < 1 or bad_dim or flags & ~_ROTATED:
+        bad_dim = g < 1 or dim % g or (bits == 4 and dim % 2) or (rotated and not can_rotate(dim))
+        if version != _VERSION or bits != self.bits or bad_dim or flags & ~_ROTATED:
             raise CodecError(f"{self.name}: payload v{version}, {bits} bits, group {g}, flags {flags} does not fit {shape}")
         numel = layers * two * tokens * heads * dim
         groups = numel // g
