@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=1100, help="document tokens in question prompts")
     parser.add_argument("--questions", type=int, default=2, help="questions per document")
     parser.add_argument("--answer-tokens", type=int, default=24)
-    parser.add_argument("--reps", type=int, default=3, help="timing repetitions (best is kept)")
+    parser.add_argument("--reps", type=int, default=5, help="timing repetitions (best is kept)")
     parser.add_argument("--codecs", nargs="+", default=CODECS)
     parser.add_argument("--plot", help="write a ratio-vs-agreement PNG here")
     args = parser.parse_args()
