@@ -122,7 +122,7 @@ def plot(runs: list[RunResult], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
     workloads = list(dict.fromkeys(r.workload for r in runs))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
@@ -135,6 +135,7 @@ def plot(runs: list[RunResult], path: Path) -> None:
         ax.set_xlabel({"qa": "times the document was asked before", "trace": "request"}.get(workload, "round"))
         ax.set_ylabel("TTFT, client-measured (ms)")
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
