@@ -188,6 +188,26 @@ def parse_blob(
     return header, view[hl:]
 
 
+#: How many leading bytes ``stored_length`` needs.
+FIXED_HEADER_BYTES = _FIXED.size
+
+
+def stored_length(head: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """``(codec_id, total blob length)`` from a blob's first FIXED_HEADER_BYTES bytes, without the rest.
+
+    For stores that index blobs at start without reading them: a file whose size differs from the total is
+    torn. Checks magic, version and the declared sizes; raises BlobError. Says nothing about the checksum.
+    """
+    if len(head) < _FIXED.size:
+        raise BlobError(f"blob truncated: {len(head)} bytes")
+    magic, version, codec_id, _dtype, ndim, _flags, _reserved, n_tokens, plen, _sum = _FIXED.unpack_from(head)
+    if magic != MAGIC or version != VERSION:
+        raise BlobError("not a kvtier blob of a known version")
+    if not 1 <= ndim <= MAX_NDIM or n_tokens > MAX_TOKENS:
+        raise BlobError(f"implausible header: ndim={ndim} n_tokens={n_tokens}")
+    return codec_id, header_length(ndim, n_tokens) + plen
+
+
 def decode_blob(
     data: bytes | bytearray | memoryview,
     key: ChunkHash,
@@ -198,10 +218,12 @@ def decode_blob(
 ) -> torch.Tensor:
     """Parse, check and decode a blob into its canonical tensor (possibly a view of ``data``).
 
-    ``codec``, when given, is the only codec accepted: a blob written with another is a BlobError.
+    ``codec``, when given, is the only codec family accepted: a blob written with another is a BlobError. A
+    variant of the same family (``int4-g32`` read by an ``int4`` tier) is accepted: its payload carries its
+    parameters, and the family's codec (the one registered under the id) decodes it.
     """
     header, payload = parse_blob(data, key, tokens, verify=verify)
     found = codec_by_id(header.codec_id)
-    if codec is not None and found is not codec:
+    if codec is not None and header.codec_id != codec.codec_id:
         raise BlobError(f"blob was written with codec {found.name!r}, expected {codec.name!r}")
     return found.decode(payload, header.shape, header.dtype)

@@ -20,6 +20,8 @@ class _TensorPayload:
 
     def write_into(self, out: memoryview) -> None:
         chunk = self._chunk
+        if chunk.numel() == 0:
+            return
         tensor_view(out, chunk.dtype, tuple(chunk.shape)).copy_(chunk)
 
 
@@ -38,4 +40,6 @@ class RawCodec:
             numel *= dim
         if payload.nbytes != numel * dtype.itemsize:
             raise CodecError(f"raw payload of {payload.nbytes} bytes does not hold {shape} {dtype}")
+        if numel == 0:  # torch cannot view an empty buffer
+            return torch.empty(shape, dtype=dtype)
         return tensor_view(payload, dtype, shape)

@@ -11,9 +11,12 @@ from kvtier.tiers.base import (
     contains_prefix,
     register_tier,
 )
+from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
+from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is imported only when a tier is built
 
 __all__ = [
-    "TIER_KINDS", "EvictionListener", "MemoryTier", "MemoryTierConfig", "Tier", "TierConfig", "TierContext",
-    "TierStats", "WriteMode", "contains_prefix", "register_tier",
+    "TIER_KINDS", "DiskTier", "DiskTierConfig", "EvictionListener", "MemoryTier", "MemoryTierConfig", "RedisTier",
+    "RedisTierConfig", "Tier",
+    "TierConfig", "TierContext", "TierStats", "WriteMode", "contains_prefix", "register_tier",
 ]

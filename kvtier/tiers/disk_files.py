@@ -1,0 +1,262 @@
+"""The disk tier's files: where a chunk lives, how it is written atomically, read back and found at start.
+
+Layout under the configured root, one file per chunk::
+
+    <root>/<codec>/.lock          held (flock) by the one process using this directory
+    <root>/<codec>/<hh>/<hex>     a complete blob; <hex> is the 64-hex-digit chunk key, <hh> its first two digits
+    <root>/<codec>/<hh>/<hex>.tmp a write in progress (or torn by a crash): never read, removed at start
+
+The codec is part of the path, so tiers of different codecs may share a root without ever meeting. Nothing
+here keeps state: the tier (disk.py) owns the index, the locking and the accounting; these are plain
+functions over paths that raise OSError (wrapped in ``DiskIOError`` naming the failed step).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+from kvtier.blob import FIXED_HEADER_BYTES, stored_length
+from kvtier.errors import BlobError, ConfigError
+from kvtier.keys import HASH_BYTES, ChunkHash
+
+TEMP_SUFFIX = ".tmp"
+LOCK_NAME = ".lock"
+#: O_DIRECT wants buffers, offsets and lengths aligned to the logical block size; a page covers every disk.
+ALIGN = 4096
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class DiskIOError(Exception):
+    """An OSError at one named step (``op``) of a file operation."""
+
+    def __init__(self, op: str, cause: OSError) -> None:
+        super().__init__(f"{op}: {cause}")
+        self.op, self.cause = op, cause
+
+    @property
+    def errno_name(self) -> str:
+        return errno.errorcode.get(self.cause.errno or 0, "unknown")
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class Layout:
+    """Paths of one tier's directory (``<root>/<codec>``)."""
+
+    def __init__(self, root: str | os.PathLike[str], codec: str) -> None:
+        self.root = os.fspath(root)
+        self.dir = os.path.join(self.root, codec)
+
+    def subdir(self, key: ChunkHash) -> str:
+        return os.path.join(self.dir, key[:1].hex())
+
+    def path(self, key: ChunkHash) -> str:
+        return os.path.join(self.dir, key[:1].hex(), key.hex())
+
+
+# -- locking --------------------------------------------------------------------------------------------------
+def lock_directory(layout: Layout) -> int:
+    """Create ``layout.dir`` if needed and take its exclusive lock; returns the fd that holds it.
+
+    Raises ConfigError when another process (or another tier in this one) holds the directory. The lock goes
+    with the fd: it is released by ``os.close`` or by the death of the process, SIGKILL included.
+    """
+    os.makedirs(layout.dir, exist_ok=True)
+    fd = os.open(os.path.join(layout.dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"disk tier directory {layout.dir} is in use by process {holder}; give each process its own path"
+        ) from None
+    except OSError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+# -- writing --------------------------------------------------------------------------------------------------
+def _step(op: str, fn, *args):  # type: ignore[no-untyped-def]
+    try:
+        return fn(*args)
+    except OSError as exc:
+        raise DiskIOError(op, exc) from exc
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < data.nbytes:
+        done += os.write(fd, data[done:])
+
+
+def write_atomic(path: str, data: memoryview, *, fsync: bool) -> None:
+    """Make ``path`` hold exactly ``data``, all or nothing: temp file, fsync, rename, fsync of the directory.
+
+    On failure the temp file is removed and DiskIOError names the step (open, write, fsync, rename, fsync_dir);
+    ``path`` is then untouched. The parent directory must exist (its absence is an ``open`` ENOENT).
+    """
+    tmp = path + TEMP_SUFFIX
+    fd = _step("open", os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+    try:
+        try:
+            _step("write", _write_all, fd, data)
+            if fsync:
+                _step("fsync", os.fsync, fd)
+        finally:
+            os.close(fd)
+        _step("rename", os.rename, tmp, path)
+    except BaseException:
+        remove(tmp)
+        raise
+    if fsync:
+        dfd = _step("fsync_dir", os.open, os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+        try:
+            _step("fsync_dir", os.fsync, dfd)
+        finally:
+            os.close(dfd)
+
+
+def remove(path: str) -> bool:
+    """Unlink ``path``; False if it was already gone. Other errors propagate as DiskIOError."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise DiskIOError("unlink", exc) from exc
+
+
+# -- reading --------------------------------------------------------------------------------------------------
+def read_into(path: str, out: memoryview, nbytes: int, *, direct: bool) -> int:
+    """Read up to ``nbytes`` of ``path`` into ``out``; returns how many arrived (fewer: the file is short).
+
+    With ``direct`` the file is opened O_DIRECT (``out`` must be ALIGN-aligned and ``round_up(nbytes)`` long);
+    a filesystem that refuses O_DIRECT raises DiskIOError with EINVAL at ``open``.
+    """
+    flags = os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
+    fd = _step("open", os.open, path, flags)
+    try:
+        want = round_up(nbytes) if direct else nbytes
+        got = 0
+        while got < want:
+            n = _step("read", os.preadv, fd, [out[got:want]], got)
+            if n == 0:
+                break
+            got += n
+        return min(got, nbytes)
+    finally:
+        os.close(fd)
+
+
+class BufferPool:
+    """Page-aligned, reusable byte buffers (anonymous mmaps), so reads and staged writes allocate rarely.
+
+    Keeps at most ``retain_bytes`` of free buffers (a buffer released beyond that is dropped); a buffer is handed
+    out whole, ``len(buf) >= nbytes``, and must not be used after ``release``.
+    """
+
+    def __init__(self, retain_bytes: int) -> None:
+        self._retain = retain_bytes
+        self._free: list[mmap.mmap] = []
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> mmap.mmap:
+        need = round_up(max(nbytes, 1))
+        with self._lock:
+            best = None
+            for i, buf in enumerate(self._free):  # smallest free buffer that fits and wastes under half
+                if need <= len(buf) < 2 * need and (best is None or len(buf) < len(self._free[best])):
+                    best = i
+            if best is not None:
+                buf = self._free.pop(best)
+                self._free_bytes -= len(buf)
+                return buf
+        return mmap.mmap(-1, need)
+
+    def release(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if self._free_bytes + len(buf) <= self._retain:
+                self._free.append(buf)
+                self._free_bytes += len(buf)
+
+
+# -- re-indexing at start -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Found:
+    key: ChunkHash
+    nbytes: int
+    mtime_ns: int
+
+
+def _parse_key(name: str) -> ChunkHash | None:
+    if len(name) != 2 * HASH_BYTES:
+        return None
+    try:
+        return ChunkHash(bytes.fromhex(name))
+    except ValueError:
+        return None
+
+
+def _header_ok(path: str, nbytes: int, codec_id: int) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        try:
+            head = os.pread(fd, FIXED_HEADER_BYTES, 0)
+        finally:
+            os.close(fd)
+        found_codec, length = stored_length(head)
+    except (OSError, BlobError):
+        return False
+    return found_codec == codec_id and length == nbytes
+
+
+def scan(layout: Layout, codec_id: int, *, check_headers: bool = True) -> tuple[list[Found], dict[str, int]]:
+    """Every complete chunk file under ``layout.dir``, oldest first; removes everything else it finds there.
+
+    Removed (counted by kind in the second result): ``temp`` leftovers of interrupted writes, ``torn`` files
+    whose header is not a blob of this codec and exactly this size (with ``check_headers``; costs one small
+    read per file), and ``stray`` names that are no chunk. Checksums are not read here: every read verifies.
+    """
+    found: list[Found] = []
+    removed = {"temp": 0, "torn": 0, "stray": 0}
+    try:
+        subdirs = [e for e in os.scandir(layout.dir) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return found, removed
+    for sub in subdirs:
+        if len(sub.name) != 2:
+            continue
+        with os.scandir(sub.path) as entries:
+            for entry in entries:
+                key = _parse_key(entry.name)
+                if key is not None and entry.name[:2] == sub.name and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if not check_headers or _header_ok(entry.path, st.st_size, codec_id):
+                        found.append(Found(key, st.st_size, st.st_mtime_ns))
+                        continue
+                    kind = "torn"
+                else:
+                    kind = "temp" if entry.name.endswith(TEMP_SUFFIX) else "stray"
+                if entry.is_dir(follow_symlinks=False):
+                    continue  # not ours to delete recursively; ignored
+                try:
+                    remove(entry.path)
+                except DiskIOError:
+                    continue  # not indexed either way; a later start tries again
+                removed[kind] += 1
+    found.sort(key=lambda f: f.mtime_ns)
+    return found, removed

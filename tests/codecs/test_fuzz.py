@@ -1,0 +1,65 @@
+"""Decoders on untrusted bytes: random payloads and mutated valid ones raise CodecError or decode to a
+tensor of exactly the declared shape and dtype; nothing else (no crash, no other exception, no over-allocation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.codecs import codec_by_id, get_codec
+from kvtier.errors import CodecError
+from tests.codecs.conftest import kv_like, roundtrip
+
+NAMES = ["raw", "lossless", "lossless-lz4", "int8", "int4", "int4-g32", "cachegen"]
+SHAPES = st.tuples(st.integers(1, 3), st.just(2), st.integers(0, 9), st.integers(1, 3), st.sampled_from([2, 8, 16, 64]))
+DTYPES = st.sampled_from([torch.bfloat16, torch.float16, torch.float32])
+FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _decode_or_codec_error(codec, data: bytes, shape, dtype) -> None:
+    try:
+        out = codec.decode(memoryview(bytearray(data)), tuple(shape), dtype)
+    except CodecError:
+        return
+    assert tuple(out.shape) == tuple(shape) and out.dtype == dtype
+
+
+@pytest.mark.parametrize("codec_id", [0, 1, 2, 3, 4])
+@FUZZ
+@given(data=st.binary(max_size=2048), shape=SHAPES, dtype=DTYPES)
+def test_random_bytes(codec_id: int, data: bytes, shape, dtype) -> None:
+    _decode_or_codec_error(codec_by_id(codec_id), data, shape, dtype)
+
+
+@pytest.mark.parametrize("codec_id", [1, 2, 3, 4])
+@FUZZ
+@given(tail=st.binary(max_size=64), shape=SHAPES, dtype=DTYPES, version=st.integers(0, 255))
+def test_plausible_headers(codec_id: int, tail: bytes, shape, dtype, version: int) -> None:
+    """Headers that get past the first checks (right version byte, sizes for the shape) still fail cleanly."""
+    head = bytes([1, version % 4 + 1, 64, 0, 1, 0]) if codec_id > 1 else bytes([1, 2, 1, 1])
+    _decode_or_codec_error(codec_by_id(codec_id), head + tail, shape, dtype)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
+       cut=st.one_of(st.none(), st.integers(0, 10**6)))
+def test_mutated_valid_payloads(name: str, edits, cut) -> None:
+    codec = get_codec(name)
+    chunk = kv_like(layers=2, tokens=6, heads=2, dim=16)
+    _, buf = roundtrip(codec, chunk)
+    for at, value in edits:
+        buf[at % len(buf)] = value
+    if cut is not None:
+        del buf[cut % len(buf):]
+    _decode_or_codec_error(codec, bytes(buf), chunk.shape, chunk.dtype)
+
+
+@pytest.mark.parametrize("name", ["lossless", "int8", "int4", "cachegen"])
+def test_huge_declared_shape_is_rejected_before_allocating(name: str) -> None:
+    codec = get_codec(name)
+    _, buf = roundtrip(codec, kv_like(layers=1, tokens=2))
+    with pytest.raises(CodecError):
+        codec.decode(memoryview(buf), (4096, 2, 1 << 20, 64, 128), torch.bfloat16)

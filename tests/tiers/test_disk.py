@@ -1,0 +1,202 @@
+"""The disk tier: conformance, layout, locking, start-up re-index, faults (see also test_disk_*.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+from kvtier.codecs import BytesPayload
+from kvtier.config import CacheConfig
+from kvtier.errors import ConfigError
+from kvtier.tiers import DiskTier, DiskTierConfig
+from tests.conformance.tier_suite import BLOB_BYTES, EvictingTierConformance, blob, key
+
+
+class TestDiskTierConformance(EvictingTierConformance):
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path):
+        self.root = tmp_path
+        self.n = 0
+
+    def make_tier(self, capacity_bytes: int) -> DiskTier:
+        self.n += 1  # one directory per tier: a directory belongs to one tier at a time
+        return DiskTier(self.root / f"t{self.n}", capacity_bytes, fsync=False)
+
+    def settle(self, tier: DiskTier) -> None:
+        tier.flush()
+
+
+def put(tier: DiskTier, ids) -> list[bool]:
+    result = tier.put([(key(i), BytesPayload(blob(i))) for i in ids])
+    tier.flush()
+    return result
+
+
+def read(tier: DiskTier, ids) -> list[bytes | None]:
+    with tier.get([key(i) for i in ids]) as views:
+        return [None if v is None else bytes(v) for v in views]
+
+
+def test_files_live_under_the_codec_and_key(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    put(tier, [1])
+    path = tmp_path / "raw" / key(1).hex()[:2] / key(1).hex()
+    assert path.read_bytes() == blob(1)
+    assert tier.layout.path(key(1)) == str(path)
+    tier.close()
+
+
+def test_restart_reindexes_and_removes_leftovers(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    put(tier, [1, 2, 3])
+    tier.close()
+    sub = tmp_path / "raw" / "ab"
+    sub.mkdir(exist_ok=True)
+    (sub / ("ab" * 32 + ".tmp")).write_bytes(b"half a chunk")  # an interrupted write
+    (sub / "junk").write_bytes(b"x")
+    torn = tmp_path / "raw" / key(4).hex()[:2] / key(4).hex()
+    torn.parent.mkdir(exist_ok=True)
+    torn.write_bytes(blob(4)[:-100])  # header says longer than the file
+
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.contains([key(i) for i in (1, 2, 3, 4)]) == [True, True, True, False]
+    assert read(again, [1, 2, 3]) == [blob(1), blob(2), blob(3)]
+    assert sorted(p.name for p in sub.iterdir()) == []
+    assert not torn.exists()
+    assert again.stats().used_bytes == 3 * BLOB_BYTES
+    assert again._metrics.get("kvtier_disk_leftovers_removed_total", tier="disk", kind="temp") == 1
+    assert again._metrics.get("kvtier_disk_leftovers_removed_total", tier="disk", kind="torn") == 1
+    assert again._metrics.get("kvtier_disk_leftovers_removed_total", tier="disk", kind="stray") == 1
+    again.close()
+
+
+def test_restart_keeps_write_order_for_eviction_and_obeys_a_smaller_capacity(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    for i in range(5):
+        put(tier, [i])
+        path = tier.layout.path(key(i))
+        os.utime(path, ns=(i * 10**9, i * 10**9))  # distinct mtimes, oldest first
+    tier.close()
+    small = DiskTier(tmp_path, 3 * BLOB_BYTES)
+    assert small.contains([key(i) for i in range(5)]) == [False, False, True, True, True]
+    put(small, [9])
+    assert small.contains([key(2), key(9)]) == [False, True]
+    small.close()
+
+
+def test_a_directory_belongs_to_one_tier(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    with pytest.raises(ConfigError, match="in use by process"):
+        DiskTier(tmp_path, 1 << 20)
+    other_codec = tmp_path / "raw"  # the lock is per codec directory: another root is free
+    assert other_codec.is_dir()
+    tier.close()
+    DiskTier(tmp_path, 1 << 20).close()  # released on close
+
+
+def test_full_queue_drops_and_counts(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, write_queue_depth=2)
+    gate = threading.Event()
+    tier._writer.submit(gate.wait)  # hold the writer
+    try:
+        assert tier.put([(key(i), BytesPayload(blob(i))) for i in range(4)]) == [True, True, False, False]
+        assert tier._metrics.get("kvtier_skipped_stores_total", tier="disk", reason="queue_full") == 2
+        assert tier.contains([key(0)]) == [False]  # queued is not visible
+    finally:
+        gate.set()
+    tier.flush()
+    assert tier.contains([key(i) for i in range(4)]) == [True, True, False, False]
+    tier.close()
+
+
+def test_put_copies_the_payload_before_returning(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    gate = threading.Event()
+    tier._writer.submit(gate.wait)
+    data = bytearray(blob(1))
+    tier.put([(key(1), BytesPayload(data))])
+    data[:] = bytes(len(data))  # the caller reuses its buffer at once
+    gate.set()
+    tier.flush()
+    assert read(tier, [1]) == [blob(1)]
+    tier.close()
+
+
+def test_delete_of_a_queued_store_wins(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    gate = threading.Event()
+    tier._writer.submit(gate.wait)
+    tier.put([(key(1), BytesPayload(blob(1)))])
+    tier.delete([key(1)])
+    gate.set()
+    tier.flush()
+    assert tier.contains([key(1)]) == [False]
+    assert not os.path.exists(tier.layout.path(key(1)))
+    assert tier.stats().used_bytes == 0
+    tier.close()
+
+
+def test_vanished_file_is_a_miss_and_leaves_the_index(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    put(tier, [1, 2])
+    os.unlink(tier.layout.path(key(1)))
+    assert read(tier, [1, 2]) == [None, blob(2)]
+    assert tier.contains([key(1), key(2)]) == [False, True]
+    assert tier._metrics.get("kvtier_disk_io_errors_total", tier="disk", op="read", errno="ENOENT") == 1
+    tier.close()
+
+
+def test_directory_removed_underneath_then_back(tmp_path):
+    import shutil
+
+    root = tmp_path / "cache"
+    tier = DiskTier(root, 1 << 20)
+    put(tier, [1, 2])
+    shutil.rmtree(root)
+    assert read(tier, [1, 2]) == [None, None]  # misses, no exception
+    assert tier.contains([key(1), key(2)]) == [False, False]
+    assert tier.stats().used_bytes == 0
+    assert put(tier, [3]) == [True]  # accepted, then fails in the writer: root is still gone
+    assert tier.contains([key(3)]) == [False]
+    assert tier._metrics.get("kvtier_skipped_stores_total", tier="disk", reason="io_error") == 1
+    root.mkdir()  # back (empty)
+    assert put(tier, [4]) == [True]
+    assert read(tier, [4]) == [blob(4)]
+    assert tier.stats().entries == 1
+    assert DiskTier  # the lock was taken again: a second tier on the directory is refused
+    with pytest.raises(ConfigError):
+        DiskTier(root, 1 << 20)
+    tier.close()
+
+
+def test_o_direct_reads_match(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, o_direct=True)
+    put(tier, [1, 2, 3])
+    assert read(tier, [3, 1, 2]) == [blob(3), blob(1), blob(2)]
+    tier.close()
+
+
+def test_config_from_yaml_and_env(tmp_path):
+    env = {
+        "KVTIER_TIERS": "memory,disk", "KVTIER_DISK_PATH": str(tmp_path), "KVTIER_DISK_CAPACITY_BYTES": "200GiB",
+        "KVTIER_DISK_WRITE": "back", "KVTIER_DISK_WRITE_QUEUE_DEPTH": "8", "KVTIER_DISK_READ_THREADS": "2",
+        "KVTIER_DISK_O_DIRECT": "on", "KVTIER_DISK_FSYNC": "false",
+    }
+    disk = CacheConfig.from_env(env).tiers[1]
+    assert isinstance(disk, DiskTierConfig)
+    assert (disk.path, disk.capacity_bytes, disk.write.value) == (tmp_path, 200 << 30, "back")
+    assert (disk.write_queue_depth, disk.read_threads, disk.o_direct, disk.fsync) == (8, 2, True, False)
+    yaml_file = tmp_path / "kvtier.yaml"
+    yaml_file.write_text(f"tiers:\n  - kind: disk\n    path: {tmp_path}\n    capacity_bytes: 1GiB\n")
+    assert CacheConfig.from_yaml(yaml_file).tiers[0].capacity_bytes == 1 << 30
+    with pytest.raises(ConfigError, match="path is required"):
+        CacheConfig.from_dict({"tiers": [{"kind": "disk"}]})
+
+
+def test_errno_names():
+    from kvtier.tiers.disk_files import DiskIOError
+
+    assert DiskIOError("write", OSError(errno.ENOSPC, "full")).errno_name == "ENOSPC"

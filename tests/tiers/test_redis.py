@@ -1,0 +1,419 @@
+"""The Redis tier against a real redis-server: conformance, keys and namespaces, value safety, split values,
+TTL, configuration, ACL and TLS."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import CacheConfig, ConfigError, KVCache, KVSpec
+from kvtier.blob import blob_bytes, encode_blob
+from kvtier.codecs import BytesPayload, get_codec
+from kvtier.tiers import RedisTier, RedisTierConfig
+from tests.conformance.tier_suite import BLOB_BYTES, TierConformance, blob, key
+from tests.redis_server import RedisServer, free_port
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+CHUNK = 16
+CHUNK_BYTES = SPEC.bytes_per_token * CHUNK  # 4 KiB of payload per chunk
+
+
+def make_cache(url: str, *, model: str = "m@1", chunk_size: int = CHUNK, spec: KVSpec = SPEC, **tier) -> KVCache:
+    config = CacheConfig(chunk_size=chunk_size, tiers=(RedisTierConfig(url=url, **tier),))
+    return KVCache(spec, model, config)
+
+
+def prompt(n_chunks: int, seed: int = 0, chunk_size: int = CHUNK) -> tuple[list[int], torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50_000, (n_chunks * chunk_size,), generator=gen).tolist()
+    kv = torch.randn(SPEC.chunk_shape(len(tokens)), generator=gen).to(SPEC.dtype)
+    return tokens, kv
+
+
+# -- conformance -----------------------------------------------------------------------------------------------
+class TestRedisTierConformance(TierConformance):
+    exact_usage = False  # used_bytes is the server's used_memory
+    tier_options: ClassVar[dict] = {}
+
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server):
+        redis_server.flush()
+        self.server = redis_server
+
+    def make_tier(self, capacity_bytes: int) -> RedisTier:
+        return RedisTier(RedisTierConfig(url=self.server.url, max_value_bytes=capacity_bytes, **self.tier_options))
+
+
+class TestRedisTierConformanceSplitValues(TestRedisTierConformance):
+    """Every conformance blob (16 KiB and a header) is split into 8 KiB parts."""
+
+    tier_options: ClassVar[dict] = {"max_part_bytes": 8192}
+
+    def test_delete(self, new_tier):
+        # as inherited, except that stats().entries counts keys: a split value is its head plus its other parts
+        keys_per_value = -(-BLOB_BYTES // 8192)
+        tier = new_tier()
+        self._put(tier, [1, 2])
+        assert tier.stats().entries == 2 * keys_per_value
+        tier.delete([key(1), key(42)])
+        assert tier.contains([key(1), key(2)]) == [False, True]
+        assert tier.stats().entries == keys_per_value
+
+
+# -- keys and namespaces ---------------------------------------------------------------------------------------
+def test_keys_are_prefix_codec_and_chunk_hash(redis_server):
+    redis_server.flush()
+    with make_cache(redis_server.url, key_prefix="team-a:") as cache:
+        tokens, kv = prompt(2)
+        cache.store(tokens, kv)
+        expected = sorted(f"team-a:raw:{{{h.hex()}}}" for h in cache.keys(tokens))
+    assert sorted(redis_server.cli("KEYS", "*").split()) == expected
+
+
+@pytest.mark.parametrize("other", [
+    {"model": "m@2"},
+    {"chunk_size": 2 * CHUNK},
+    {"spec": KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)},
+])
+def test_namespaces_never_read_each_other(redis_server, other):
+    redis_server.flush()
+    tokens, kv = prompt(4)
+    with make_cache(redis_server.url) as a, make_cache(redis_server.url, **other) as b:
+        assert a.store(tokens, kv) == len(tokens)
+        assert b.lookup(tokens) == 0
+        assert b.retrieve(tokens)[1] == 0
+        assert a.lookup(tokens) == len(tokens)
+
+
+def test_tenants_never_read_each_other(redis_server):
+    redis_server.flush()
+    tokens, kv = prompt(3)
+    with make_cache(redis_server.url) as a, make_cache(redis_server.url) as b:
+        a.store(tokens, kv, salt=b"tenant-1")
+        assert b.lookup(tokens, salt=b"tenant-2") == 0
+        assert b.lookup(tokens) == 0
+        assert b.lookup(tokens, salt=b"tenant-1") == len(tokens)
+
+
+# -- value safety ----------------------------------------------------------------------------------------------
+def _planted(cache: KVCache, tokens: list[int], kv: torch.Tensor, kind: str) -> bytes:
+    keys = cache.keys(tokens)
+    good = bytes(blob_bytes(encode_blob(keys[1], np.array(tokens[CHUNK : 2 * CHUNK], dtype="<u4"),
+                                        get_codec("raw"), kv[:, :, CHUNK : 2 * CHUNK])))
+    if kind == "garbage":
+        return b"not a kvtier value at all" * 10
+    if kind == "truncated":
+        return good[: len(good) // 2]
+    if kind == "older_format":
+        return good[:4] + (0).to_bytes(2, "little") + good[6:]
+    if kind == "other_key":  # a valid blob of chunk 0 stored under chunk 1's key
+        return bytes(blob_bytes(encode_blob(keys[0], np.array(tokens[:CHUNK], dtype="<u4"), get_codec("raw"),
+                                            kv[:, :, :CHUNK])))
+    if kind == "flipped_bit":
+        return good[:-1] + bytes([good[-1] ^ 1])
+    if kind == "fake_split_header":  # part count disagrees with the sizes
+        import struct
+
+        return struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 1 << 20, 4096, 3) + b"x" * 4096
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated", "older_format", "other_key", "flipped_bit",
+                                  "fake_split_header"])
+def test_planted_or_damaged_value_is_a_miss(redis_server, kind):
+    redis_server.flush()
+    tokens, kv = prompt(3)
+    with make_cache(redis_server.url) as cache:
+        cache.store(tokens, kv)
+        head = f"kvtier:raw:{{{cache.keys(tokens)[1].hex()}}}"
+        redis_server.set_bytes(head, _planted(cache, tokens, kv, kind))
+        out, n = cache.retrieve(tokens)
+        assert n == CHUNK  # the prefix ends at the bad chunk
+        assert torch.equal(out[:, :, :CHUNK], kv[:, :, :CHUNK])
+        assert cache.metrics.total("kvtier_corrupt_chunks_total") == 1
+        assert cache.lookup(tokens) == CHUNK  # deleted
+        # stored again, it is whole again
+        cache.store(tokens, kv)
+        assert cache.retrieve(tokens)[1] == len(tokens)
+
+
+def test_value_larger_than_this_replica_accepts_is_a_miss_left_in_place(redis_server):
+    """A header declaring 1 TiB: nothing of that size is allocated, and a replica configured for smaller
+    values does not delete what others may use."""
+    import struct
+
+    redis_server.flush()
+    tokens, kv = prompt(1)
+    with make_cache(redis_server.url) as cache:
+        head = f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}"
+        redis_server.set_bytes(head, struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 1 << 40, 4096, 1 << 28)
+                               + b"x" * 4096)
+        assert cache.retrieve(tokens)[1] == 0
+        assert redis_server.cli("EXISTS", head) == "1"
+    tokens, kv = prompt(1, seed=3)
+    with make_cache(redis_server.url) as writer, \
+            make_cache(redis_server.url, max_value_bytes=CHUNK_BYTES // 2) as small:
+        writer.store(tokens, kv)
+        assert small.retrieve(tokens)[1] == 0  # too big for this replica: a miss ...
+        assert writer.retrieve(tokens)[1] == CHUNK  # ... that it did not delete
+
+
+def test_value_of_another_type_is_a_miss(redis_server):
+    redis_server.flush()
+    tokens, kv = prompt(2)
+    with make_cache(redis_server.url) as cache:
+        redis_server.cli("HSET", f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}", "f", "v")
+        assert cache.lookup(tokens) == CHUNK  # lookup only sees that the key exists ...
+        assert cache.retrieve(tokens)[1] == 0  # ... retrieve reads it: a miss
+        assert cache.metrics.total("kvtier_corrupt_chunks_total") == 1
+        assert cache.store(tokens, kv) == len(tokens)  # the foreign key was removed on read
+        assert cache.retrieve(tokens)[1] == len(tokens)
+
+
+def test_memory_tier_in_front_takes_promoted_hits(redis_server):
+    """The recommended set-up: each replica's RAM first, the shared store behind it."""
+    from kvtier.tiers import MemoryTierConfig
+
+    redis_server.flush()
+    tokens, kv = prompt(4)
+
+    def replica() -> KVCache:
+        tiers = (MemoryTierConfig(capacity_bytes=1 << 20, prefault=False), RedisTierConfig(url=redis_server.url))
+        return KVCache(SPEC, "m@1", CacheConfig(chunk_size=CHUNK, tiers=tiers))
+
+    with replica() as a, replica() as b:
+        assert a.store(tokens, kv) == len(tokens)  # written through to both tiers
+        out, n = b.retrieve(tokens)  # b's RAM is empty: served by Redis, promoted
+        assert n == len(tokens) and torch.equal(out, kv)
+        assert b.metrics.get("kvtier_hit_tokens_total", tier="redis") == len(tokens)
+        assert b.metrics.get("kvtier_promotions_total", tier="memory") == 4
+        _, n = b.retrieve(tokens)
+        assert n == len(tokens) and b.metrics.get("kvtier_hit_tokens_total", tier="memory") == len(tokens)
+
+
+# -- split values ----------------------------------------------------------------------------------------------
+def test_split_values_round_trip_and_parts_share_a_slot(redis_server):
+    redis_server.flush()
+    tokens, kv = prompt(3)
+    with make_cache(redis_server.url, max_part_bytes=4096) as cache:
+        cache.store(tokens, kv)
+        keys = redis_server.cli("KEYS", "*").split()
+        assert len(keys) == 3 * 2  # each ~4.2 KiB blob: head (part 0) + one more part
+        from redis.crc import key_slot
+
+        assert len({key_slot(k.encode()) for k in keys}) == 3  # parts live in their head's slot
+        out, n = cache.retrieve(tokens)
+        assert n == len(tokens) and torch.equal(out, kv)
+
+
+def test_missing_part_is_a_miss_and_is_cleaned_up(redis_server):
+    redis_server.flush()
+    tokens, kv = prompt(2)
+    with make_cache(redis_server.url, max_part_bytes=4096) as cache:
+        cache.store(tokens, kv)
+        head = f"kvtier:raw:{{{cache.keys(tokens)[1].hex()}}}"
+        part = [k for k in redis_server.cli("KEYS", "*").split() if k.startswith(head + ":")]
+        redis_server.cli("DEL", *part)  # as if evicted
+        assert cache.retrieve(tokens)[1] == CHUNK
+        assert cache.metrics.total("kvtier_incomplete_values_total") == 1
+        assert redis_server.cli("EXISTS", head) == "0"
+
+
+def test_concurrent_writers_of_one_split_value(redis_server):
+    redis_server.flush()
+    tier = RedisTier(RedisTierConfig(url=redis_server.url, max_part_bytes=4096))
+    data = blob(1)
+    barrier = threading.Barrier(4)
+
+    def writer() -> None:
+        barrier.wait()
+        for _ in range(20):
+            tier.put([(key(1), BytesPayload(data))])
+            with tier.get([key(1)]) as (value,):
+                assert value is None or bytes(value) == data
+
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with tier.get([key(1)]) as (value,):
+        assert bytes(value) == data
+    assert int(redis_server.cli("DBSIZE")) == -(-len(data) // 4096)  # losers removed their orphan parts
+    tier.close()
+
+
+def test_value_larger_than_max_value_is_skipped(redis_server):
+    redis_server.flush()
+    with make_cache(redis_server.url, max_value_bytes=CHUNK_BYTES // 2) as cache:
+        tokens, kv = prompt(2)
+        assert cache.store(tokens, kv) == 0
+        assert cache.metrics.get("kvtier_skipped_stores_total", tier="redis", reason="too_large") == 2
+
+
+def test_big_split_values_with_buffer_reuse(redis_server):
+    """A few MiB per chunk, split into 1 MiB parts; receive buffers are reused across calls."""
+    redis_server.flush()
+    spec = KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16)  # 4 KiB per token
+    tokens = list(range(4 * 512))
+    kv = torch.randn(spec.chunk_shape(len(tokens))).to(torch.float16)
+    config = CacheConfig(chunk_size=512, tiers=(RedisTierConfig(url=redis_server.url, max_part_bytes=1 << 20),))
+    with KVCache(spec, "big", config) as cache:
+        assert cache.store(tokens, kv) == len(tokens)
+        out = spec.empty(len(tokens))
+        for _ in range(3):
+            out.zero_()
+            _, n = cache.retrieve(tokens, out)
+            assert n == len(tokens) and torch.equal(out, kv)
+        assert cache.tiers[0]._buffers.idle_bytes >= 4 * 2 * (1 << 20)
+
+
+# -- TTL -------------------------------------------------------------------------------------------------------
+def test_ttl_set_on_write_and_refreshed_on_read(redis_server):
+    redis_server.flush()
+    tokens, kv = prompt(1)
+    with make_cache(redis_server.url, ttl_s=100, max_part_bytes=4096) as cache:
+        cache.store(tokens, kv)
+        head = f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}"
+        part = next(k for k in redis_server.cli("KEYS", "*").split() if k != head)
+        assert 90_000 < int(redis_server.cli("PTTL", head)) <= 100_000
+        assert int(redis_server.cli("PTTL", part)) > 100_000  # parts outlive their head
+        redis_server.cli("PEXPIRE", head, "5000")
+        assert cache.retrieve(tokens)[1] == CHUNK
+        assert int(redis_server.cli("PTTL", head)) > 90_000
+
+
+def test_no_ttl_by_default(redis_server):
+    redis_server.flush()
+    tokens, kv = prompt(1)
+    with make_cache(redis_server.url) as cache:
+        cache.store(tokens, kv)
+        assert redis_server.cli("PTTL", f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}") == "-1"
+
+
+# -- configuration ---------------------------------------------------------------------------------------------
+def test_config_from_env_and_yaml(tmp_path):
+    env = {"KVTIER_TIERS": "memory,redis", "KVTIER_REDIS_URL": "rediss://kv:s3cret@cache.internal:6380/2",
+           "KVTIER_REDIS_TTL_S": "3600", "KVTIER_REDIS_MAX_PART_BYTES": "4MiB", "KVTIER_REDIS_CLUSTER": "no",
+           "KVTIER_REDIS_TLS_CA_FILE": "/etc/ssl/ca.pem", "KVTIER_REDIS_PASSWORD": "other"}
+    config = CacheConfig.from_env(env)
+    redis_cfg = config.tiers[1]
+    assert isinstance(redis_cfg, RedisTierConfig)
+    assert (redis_cfg.ttl_s, redis_cfg.max_part_bytes, redis_cfg.cluster) == (3600.0, 4 << 20, False)
+    assert "s3cret" not in repr(redis_cfg) and "other" not in repr(redis_cfg)
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("chunk_size: 256\ntiers:\n  - kind: memory\n    capacity_bytes: 1GiB\n"
+                    "  - kind: redis\n    url: redis://redis.internal:6379/0\n    ttl_s: 86400\n    pool_size: 4\n")
+    cfg = CacheConfig.from_yaml(path).tiers[1]
+    assert (cfg.url, cfg.ttl_s, cfg.pool_size, cfg.ttl_s) == ("redis://redis.internal:6379/0", 86400.0, 4, 86400.0)
+
+
+@pytest.mark.parametrize("bad", [
+    {"url": "http://example"}, {"key_prefix": "a{b}"}, {"timeout_s": 0}, {"max_part_bytes": 1 << 30},
+    {"pool_size": 0}, {"codec": "nope"},
+])
+def test_bad_config_is_rejected(bad):
+    with pytest.raises(ConfigError):
+        RedisTierConfig(**bad)
+
+
+def test_unknown_url_option_is_rejected():
+    with pytest.raises(ConfigError):
+        RedisTier(RedisTierConfig(url="redis://localhost:6379/0?bogus_option=1"))
+
+
+def test_import_kvtier_without_redis_py():
+    code = (
+        "import sys; sys.modules['redis'] = None\n"
+        "import kvtier\n"
+        "from kvtier import CacheConfig, ConfigError, KVCache, KVSpec\n"
+        "from kvtier.tiers import RedisTierConfig\n"
+        "cfg = CacheConfig(tiers=({'kind': 'redis', 'url': 'redis://localhost:1/0'},))\n"
+        "try:\n"
+        "    KVCache(KVSpec(1, 1, 8, 'float16'), 'm', cfg)\n"
+        "except ConfigError as exc:\n"
+        "    assert 'pip install' in str(exc), exc\n"
+        "else:\n"
+        "    raise SystemExit('expected ConfigError')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+# -- ACL and TLS -----------------------------------------------------------------------------------------------
+def test_acl_user_with_password_in_url():
+    from tests.tiers.conftest import _require_redis
+
+    _require_redis()
+    port = free_port()
+    # exactly the ACL the README recommends
+    acl = ("--user", "default", "off", "--user", "replica", "on", ">s3cret", "~kvtier:*", "resetchannels", "-@all",
+           "+get", "+getex", "+set", "+exists", "+unlink", "+getrange", "+ping", "+info", "+dbsize",
+           "+cluster|slots")
+    with RedisServer(port=port, args=acl, cli_auth=("--user", "replica", "--pass", "s3cret")):
+        tokens, kv = prompt(2)
+        url = f"redis://replica:s3cret@127.0.0.1:{port}/0"
+        with make_cache(url, max_part_bytes=4096) as cache:
+            assert cache.store(tokens, kv) == len(tokens)
+            assert cache.retrieve(tokens)[1] == len(tokens)
+            assert cache.tiers[0].stats().entries == 4
+        with make_cache(f"redis://replica:wrong@127.0.0.1:{port}/0", timeout_s=0.5) as cache:
+            assert cache.lookup(tokens) == 0  # refused: a miss, counted, no exception
+            assert cache.store(tokens, kv) == 0
+            assert cache.metrics.total("kvtier_tier_errors_total") >= 1
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+def test_tls_with_ca_file(tmp_path):
+    from tests.tiers.conftest import _require_redis
+
+    _require_redis()
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvtier-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out",
+        "server.csr")
+    (tmp_path / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+        "-extfile", "ext.cnf", "-out", "server.crt")
+    port = free_port()
+    tls = ("--tls-port", str(port), "--tls-cert-file", str(tmp_path / "server.crt"), "--tls-key-file",
+           str(tmp_path / "server.key"), "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "no")
+    with RedisServer(args=tls) as server:  # no plain TCP port: unix socket for the fixture, TLS for the tier
+        tokens, kv = prompt(3)
+        url = f"rediss://127.0.0.1:{port}/0"
+        with make_cache(url, tls_ca_file=str(tmp_path / "ca.crt"), max_part_bytes=4096) as cache:
+            assert cache.store(tokens, kv) == len(tokens)
+            out, n = cache.retrieve(tokens)
+            assert n == len(tokens) and torch.equal(out, kv)
+        assert int(server.cli("DBSIZE")) == 6
+        with make_cache(url, timeout_s=0.5) as cache:  # no CA: the server's certificate is not trusted
+            assert cache.store(tokens, kv) == 0
+
+
+def test_readme_examples_parse():
+    """The README's YAML and environment examples are valid configurations."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Sharing one cache between replicas") :]
+    block = re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1)
+    config = CacheConfig.from_dict(yaml.safe_load(block))
+    assert [t.kind for t in config.tiers] == ["memory", "redis"] and config.tiers[1].ttl_s == 86400
+    env = dict(re.findall(r"export (KVTIER_\w+)=(\S+)", section))
+    env["KVTIER_REDIS_PASSWORD"] = "x"
+    config = CacheConfig.from_env(env)
+    assert config.tiers[1].url.startswith("rediss://") and config.tiers[1].tls_ca_file
