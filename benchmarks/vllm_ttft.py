@@ -12,7 +12,7 @@ TTFT is the wall time of ``generate`` with ``max_tokens=1`` (prefill plus one to
 its own process. The last line is ``RESULT {json}`` with each TTFT and the speed-ups
 (recompute TTFT / kvtier TTFT) per tier and length.
 
-    python benchmarks/vllm_ttft.py [--sizes 2048,4096,8192] [--tiers memory]
+    python benchmarks/vllm_ttft.py [--sizes 2048,4096,8192] [--tiers memory,disk]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def run_engine(spec: dict, workdir: Path, name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="2048,4096,8192", help="prompt lengths in tokens")
-    parser.add_argument("--tiers", default="memory", help="kvtier tiers to measure, comma-separated")
+    parser.add_argument("--tiers", default="memory,disk", help="kvtier tiers to measure, comma-separated")
     parser.add_argument("--engine", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:

@@ -3,6 +3,8 @@
 Each engine runs once per module, in its own interpreter (tests/integrations/vllm_engine.py), and every
 test reads what the engines recorded. Block size 32, chunk size 64; prompts of 300, 256 and 100 tokens
 (full chunks: 4, 4 and 1; the 256-token prompt is entirely cached, so vLLM still computes its last token).
+Three engines: plain vLLM; vLLM with kvtier (memory, then disk) in vLLM's default two-process layout; and a
+new engine process on the same disk directory, in-process so the test can damage a chunk in its memory tier.
 """
 
 from __future__ import annotations
@@ -54,25 +56,10 @@ def engine(workdir: Path):
     return run
 
 
-def memory_tier() -> str:
-    return json.dumps({"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]})
-
-
-def shared_tier(workdir: Path) -> dict | None:
-    """A tier a later process can read: the disk tier where this checkout has it."""
-    from kvtier.tiers import TIER_KINDS
-
-    if "disk" in TIER_KINDS:
-        return {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB"}
-    return None
-
-
 def kvtier_tiers(workdir: Path) -> str:
-    """Memory first, then the shared tier (written through) when there is one."""
-    tiers = [{"kind": "memory", "capacity_bytes": "64MiB"}]
-    if (shared := shared_tier(workdir)) is not None:
-        tiers.append(shared)
-    return json.dumps({"chunk_size": CHUNK, "tiers": tiers})
+    """Memory first, then a disk directory (written through) that a later engine process reads."""
+    disk = {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB"}
+    return json.dumps({"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}, disk]})
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +97,13 @@ def test_repeated_prompt_loads_its_prefix_from_kvtier(with_kvtier):
 @pytest.fixture(scope="module")
 def second_engine(engine, workdir, with_kvtier) -> dict:
     """A new engine process (started after with_kvtier's exited), worker in the engine process so the test
-    can reach its cache. With a shared tier its first prompts hit what the first engine stored."""
+    can reach its cache. Its first prompts hit what the first engine stored on disk."""
     steps = ("gen:first", "reset", "metrics:m_before", "corrupt:0:1", "gen:after", "reset", "metrics:m_after",
              "gen:healed")
     return engine("second", kvtier_tiers(workdir), steps, in_process=True)
 
 
-def test_new_engine_process_gets_hits_from_the_first_ones_prompts(workdir, baseline, second_engine):
-    if shared_tier(workdir) is None:
-        pytest.skip("needs a tier shared between processes (disk), not in this checkout")
+def test_new_engine_process_gets_hits_from_the_first_ones_prompts(baseline, second_engine):
     assert cached(second_engine["first"]) == FULL_HITS
     assert tokens(second_engine["first"]) == tokens(baseline)
 
