@@ -13,6 +13,8 @@ import sys
 #: command name -> module implementing it
 COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
+    "serve": "kvtier.server.cli",
+    "bench": "kvtier.bench.cli",
 }
 
 

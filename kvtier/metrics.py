@@ -46,6 +46,15 @@ HELP = {
     "kvtier_tier_used_bytes": "Bytes held by a tier.",
     "kvtier_tier_capacity_bytes": "Configured capacity of a tier.",
     "kvtier_tier_entries": "Chunks held by a tier.",
+    "kvtier_server_requests_total": "HTTP generation requests answered, by endpoint and status.",
+    "kvtier_server_rejected_total": "Requests refused at once because the queue was full.",
+    "kvtier_server_prompt_tokens_total": "Prompt tokens of completed requests.",
+    "kvtier_server_cached_prompt_tokens_total": "Prompt tokens whose KV came from kvtier instead of prefill.",
+    "kvtier_server_generation_tokens_total": "Completion tokens generated.",
+    "kvtier_server_ttft_seconds": "Time to first token inside the engine (retrieve + prefill + first token).",
+    "kvtier_server_queue_seconds": "Time a request waited for the engine.",
+    "kvtier_server_requests_in_flight": "Requests running or waiting.",
+    "kvtier_server_queue_limit": "Requests that may be running or waiting before 429s.",
 }
 
 

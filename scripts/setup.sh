@@ -13,9 +13,10 @@ pip() { "$PY" -m pip "$@"; }
 pip install -q torch==2.13.0
 
 if [ "$what" = test ]; then
-  if ! command -v redis-server >/dev/null 2>&1; then
+  # redis-server for the Redis tier's tests; openssl makes the certificates of its TLS test.
+  if ! command -v redis-server >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ]; then apt=(apt-get); else apt=(sudo apt-get); fi
-    "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq redis-server >/dev/null
+    "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq redis-server openssl >/dev/null
   fi
   # vLLM's CPU build requires exactly our torch; its torchvision/torchaudio/torchcodec wheels break
   # `import transformers` on this torch, and kvtier needs none of them.

@@ -140,7 +140,11 @@ class RedisServer:
             return "(no log)"
 
     def __enter__(self) -> RedisServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -161,15 +165,20 @@ class RedisCluster:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def start(self, timeout: float = 30.0) -> RedisCluster:
-        for i in range(self.n):
-            port = free_port(plus_bus=True)
-            node_dir = self.dir / f"n{i}"
-            node_dir.mkdir()
-            server = RedisServer(port=port, maxmemory=self.maxmemory, directory=str(node_dir), args=(
-                "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
-                "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"))
-            self.servers.append(server.start())
-            self.ports.append(port)
+        try:
+            for i in range(self.n):
+                port = free_port(plus_bus=True)
+                node_dir = self.dir / f"n{i}"
+                node_dir.mkdir()
+                server = RedisServer(port=port, maxmemory=self.maxmemory, directory=str(node_dir), args=(
+                    "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                    "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"))
+                self.servers.append(server)
+                server.start()
+                self.ports.append(port)
+        except BaseException:
+            self.stop()
+            raise
         addrs = [f"127.0.0.1:{p}" for p in self.ports]
         out = subprocess.run([REDIS_CLI, "--cluster", "create", *addrs, "--cluster-yes"], capture_output=True,
                              timeout=timeout, text=True, stdin=subprocess.DEVNULL)

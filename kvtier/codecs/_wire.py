@@ -24,7 +24,7 @@ MAX_NUMEL = 1 << 33
 class PartsPayload:
     """A Payload made of byte-like parts written one after the other (codecs that must encode eagerly)."""
 
-    __slots__ = ("_parts", "_nbytes")
+    __slots__ = ("_nbytes", "_parts")
 
     def __init__(self, parts: Sequence[bytes | bytearray | memoryview | np.ndarray]) -> None:
         self._parts = [memoryview(p).cast("B") if not isinstance(p, np.ndarray) else memoryview(p.reshape(-1).view(np.uint8))
@@ -45,7 +45,7 @@ class PartsPayload:
 class Reader:
     """Sequential reads over a payload; any read past the end, or bytes left over, is a CodecError."""
 
-    __slots__ = ("_view", "_at", "_what")
+    __slots__ = ("_at", "_view", "_what")
 
     def __init__(self, payload: memoryview, what: str) -> None:
         self._view = payload.cast("B") if payload.format != "B" else payload
@@ -129,8 +129,3 @@ def hadamard(n: int) -> torch.Tensor:
 def can_rotate(dim: int) -> bool:
     return dim >= 2 and dim & (dim - 1) == 0 and dim <= 1024
 
-
-def blocks(layers: int, two: int) -> range:
-    """Decoders work one (layer, K/V) slab at a time: a cache-sized float32 scratch instead of whole-chunk
-    temporaries, whose page faults cost more than the arithmetic on this kind of machine."""
-    return range(layers * two)

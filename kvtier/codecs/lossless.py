@@ -14,6 +14,7 @@ Payload: ``u8 version, u8 itemsize, u8 method, u8 level`` then per plane ``u8 st
 from __future__ import annotations
 
 import struct
+import threading
 
 import lz4.block
 import numpy as np
@@ -29,6 +30,7 @@ _PLANE = struct.Struct("<BQ")
 _RAW, _PACKED = 0, 1
 _ZSTD, _LZ4 = 1, 2
 _MIN_SAVING = 0.97
+_LOCAL = threading.local()
 
 
 class LosslessCodec:
@@ -91,6 +93,14 @@ class LosslessCodec:
         return torch.from_numpy(out).view(dtype).reshape(shape)
 
 
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """One per thread: a zstd context is reusable but not shareable across threads."""
+    dctx = getattr(_LOCAL, "dctx", None)
+    if dctx is None:
+        dctx = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
 def _decompress(method: int, data: memoryview, numel: int) -> bytes:
     """Exactly ``numel`` bytes out of ``data``, checking the declared size before anything is allocated."""
     try:
@@ -99,7 +109,7 @@ def _decompress(method: int, data: memoryview, numel: int) -> bytes:
         else:
             if zstandard.frame_content_size(data) != numel:
                 raise CodecError("lossless: zstd frame declares another size than the shape implies")
-            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=numel)
+            out = _decompressor().decompress(data, max_output_size=numel)
     except (zstandard.ZstdError, lz4.block.LZ4BlockError, ValueError) as exc:
         raise CodecError(f"lossless: corrupt compressed plane: {exc}") from None
     if len(out) != numel:

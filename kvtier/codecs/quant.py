@@ -60,6 +60,8 @@ class GroupQuantCodec:
         check_canonical(tuple(chunk.shape), self.name)
         x = float_chunk(chunk, self.name)
         dim = x.shape[-1]
+        if self.bits == 4 and dim % 2:  # two codes per byte, and a (layer, K/V) slab must start on a byte
+            raise CodecError(f"{self.name} needs an even head_dim, got {dim}")
         g = math.gcd(self.group, dim)
         rotated = self.rotate and can_rotate(dim)
         if rotated:
@@ -82,7 +84,8 @@ class GroupQuantCodec:
         reader = Reader(payload, self.name)
         version, bits, g, flags = reader.unpack(_HEAD)
         rotated = bool(flags & _ROTATED)
-        if version != _VERSION or bits != self.bits or g < 1 or dim % g or flags & ~_ROTATED or (rotated and not can_rotate(dim)):
+        bad_dim = g < 1 or dim % g or (bits == 4 and dim % 2) or (rotated and not can_rotate(dim))
+        if version != _VERSION or bits != self.bits or bad_dim or flags & ~_ROTATED:
             raise CodecError(f"{self.name}: payload v{version}, {bits} bits, group {g}, flags {flags} does not fit {shape}")
         numel = layers * two * tokens * heads * dim
         groups = numel // g
@@ -94,11 +97,12 @@ class GroupQuantCodec:
         reader.finish()
         return self._dequantise(codes, scale, zero, g, rotated, shape, dtype)
 
-    def _dequantise(self, codes, scale, zero, g, rotated, shape, dtype) -> torch.Tensor:  # noqa: ANN001
-        """One (layer, K/V) slab at a time through a float32 scratch (see _wire.blocks)."""
+    def _dequantise(self, codes, scale, zero, g, rotated, shape, dtype) -> torch.Tensor:
+        """One (layer, K/V) slab at a time through a reused float32 scratch: whole-chunk float temporaries
+        cost more in page faults than the arithmetic itself, and a slab stays in cache between the steps."""
         layers, two, tokens, heads, dim = shape
         out = torch.empty(shape, dtype=dtype)
-        slab = tokens * heads * dim  # even (dim is a multiple of g, which is even or divides an even dim)
+        slab = tokens * heads * dim  # int4: even, since its head_dim is
         scratch = torch.empty(slab, dtype=torch.float32)
         rot = torch.empty(slab, dtype=torch.float32) if rotated else None
         per = slab // g

@@ -133,7 +133,7 @@ def test_blob_of_another_codec_is_never_returned(writer: str, reader: str) -> No
         for key in a.keys(tokens):
             b.tiers[0].put([(key, BytesPayload(_blob_of(a, key)))])
         assert b.lookup(tokens) == len(tokens)  # present under the same keys...
-        out, n = b.retrieve(tokens)
+        _, n = b.retrieve(tokens)
         assert n == 0  # ...but never decoded as the reader's codec
         assert b.metrics.get("kvtier_corrupt_chunks_total", tier="memory") == 3
         assert b.lookup(tokens) == 0  # and dropped
@@ -163,3 +163,19 @@ def test_write_back_from_raw_memory_into_int8_tier() -> None:
         out, n = cache.retrieve(tokens)
         assert n == CHUNK
         assert ((out.float() - kv.float()).norm() / kv.float().norm()).item() < 0.01
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int8", "cachegen"])
+def test_disk_tier_with_a_codec_survives_a_restart(tmp_path, codec: str) -> None:
+    """Sealed, compressed chunks on disk: written by one cache, read back by the next."""
+    from kvtier.tiers.disk import DiskTierConfig
+
+    config = CacheConfig(chunk_size=CHUNK, tiers=(DiskTierConfig(path=tmp_path, codec=codec, fsync=False),))
+    tokens, kv = tokens_and_kv()
+    with KVCache(SPEC, model="m", config=config) as cache:
+        assert cache.store(tokens, kv) == len(tokens)
+    with KVCache(SPEC, model="m", config=config) as cache:
+        out, n = cache.retrieve(tokens)
+    assert n == len(tokens)
+    for start in range(0, len(tokens), CHUNK):
+        assert torch.equal(out[:, :, start : start + CHUNK], cache_roundtrip(codec, kv[:, :, start : start + CHUNK]))

@@ -18,7 +18,7 @@ DTYPES = st.sampled_from([torch.bfloat16, torch.float16, torch.float32])
 FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _decode_or_codec_error(codec, data: bytes, shape, dtype) -> None:  # noqa: ANN001
+def _decode_or_codec_error(codec, data: bytes, shape, dtype) -> None:
     try:
         out = codec.decode(memoryview(bytearray(data)), tuple(shape), dtype)
     except CodecError:
@@ -29,14 +29,14 @@ def _decode_or_codec_error(codec, data: bytes, shape, dtype) -> None:  # noqa: A
 @pytest.mark.parametrize("codec_id", [0, 1, 2, 3, 4])
 @FUZZ
 @given(data=st.binary(max_size=2048), shape=SHAPES, dtype=DTYPES)
-def test_random_bytes(codec_id: int, data: bytes, shape, dtype) -> None:  # noqa: ANN001
+def test_random_bytes(codec_id: int, data: bytes, shape, dtype) -> None:
     _decode_or_codec_error(codec_by_id(codec_id), data, shape, dtype)
 
 
 @pytest.mark.parametrize("codec_id", [1, 2, 3, 4])
 @FUZZ
 @given(tail=st.binary(max_size=64), shape=SHAPES, dtype=DTYPES, version=st.integers(0, 255))
-def test_plausible_headers(codec_id: int, tail: bytes, shape, dtype, version: int) -> None:  # noqa: ANN001
+def test_plausible_headers(codec_id: int, tail: bytes, shape, dtype, version: int) -> None:
     """Headers that get past the first checks (right version byte, sizes for the shape) still fail cleanly."""
     head = bytes([1, version % 4 + 1, 64, 0, 1, 0]) if codec_id > 1 else bytes([1, 2, 1, 1])
     _decode_or_codec_error(codec_by_id(codec_id), head + tail, shape, dtype)
@@ -46,7 +46,7 @@ def test_plausible_headers(codec_id: int, tail: bytes, shape, dtype, version: in
 @FUZZ
 @given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
        cut=st.one_of(st.none(), st.integers(0, 10**6)))
-def test_mutated_valid_payloads(name: str, edits, cut) -> None:  # noqa: ANN001
+def test_mutated_valid_payloads(name: str, edits, cut) -> None:
     codec = get_codec(name)
     chunk = kv_like(layers=2, tokens=6, heads=2, dim=16)
     _, buf = roundtrip(codec, chunk)

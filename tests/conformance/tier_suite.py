@@ -1,8 +1,9 @@
 """Conformance suite every Tier implementation passes.
 
 Subclass ``TierConformance`` in a test module and implement ``make_tier``; pytest collects the inherited
-tests. Class attributes switch off what a tier legitimately does not do (e.g. a shared store whose eviction
-the server handles sets ``evicts = False``).
+tests. A tier that evicts by itself to stay under its capacity subclasses ``EvictingTierConformance`` instead;
+one that reports evictions (to feed a write-back tier) also mixes in ``EvictionListenerConformance``. A shared
+store whose server does the evicting (Redis with maxmemory) stays with the base class.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ BLOB_BYTES = len(blob(0))
 
 
 class TierConformance:
-    evicts = True  #: the tier evicts by itself to stay under its capacity
-    reports_evictions = False  #: the tier supports set_eviction_listener
     #: ``stats().used_bytes`` moves only with the entries stored (a server's memory figure also moves with its
     #: allocator and connection buffers, so a tier reporting one sets this False; entries stay exact)
     exact_usage = True
@@ -76,6 +75,7 @@ class TierConformance:
             return [None if v is None else bytes(v) for v in values]
 
     # -- behaviour -----------------------------------------------------------------------------------------
+
     def test_round_trip_batched(self, new_tier):
         tier = new_tier()
         assert self._put(tier, [1, 2, 3]) == [True, True, True]
@@ -118,52 +118,6 @@ class TierConformance:
         assert tier.contains([key(7)]) == [False]
         assert tier.stats().used_bytes <= tier.stats().capacity_bytes
 
-    def test_capacity_never_exceeded(self, new_tier):
-        if not self.evicts:
-            pytest.skip("this tier leaves eviction to its server")
-        capacity = 8 * BLOB_BYTES + BLOB_BYTES // 2
-        tier = new_tier(capacity)
-        for i in range(40):
-            self._put(tier, [i])
-            stats = tier.stats()
-            assert stats.used_bytes <= stats.capacity_bytes <= capacity
-        assert 0 < tier.stats().entries <= 8
-        assert tier.contains([key(39)]) == [True]
-
-    def test_lru_eviction_order(self, new_tier):
-        if not self.evicts:
-            pytest.skip("this tier leaves eviction to its server")
-        tier = new_tier(4 * BLOB_BYTES + 100)
-        for i in range(4):
-            self._put(tier, [i])
-        assert tier.contains([key(i) for i in range(4)]) == [True] * 4
-        self._read(tier, [0])  # 0 is now the most recently used
-        self._put(tier, [10])  # must evict 1, the least recently used
-        assert tier.contains([key(i) for i in (0, 1, 2, 3, 10)]) == [True, False, True, True, True]
-
-    def test_pinned_entries_survive_pressure(self, new_tier):
-        if not self.evicts:
-            pytest.skip("this tier leaves eviction to its server")
-        tier = new_tier(4 * BLOB_BYTES + 100)
-        self._put(tier, [0, 1])
-        with tier.get([key(0)]) as (view,):
-            assert view is not None
-            for i in range(100, 120):  # far more than fits: everything but the pinned entry churns
-                self._put(tier, [i])
-                assert bytes(view) == blob(0, seal=tier.verifies)
-            assert tier.contains([key(0)]) == [True]
-            assert tier.stats().used_bytes <= tier.stats().capacity_bytes
-
-    def test_full_of_pinned_skips_store(self, new_tier):
-        if not self.evicts:
-            pytest.skip("this tier leaves eviction to its server")
-        tier = new_tier(2 * BLOB_BYTES + 100)
-        self._put(tier, [0, 1])
-        with tier.get([key(0), key(1)]) as views:
-            assert all(v is not None for v in views)
-            assert self._put(tier, [2]) == [False]
-        assert self._put(tier, [2]) == [True]  # pins released: it fits again
-
     def test_delete_while_pinned_keeps_bytes_until_released(self, new_tier):
         tier = new_tier()
         self._put(tier, [3])
@@ -173,16 +127,6 @@ class TierConformance:
             assert bytes(view) == blob(3, seal=tier.verifies)
         self.settle(tier)
         assert tier.contains([key(3)]) == [False]
-
-    def test_pins_released_when_reader_raises(self, new_tier):
-        if not self.evicts:
-            pytest.skip("this tier leaves eviction to its server")
-        tier = new_tier(2 * BLOB_BYTES + 100)
-        self._put(tier, [0, 1])
-        with pytest.raises(RuntimeError):
-            with tier.get([key(0), key(1)]):
-                raise RuntimeError("reader failed")
-        assert self._put(tier, [2]) == [True]  # 0 or 1 could be evicted, so they were unpinned
 
     def test_concurrent_readers_and_writers(self, new_tier):
         tier = new_tier(16 * BLOB_BYTES)
@@ -207,9 +151,61 @@ class TierConformance:
             t.join()
         assert not errors, errors[0]
 
+
+class EvictingTierConformance(TierConformance):
+    """For tiers that evict by themselves: capacity is hard, order follows the policy, pins hold."""
+
+    def test_capacity_never_exceeded(self, new_tier):
+        capacity = 8 * BLOB_BYTES + BLOB_BYTES // 2
+        tier = new_tier(capacity)
+        for i in range(40):
+            self._put(tier, [i])
+            stats = tier.stats()
+            assert stats.used_bytes <= stats.capacity_bytes <= capacity
+        assert 0 < tier.stats().entries <= 8
+        assert tier.contains([key(39)]) == [True]
+
+    def test_lru_eviction_order(self, new_tier):
+        tier = new_tier(4 * BLOB_BYTES + 100)
+        for i in range(4):
+            self._put(tier, [i])
+        assert tier.contains([key(i) for i in range(4)]) == [True] * 4
+        self._read(tier, [0])  # 0 is now the most recently used
+        self._put(tier, [10])  # must evict 1, the least recently used
+        assert tier.contains([key(i) for i in (0, 1, 2, 3, 10)]) == [True, False, True, True, True]
+
+    def test_pinned_entries_survive_pressure(self, new_tier):
+        tier = new_tier(4 * BLOB_BYTES + 100)
+        self._put(tier, [0, 1])
+        with tier.get([key(0)]) as (view,):
+            assert view is not None
+            for i in range(100, 120):  # far more than fits: everything but the pinned entry churns
+                self._put(tier, [i])
+                assert bytes(view) == blob(0, seal=tier.verifies)
+            assert tier.contains([key(0)]) == [True]
+            assert tier.stats().used_bytes <= tier.stats().capacity_bytes
+
+    def test_full_of_pinned_skips_store(self, new_tier):
+        tier = new_tier(2 * BLOB_BYTES + 100)
+        self._put(tier, [0, 1])
+        with tier.get([key(0), key(1)]) as views:
+            assert all(v is not None for v in views)
+            assert self._put(tier, [2]) == [False]
+        assert self._put(tier, [2]) == [True]  # pins released: it fits again
+
+    def test_pins_released_when_reader_raises(self, new_tier):
+        tier = new_tier(2 * BLOB_BYTES + 100)
+        self._put(tier, [0, 1])
+        with pytest.raises(RuntimeError):
+            with tier.get([key(0), key(1)]):
+                raise RuntimeError("reader failed")
+        assert self._put(tier, [2]) == [True]  # 0 or 1 could be evicted, so they were unpinned
+
+
+class EvictionListenerConformance:
+    """Mix in (with EvictingTierConformance) for tiers that report evictions to a write-back tier."""
+
     def test_eviction_listener_sees_valid_bytes(self, new_tier):
-        if not self.reports_evictions:
-            pytest.skip("this tier reports no evictions")
         tier = new_tier(2 * BLOB_BYTES + 100)
         seen: dict[bytes, bytes] = {}
         tier.set_eviction_listener(lambda k, b: seen.__setitem__(bytes(k), bytes(b)))

@@ -3,6 +3,8 @@
 Each engine runs once per module, in its own interpreter (tests/integrations/vllm_engine.py), and every
 test reads what the engines recorded. Block size 32, chunk size 64; prompts of 300, 256 and 100 tokens
 (full chunks: 4, 4 and 1; the 256-token prompt is entirely cached, so vLLM still computes its last token).
+Three engines: plain vLLM; vLLM with kvtier (memory, then disk) in vLLM's default two-process layout; and a
+new engine process on the same disk directory, in-process so the test can damage a chunk in its memory tier.
 """
 
 from __future__ import annotations
@@ -54,25 +56,10 @@ def engine(workdir: Path):
     return run
 
 
-def memory_tier() -> str:
-    return json.dumps({"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]})
-
-
-def shared_tier(workdir: Path) -> dict | None:
-    """A tier a later process can read: the disk tier where this checkout has it."""
-    from kvtier.tiers import TIER_KINDS
-
-    if "disk" in TIER_KINDS:
-        return {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB"}
-    return None
-
-
 def kvtier_tiers(workdir: Path) -> str:
-    """Memory first, then the shared tier (written through) when there is one."""
-    tiers = [{"kind": "memory", "capacity_bytes": "64MiB"}]
-    if (shared := shared_tier(workdir)) is not None:
-        tiers.append(shared)
-    return json.dumps({"chunk_size": CHUNK, "tiers": tiers})
+    """Memory first, then a disk directory (written through) that a later engine process reads."""
+    disk = {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB"}
+    return json.dumps({"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}, disk]})
 
 
 @pytest.fixture(scope="module")
@@ -107,25 +94,29 @@ def test_repeated_prompt_loads_its_prefix_from_kvtier(with_kvtier):
     assert cached(with_kvtier["again"]) == FULL_HITS
 
 
-def test_corrupt_chunk_is_recomputed_and_output_unchanged(engine, baseline):
-    run = engine("corrupt", memory_tier(), ("gen:cold", "reset", "metrics:m_before", "corrupt:0:1", "gen:after",
-                                            "reset", "metrics:m_after", "gen:healed"), in_process=True)
+@pytest.fixture(scope="module")
+def second_engine(engine, workdir, with_kvtier) -> dict:
+    """A new engine process (started after with_kvtier's exited), worker in the engine process so the test
+    can reach its cache. Its first prompts hit what the first engine stored on disk."""
+    steps = ("gen:first", "reset", "metrics:m_before", "corrupt:0:1", "gen:after", "reset", "metrics:m_after",
+             "gen:healed")
+    return engine("second", kvtier_tiers(workdir), steps, in_process=True)
+
+
+def test_new_engine_process_gets_hits_from_the_first_ones_prompts(baseline, second_engine):
+    assert cached(second_engine["first"]) == FULL_HITS
+    assert tokens(second_engine["first"]) == tokens(baseline)
+
+
+def test_corrupt_chunk_is_recomputed_and_output_unchanged(baseline, second_engine):
+    run = second_engine
     before, after = run["m_before"], run["m_after"]
-    # Prompt 0's chunk 1 failed verification: counted, and only chunk 0 of it was loaded; vLLM recomputed
-    # the rest (its num_cached_tokens counts what was promised at scheduling time, so it cannot show this).
-    assert after["kvtier_corrupt_chunks_total{tier=\"memory\"}"] == 1
+    # Prompt 0's chunk 1 failed verification in the memory tier: counted, and only chunk 0 of that prompt was
+    # loaded; vLLM recomputed the rest (its num_cached_tokens counts what was promised at scheduling time).
+    assert after['kvtier_corrupt_chunks_total{tier="memory"}'] == 1
     hit = 'kvtier_hit_tokens_total{tier="memory"}'
     assert after[hit] - before.get(hit, 0) == CHUNK + 4 * CHUNK + CHUNK
     assert tokens(run["after"]) == tokens(baseline)
     # The corrupt chunk was dropped; the recomputed request stored it again, intact.
     assert cached(run["healed"]) == FULL_HITS
     assert tokens(run["healed"]) == tokens(baseline)
-
-
-def test_new_engine_process_gets_hits_from_the_first_ones_prompts(engine, workdir, baseline, with_kvtier):
-    if shared_tier(workdir) is None:
-        pytest.skip("needs a tier shared between processes (disk), not in this checkout")
-    # with_kvtier's engine has exited; a new one on the same directory starts with vLLM's cache empty.
-    run = engine("second", kvtier_tiers(workdir), ("gen:first",))
-    assert cached(run["first"]) == FULL_HITS
-    assert tokens(run["first"]) == tokens(baseline)

@@ -12,10 +12,10 @@ from kvtier.codecs import BytesPayload
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers import DiskTier, DiskTierConfig
-from tests.conformance.tier_suite import BLOB_BYTES, TierConformance, blob, key
+from tests.conformance.tier_suite import BLOB_BYTES, EvictingTierConformance, blob, key
 
 
-class TestDiskTierConformance(TierConformance):
+class TestDiskTierConformance(EvictingTierConformance):
     @pytest.fixture(autouse=True)
     def _root(self, tmp_path):
         self.root = tmp_path

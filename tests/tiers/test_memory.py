@@ -1,12 +1,10 @@
 import pytest
 
 from kvtier.tiers import MemoryTier
-from tests.conformance.tier_suite import TierConformance
+from tests.conformance.tier_suite import EvictingTierConformance, EvictionListenerConformance
 
 
-class TestMemoryTierConformance(TierConformance):
-    reports_evictions = True
-
+class TestMemoryTierConformance(EvictingTierConformance, EvictionListenerConformance):
     def make_tier(self, capacity_bytes: int) -> MemoryTier:
         return MemoryTier(capacity_bytes)
 

@@ -39,7 +39,6 @@ def prompt(n_chunks: int, seed: int = 0, chunk_size: int = CHUNK) -> tuple[list[
 
 # -- conformance -----------------------------------------------------------------------------------------------
 class TestRedisTierConformance(TierConformance):
-    evicts = False  # capacity and eviction are the server's (maxmemory + allkeys-lru)
     exact_usage = False  # used_bytes is the server's used_memory
     tier_options: ClassVar[dict] = {}
 

@@ -13,7 +13,6 @@ from tests.tiers.test_redis import CHUNK, make_cache, prompt
 
 
 class TestRedisClusterConformance(TierConformance):
-    evicts = False
     exact_usage = False
 
     @pytest.fixture(autouse=True)

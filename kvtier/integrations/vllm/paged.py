@@ -146,16 +146,13 @@ class PagedSink:
     """One request's blocks as a kvtier ``KVSink`` that leaves blocks below ``first_token`` alone.
 
     Those blocks come from vLLM's own prefix cache and may be shared with running requests.
-    ``first_token`` is a multiple of the block size. ``written_until`` is the end of the last chunk
-    received; chunks arrive in order.
+    ``first_token`` is a multiple of the block size.
     """
 
     def __init__(self, paged: PagedKV, block_ids: Sequence[int], first_token: int) -> None:
         self.paged, self.block_ids, self.first_token = paged, block_ids, first_token
-        self.written_until = 0
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
         skip = max(self.first_token - start, 0)
         if skip < end - start:
             self.paged.scatter(self.block_ids, start + skip, chunk[:, :, skip:])
-        self.written_until = end

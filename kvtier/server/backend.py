@@ -1,0 +1,121 @@
+"""What the HTTP layer serves: a model, its tokenizer, an optional KVCache and the engine thread.
+
+``Backend.from_config`` loads a transformers model from a local folder (by default the packaged
+SmolLM2-135M-Instruct) and wraps it in a PrefixCachedLM over a KVCache built from ``CacheConfig``, or over
+no cache at all (``cache=None``: the same server without kvtier, the baseline for comparisons).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.cache import KVCache
+from kvtier.config import CacheConfig
+from kvtier.errors import ConfigError
+from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity
+from kvtier.metrics import Metrics
+from kvtier.server.engine import Engine
+from kvtier.server.protocol import RequestError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How ``kvtier serve`` runs. ``cache=None`` serves without kvtier; ``model_path=None`` is SmolLM2."""
+
+    model_path: Path | None = None
+    served_name: str | None = None
+    cache: CacheConfig | None = field(default_factory=CacheConfig)
+    max_queue: int = 16
+    default_max_tokens: int = 256
+    dtype: str = "float32"
+
+
+def tenant_salt(api_key: str | None) -> bytes:
+    """The cache salt of a caller: a digest of its API key (empty for callers without one).
+
+    Derived from the Authorization header only, so one tenant can never name another's cache entries.
+    """
+    if not api_key:
+        return b""
+    return hashlib.sha256(b"kvtier-tenant\x00" + api_key.encode()).digest()
+
+
+class Backend:
+    """Model, tokenizer, engine and metrics behind the routes. Use ``close()`` to stop the engine."""
+
+    def __init__(self, model, tokenizer, config: ServerConfig, name: str) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.name = name
+        self.cache = (KVCache(kv_spec(model), model_identity(model), config.cache)
+                      if config.cache is not None else None)
+        self.metrics = self.cache.metrics if self.cache is not None else Metrics()
+        self.lm = PrefixCachedLM(model, self.cache)
+        self.engine = Engine(self.lm, self.metrics, max_queue=config.max_queue)
+        text_config = model.config.get_text_config(decoder=True)
+        self.context = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
+        self.vocab_size = int(text_config.vocab_size)
+        self.stop_ids = sorted({i for i in (tokenizer.eos_token_id, _token_id(tokenizer, "<|im_end|>"))
+                                if i is not None})
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> Backend:
+        from kvtier.models import load_model
+
+        model, tokenizer = load_model(config.model_path, dtype=config.dtype)
+        name = config.served_name or (config.model_path.name if config.model_path else "SmolLM2-135M-Instruct")
+        return cls(model, tokenizer, config, name)
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    # -- prompts ---------------------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template, ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template: use /v1/completions", param="messages")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt, or the given ids after a range check."""
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+            if not ids:
+                raise RequestError("prompt encodes to no tokens", param="prompt")
+            return ids
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        return list(prompt)
+
+    def budget(self, prompt_ids: list[int], requested: int | None) -> int:
+        """Tokens to generate: ``requested`` if it fits the context, else a 400; by default what fits."""
+        room = self.context - len(prompt_ids)
+        if room < 1:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.context}",
+                               param="prompt")
+        if requested is None:
+            return min(self.config.default_max_tokens, room)
+        if requested > room:
+            raise RequestError(f"max_tokens={requested} does not fit: the prompt has {len(prompt_ids)} tokens and "
+                               f"the context is {self.context}", param="max_tokens")
+        return requested
+
+
+def _token_id(tokenizer, token: str) -> int | None:
+    vocab = tokenizer.get_vocab()
+    return vocab.get(token)
+
+
+def check_model_path(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").exists():
+        raise ConfigError(f"{folder} is not a model folder (no config.json)")
+    return folder

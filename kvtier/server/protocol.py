@@ -1,0 +1,143 @@
+"""OpenAI request bodies: parsing, validation and the subset of the API the server implements.
+
+Decoding is greedy (what PrefixCachedLM does), so sampling parameters are accepted only where they mean
+greedy decoding: ``temperature`` 0 or absent, ``top_p`` 1 or absent, ``n`` 1, no penalties other than 0.
+Anything else is refused with a 400 that says why, rather than silently ignored. Unknown fields are refused
+too, so a typo never passes unnoticed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class RequestError(ValueError):
+    """A request the server refuses; ``status`` is the HTTP status (4xx) to answer with."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    seed: int | None = None
+
+    def check_greedy(self) -> None:
+        """Refuse sampling settings other than greedy decoding."""
+        if self.temperature not in (None, 0, 0.0):
+            raise RequestError("only greedy decoding is served: temperature must be 0 or absent", param="temperature")
+        if self.top_p not in (None, 1, 1.0):
+            raise RequestError("only greedy decoding is served: top_p must be 1 or absent", param="top_p")
+        if self.n not in (None, 1):
+            raise RequestError("n must be 1: one greedy completion per request", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise RequestError(f"{name} is not supported (must be 0 or absent)", param=name)
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise RequestError("stop takes up to 4 non-empty strings", param="stop")
+        return stops
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """``/v1/completions``: ``prompt`` is text or token ids (a batch of one is accepted too)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def prompt_value(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise RequestError("batched prompts are not supported: send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise RequestError("prompt must not be empty", param="prompt")
+        return prompt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role: str) -> str:
+        return "system" if role == "developer" else role
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Common):
+    """``/v1/chat/completions``: the model's chat template turns ``messages`` into the prompt."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def parse(model: type[_Common], body: Any) -> Any:
+    """Validate a decoded JSON body; raise RequestError (400) with every problem spelled out."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "body"
+            msg = "unsupported field" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(f"{where}: {msg}")
+        first = exc.errors()[0]["loc"]
+        raise RequestError("invalid request: " + "; ".join(problems[:5]),
+                           param=str(first[0]) if first else None) from None
+    request.check_greedy()
+    return request
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

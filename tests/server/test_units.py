@@ -1,0 +1,75 @@
+"""Pieces of the server that need no HTTP: text streaming, tenant salts, request validation."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvtier.server.backend import tenant_salt
+from kvtier.server.protocol import ChatRequest, CompletionRequest, RequestError, parse
+from kvtier.server.textstream import TextStream
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_text_stream_releases_the_decoded_text_in_pieces(tokenizer):
+    ids = tokenizer.encode("the cache keeps a prefix of every prompt")
+    stream = TextStream(tokenizer)
+    pieces = [stream.push(t) for t in ids] + [stream.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert sum(1 for p in pieces if p) > 1
+
+
+def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it(tokenizer):
+    ids = tokenizer.encode("the cache keeps a prefix of every prompt")
+    stream = TextStream(tokenizer, stop=["prefix"])
+    released = ""
+    for t in ids:
+        released += stream.push(t)
+        assert "pre" not in released or stream.stopped
+    released += stream.flush()
+    assert stream.stopped and released == "the cache keeps a "
+
+
+def test_text_stream_skips_end_of_turn_tokens(tokenizer):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stream = TextStream(tokenizer, skip_ids=[end])
+    text = "".join(stream.push(t) for t in [*tokenizer.encode("music"), end]) + stream.flush()
+    assert text == "music"
+
+
+def test_tenant_salt_is_per_key_and_empty_without_one():
+    assert tenant_salt(None) == tenant_salt("") == b""
+    assert tenant_salt("a") != tenant_salt("b")
+    assert len(tenant_salt("a")) == 32 and tenant_salt("a") == tenant_salt("a")
+
+
+def test_requests_accept_openai_shapes():
+    req = parse(CompletionRequest, {"prompt": [[1, 2, 3]], "temperature": 0, "top_p": 1, "n": 1})
+    assert req.prompt_value() == [1, 2, 3]
+    chat = parse(ChatRequest, {"messages": [{"role": "developer", "content": [{"type": "text", "text": "hi"}]}],
+                               "max_completion_tokens": 5})
+    assert chat.template_messages() == [{"role": "system", "content": "hi"}] and chat.limit() == 5
+
+
+@pytest.mark.parametrize("body", [{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, {"prompt": "x", "stop": [""]}])
+def test_bad_stop_lists_are_refused(body):
+    with pytest.raises(RequestError, match="stop"):
+        parse(CompletionRequest, body).stop_strings()
+
+
+def test_serve_binds_loopback_unless_told_and_builds_the_cache_from_flags():
+    import argparse
+
+    from kvtier.server.cli import add_parser, cache_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve"])
+    assert args.host == "127.0.0.1"
+    config = cache_config(parser.parse_args(["serve", "--chunk-size", "64", "--memory-bytes", "8MiB"]))
+    assert config.chunk_size == 64 and config.tiers[0].capacity_bytes == 8 << 20
+    assert cache_config(parser.parse_args(["serve", "--no-cache"])) is None
