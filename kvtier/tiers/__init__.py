@@ -10,6 +10,7 @@ from kvtier.tiers.base import (
     WriteMode,
     contains_prefix,
     register_tier,
+    stats_gauges,
 )
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig

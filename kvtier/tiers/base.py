@@ -63,6 +63,15 @@ class Tier(Protocol):
         """Release resources; flush pending writes where the tier has them."""
 
 
+def stats_gauges(tier: Tier) -> Iterator[tuple[str, dict[str, str], float]]:
+    """The gauges every tier exports from its ``stats()``: used bytes, capacity and entries."""
+    stats = tier.stats()
+    labels = {"tier": tier.name}
+    yield "kvtier_tier_used_bytes", labels, stats.used_bytes
+    yield "kvtier_tier_capacity_bytes", labels, stats.capacity_bytes
+    yield "kvtier_tier_entries", labels, stats.entries
+
+
 def contains_prefix(tier: Tier, keys: Sequence[ChunkHash]) -> int:
     """How many leading keys the tier holds."""
     for i, present in enumerate(tier.contains(keys)):

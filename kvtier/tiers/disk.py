@@ -43,7 +43,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.policy import EvictionPolicy, make_policy
-from kvtier.tiers.base import TierConfig, TierContext, TierStats, register_tier
+from kvtier.tiers.base import TierConfig, TierContext, TierStats, register_tier, stats_gauges
 from kvtier.tiers.disk_files import (
     BufferPool,
     DiskIOError,
@@ -313,12 +313,8 @@ class DiskTier:
         log.warning("disk tier %s: %s failed: %s", self.name, op, exc)
 
     def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
-        stats = self.stats()
-        labels = {"tier": self.name}
-        yield "kvtier_tier_used_bytes", labels, stats.used_bytes
-        yield "kvtier_tier_capacity_bytes", labels, stats.capacity_bytes
-        yield "kvtier_tier_entries", labels, stats.entries
-        yield "kvtier_disk_write_queue", labels, self._index.queued
+        yield from stats_gauges(self)
+        yield "kvtier_disk_write_queue", {"tier": self.name}, self._index.queued
 
 
 @register_tier

@@ -22,7 +22,14 @@ from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.policy import EvictionPolicy, make_policy
 from kvtier.tiers.allocator import Allocator
-from kvtier.tiers.base import EvictionListener, TierConfig, TierContext, TierStats, register_tier
+from kvtier.tiers.base import (
+    EvictionListener,
+    TierConfig,
+    TierContext,
+    TierStats,
+    register_tier,
+    stats_gauges,
+)
 
 
 class _Entry:
@@ -59,7 +66,7 @@ class MemoryTier:
         self._entries: dict[ChunkHash, _Entry] = {}
         self._lock = threading.Lock()
         self._on_evict: EvictionListener | None = None
-        self._metrics.add_gauges(self._gauges)
+        self._metrics.add_gauges(lambda: stats_gauges(self))
 
     # -- the Tier protocol ---------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
@@ -162,13 +169,6 @@ class MemoryTier:
             entry.doomed = True  # freed by the last reader
         else:
             self._alloc.free(entry.offset, entry.nbytes)
-
-    def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
-        stats = self.stats()
-        labels = {"tier": self.name}
-        yield "kvtier_tier_used_bytes", labels, stats.used_bytes
-        yield "kvtier_tier_capacity_bytes", labels, stats.capacity_bytes
-        yield "kvtier_tier_entries", labels, stats.entries
 
 
 @register_tier
