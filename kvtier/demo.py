@@ -21,6 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--document", type=Path, default=None, help="JSON with 'title', 'text', 'questions'")
     p.add_argument("--config", type=Path, default=None, help="kvtier YAML config (default: env / built-in)")
     p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--chunk-size", type=int, default=64,
+                   help="tokens per cached chunk; the tokens after the last full chunk are recomputed (default 64)")
     p.set_defaults(func=run)
 
 
@@ -37,12 +39,12 @@ def run(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args.model)
     doc = load_document(args.document)
-    config = CacheConfig.load(args.config, chunk_size=256) if args.config is None else CacheConfig.load(args.config)
+    config = CacheConfig.load(args.config, chunk_size=args.chunk_size)
     cached = PrefixCachedLM.with_new_cache(model, config)
     plain = PrefixCachedLM(model, None)
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
-    print(f"Document: {doc['title']} ({len(doc['text'].split())} words)\n")
+    print(f"Document: {doc['title']} ({len(doc['text'].split())} words), chunk size {config.chunk_size}\n")
     rows = []
     for question in doc["questions"]:
         messages = [{"role": "system", "content": SYSTEM},
