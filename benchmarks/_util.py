@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,3 +33,14 @@ def median(values: list[float]) -> float:
 def result(figures: dict[str, float]) -> None:
     """Print the one closing line every benchmark ends with."""
     print("RESULT " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache (root only); False where the kernel refuses."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+        return True
+    except OSError:
+        return False

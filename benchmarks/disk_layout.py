@@ -22,19 +22,14 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("1\n")
-        return True
-    except OSError:
-        return False
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import drop_caches  # noqa: E402
 
 
 def write_plain(path: str, data: memoryview, chunk: int) -> float:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import best, median, result  # noqa: E402
+from _util import best, drop_caches, median, result  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
 from kvtier.blob import blob_bytes, encode_blob  # noqa: E402
@@ -43,16 +43,6 @@ from kvtier.tiers import DiskTier, DiskTierConfig, MemoryTierConfig  # noqa: E40
 SPEC = KVSpec(num_layers=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)  # Llama-3.2-1B-like
 CHUNK_TOKENS = 256
 READ_BATCH = 16
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("1\n")
-        return True
-    except OSError:
-        return False
 
 
 def make_blobs(total_bytes: int) -> tuple[list[bytes], list[bytes]]:

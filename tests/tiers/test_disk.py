@@ -13,6 +13,7 @@ from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers import DiskTier, DiskTierConfig
 from tests.conformance.tier_suite import BLOB_BYTES, EvictingTierConformance, blob, key
+from tests.tiers.disk_helpers import put, read
 
 
 class TestDiskTierConformance(EvictingTierConformance):
@@ -37,15 +38,6 @@ def hold_writers(tier: DiskTier) -> threading.Event:
     return gate
 
 
-def put(tier: DiskTier, ids) -> list[bool]:
-    result = tier.put([(key(i), BytesPayload(blob(i))) for i in ids])
-    tier.flush()
-    return result
-
-
-def read(tier: DiskTier, ids) -> list[bytes | None]:
-    with tier.get([key(i) for i in ids]) as views:
-        return [None if v is None else bytes(v) for v in views]
 
 
 def test_files_live_under_the_codec_and_key(tmp_path):

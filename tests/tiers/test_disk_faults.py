@@ -11,21 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.codecs import BytesPayload
 from kvtier.errors import ConfigError
 from kvtier.tiers import DiskTier
 from tests.conformance.tier_suite import blob, key
-
-
-def put(tier: DiskTier, ids) -> list[bool]:
-    result = tier.put([(key(i), BytesPayload(blob(i))) for i in ids])
-    tier.flush()
-    return result
-
-
-def read(tier: DiskTier, ids) -> list[bytes | None]:
-    with tier.get([key(i) for i in ids]) as views:
-        return [None if v is None else bytes(v) for v in views]
+from tests.tiers.disk_helpers import put, read
 
 
 def leftovers(root: Path) -> list[str]:

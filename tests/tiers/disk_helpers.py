@@ -1,0 +1,19 @@
+"""Helpers shared by the disk tier's test modules."""
+
+from __future__ import annotations
+
+from kvtier.codecs import BytesPayload
+from kvtier.tiers import DiskTier
+from tests.conformance.tier_suite import blob, key
+
+
+def put(tier: DiskTier, ids) -> list[bool]:
+    """Store the conformance blobs of ``ids`` and wait until the background writers have written them."""
+    result = tier.put([(key(i), BytesPayload(blob(i))) for i in ids])
+    tier.flush()
+    return result
+
+
+def read(tier: DiskTier, ids) -> list[bytes | None]:
+    with tier.get([key(i) for i in ids]) as views:
+        return [None if v is None else bytes(v) for v in views]
