@@ -6,7 +6,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 
 def timed(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> list[float]:
@@ -44,3 +44,28 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def plain_write(path: str, parts: Iterable[bytes | memoryview]) -> float:
+    """Seconds to write ``parts`` sequentially to one new file with a single fsync: the disk's write limit."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for part in parts:
+            view = memoryview(part)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def plain_read(path: str, block: int) -> float:
+    """Seconds to read a file sequentially into one reused ``block``-sized buffer: the disk's read limit."""
+    buf = bytearray(block)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as fh:
+        while fh.readinto(buf):
+            pass
+    return time.perf_counter() - start

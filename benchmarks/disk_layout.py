@@ -29,17 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import drop_caches  # noqa: E402
-
-
-def write_plain(path: str, data: memoryview, chunk: int) -> float:
-    t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for off in range(0, len(data), chunk):
-        os.write(fd, data[off : off + chunk])
-    os.fsync(fd)
-    os.close(fd)
-    return time.perf_counter() - t
+from _util import drop_caches, plain_read, plain_write  # noqa: E402
 
 
 def write_files(root: str, data: memoryview, chunk: int) -> float:
@@ -66,15 +56,6 @@ def write_segment(path: str, data: memoryview, chunk: int) -> float:
         os.write(fd, data[off : off + chunk])
         os.fdatasync(fd)
     os.close(fd)
-    return time.perf_counter() - t
-
-
-def read_plain(path: str, total: int, chunk: int) -> float:
-    buf = bytearray(chunk)
-    t = time.perf_counter()
-    with open(path, "rb", buffering=0) as fh:
-        while fh.readinto(buf):
-            pass
     return time.perf_counter() - t
 
 
@@ -142,11 +123,11 @@ def main() -> None:
             chunk = kib << 10
             n = total // chunk
             plain, seg, files = (os.path.join(base, x) for x in ("plain", "segment", "files"))
-            w_plain = write_plain(plain, data, chunk)
+            w_plain = plain_write(plain, (data[off : off + chunk] for off in range(0, len(data), chunk)))
             w_seg = write_segment(seg, data, chunk)
             w_files = write_files(files, data, chunk)
             dropped = drop_caches()
-            r_plain = read_plain(plain, total, chunk)
+            r_plain = plain_read(plain, chunk)
             dropped = drop_caches() and dropped
             r_seg = read_segment(seg, n, chunk, args.threads)
             dropped = drop_caches() and dropped

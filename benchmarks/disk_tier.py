@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import best, drop_caches, median, result  # noqa: E402
+from _util import best, drop_caches, median, plain_read, plain_write, result  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
 from kvtier.blob import blob_bytes, encode_blob  # noqa: E402
@@ -60,27 +60,6 @@ def make_blobs(total_bytes: int) -> tuple[list[bytes], list[bytes]]:
         blob = encode_blob(key, tokens[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS], codec, chunk, seal=True)
         blobs.append(bytes(blob_bytes(blob)))
     return keys, blobs
-
-
-def plain_write(path: str, blobs: list[bytes]) -> float:
-    start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for blob in blobs:
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(fd, view) :]
-    os.fsync(fd)
-    os.close(fd)
-    return time.perf_counter() - start
-
-
-def plain_read(path: str, block: int) -> float:
-    buf = bytearray(block)
-    start = time.perf_counter()
-    with open(path, "rb", buffering=0) as fh:
-        while fh.readinto(buf):
-            pass
-    return time.perf_counter() - start
 
 
 def tier_write(tier: DiskTier, keys, blobs) -> float:
