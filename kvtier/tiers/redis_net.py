@@ -136,10 +136,13 @@ class Conn:
             return False
 
     def close(self) -> None:
+        """Drop the connection; one that is already broken is dropped all the same."""
+        from redis.exceptions import RedisError
+
         try:
             self.raw.disconnect()
-        except Exception:
-            pass
+        except (OSError, RedisError) as exc:
+            log.debug("closing a redis connection: %s", exc)
 
 
 class Node:
