@@ -37,6 +37,7 @@ class LosslessCodec:
     """Byte planes + zstd (default level 1) or lz4. Decodes into a new tensor (never a view of the payload)."""
 
     codec_id = 1
+    exact = True
 
     def __init__(self, method: int = _ZSTD, level: int = 1) -> None:
         if method not in (_ZSTD, _LZ4) or not -7 <= level <= 22:
