@@ -7,6 +7,9 @@
 * only the remaining tokens are prefilled;
 * the first token is yielded before the prompt's KV is stored, so storing never delays time to first token;
 * decoding is greedy, so outputs with and without the cache are comparable token for token.
+
+Models with SSM layers (Mamba2, hybrids) keep state beyond KV: :func:`prefix_cached_lm` and
+:func:`cache_spec` pick kvtier.integrations.hybrid's StatefulPrefixCachedLM and ModelStateSpec for them.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
 from kvtier.layout import KVSpec
+from kvtier.state import ModelStateSpec
 
 
 def kv_spec(model: PreTrainedModel) -> KVSpec:
@@ -35,6 +40,30 @@ def kv_spec(model: PreTrainedModel) -> KVSpec:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return KVSpec(config.num_hidden_layers, kv_heads, head_dim, model.dtype)
+
+
+def has_recurrent_state(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s cache has SSM (linear-attention) layers, whose state is not per-token KV."""
+    past = DynamicCache(config=model.config)
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in past.layers)
+
+
+def cache_spec(model: PreTrainedModel) -> KVSpec | ModelStateSpec:
+    """What a KVCache for ``model`` holds: its KVSpec, or a ModelStateSpec for models with SSM layers."""
+    if not has_recurrent_state(model):
+        return kv_spec(model)
+    from kvtier.integrations.hybrid import model_state_spec
+
+    return model_state_spec(model)
+
+
+def prefix_cached_lm(model: PreTrainedModel, cache: KVCache | None) -> PrefixCachedLM:
+    """The generator for ``model``: PrefixCachedLM, or StatefulPrefixCachedLM for models with SSM layers."""
+    if not has_recurrent_state(model):
+        return PrefixCachedLM(model, cache)
+    from kvtier.integrations.hybrid import StatefulPrefixCachedLM
+
+    return StatefulPrefixCachedLM(model, cache)
 
 
 def model_identity(model: PreTrainedModel) -> str:
@@ -87,14 +116,21 @@ class GenerationStats:
 class PrefixCachedLM:
     """Greedy generation for one causal LM, reusing prompt prefixes through a KVCache (or none)."""
 
+    #: Subclasses that restore SSM state set this; this class would silently drop it.
+    keeps_recurrent_state = False
+
     def __init__(self, model: PreTrainedModel, cache: KVCache | None) -> None:
+        if not self.keeps_recurrent_state and has_recurrent_state(model):
+            raise ConfigError(f"{type(model).__name__} has SSM layers: use prefix_cached_lm(model, cache)")
         self.model = model
         self.cache = cache
         self.device = model.device
 
     @classmethod
     def with_new_cache(cls, model: PreTrainedModel, config=None, **kwargs) -> PrefixCachedLM:
-        return cls(model, KVCache(kv_spec(model), model_identity(model), config, **kwargs))
+        """A generator for ``model`` over a new KVCache (the stateful one for models with SSM layers)."""
+        cache = KVCache(cache_spec(model), model_identity(model), config, **kwargs)
+        return prefix_cached_lm(model, cache) if cls is PrefixCachedLM else cls(model, cache)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
                  stop_ids: Sequence[int] = ()) -> GenerationStats:
@@ -117,10 +153,7 @@ class PrefixCachedLM:
         stats.prompt_tokens = len(prompt)
         begin = time.perf_counter()
         past, n_cached = self._cached_prefix(prompt, salt, stats)
-        ids = torch.tensor([prompt[n_cached:]], device=self.device)
-        # logits_to_keep=1: the LM head only for the last position (for a 49k vocabulary it would otherwise
-        # cost as much as a good part of the prefill).
-        logits = self.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1).logits
+        logits = self._prefill(prompt, n_cached, past)
         token = int(logits[0, -1].argmax())
         stats.ttft_s = time.perf_counter() - begin
         stats.cached_tokens = n_cached
@@ -131,10 +164,21 @@ class PrefixCachedLM:
                 self._store(prompt, past, salt, stats)
             if token in stop_ids or step + 1 == max_new_tokens:
                 break
-            logits = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=past,
-                                use_cache=True).logits
+            logits = self._decode(token, len(prompt) + step, past)
             token = int(logits[0, -1].argmax())
         stats.total_s = time.perf_counter() - begin
+
+    def _prefill(self, prompt: list[int], start: int, past: DynamicCache) -> torch.Tensor:
+        """Logits (of the last position) after computing ``prompt[start:]`` into ``past``."""
+        ids = torch.tensor([prompt[start:]], device=self.device)
+        # logits_to_keep=1: the LM head only for the last position (for a 49k vocabulary it would otherwise
+        # cost as much as a good part of the prefill).
+        return self.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1).logits
+
+    def _decode(self, token: int, position: int, past: DynamicCache) -> torch.Tensor:
+        """Logits after feeding ``token``, the sequence's ``position``-th, into ``past``."""
+        return self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=past,
+                          use_cache=True).logits
 
     def _cached_prefix(self, prompt: list[int], salt: bytes, stats: GenerationStats) -> tuple[DynamicCache, int]:
         if self.cache is None:
