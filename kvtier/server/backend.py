@@ -14,7 +14,7 @@ from pathlib import Path
 from kvtier.cache import KVCache
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
-from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity
+from kvtier.integrations.transformers import cache_spec, model_identity, prefix_cached_lm
 from kvtier.metrics import Metrics
 from kvtier.server.engine import Engine
 from kvtier.server.protocol import RequestError
@@ -49,10 +49,10 @@ class Backend:
         self.config = config
         self.tokenizer = tokenizer
         self.name = name
-        self.cache = (KVCache(kv_spec(model), model_identity(model), config.cache)
+        self.cache = (KVCache(cache_spec(model), model_identity(model), config.cache)
                       if config.cache is not None else None)
         self.metrics = self.cache.metrics if self.cache is not None else Metrics()
-        self.lm = PrefixCachedLM(model, self.cache)
+        self.lm = prefix_cached_lm(model, self.cache)
         self.engine = Engine(self.lm, self.metrics, max_queue=config.max_queue)
         text_config = model.config.get_text_config(decoder=True)
         self.context = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
