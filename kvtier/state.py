@@ -179,13 +179,19 @@ class SnapshotPolicy:
                                                   ["every" if self.interval == 1 else f"every-{self.interval}"])
         return "+".join(parts)
 
-    def boundaries(self, cached: int, full: int) -> list[int]:
-        """Boundaries (counted in chunks) to snapshot for a request with ``full`` full chunks, of which the
-        first ``cached`` came from the cache: those in ``(cached, full]`` the policy selects, ascending."""
+    def boundaries(self, cached: int, prompt_tokens: int, chunk_size: int) -> list[int]:
+        """Boundaries (counted in chunks, ascending) to snapshot for a prompt of ``prompt_tokens`` tokens whose
+        first ``cached`` chunks came from the cache.
+
+        ``last`` is the last boundary *before* the prompt's last token: the engine always computes at least
+        one token, so a repeat of the same prompt can restore that boundary and no later one (for a prompt of
+        whole chunks, a snapshot at its very end would serve only longer prompts).
+        """
         chosen = set()
         if self.interval is not None:
             first = (cached // self.interval + 1) * self.interval
-            chosen.update(range(first, full + 1, self.interval))
-        if self.last and full > cached:
-            chosen.add(full)
+            chosen.update(range(first, prompt_tokens // chunk_size + 1, self.interval))
+        last = (prompt_tokens - 1) // chunk_size
+        if self.last and last > cached:
+            chosen.add(last)
         return sorted(chosen)

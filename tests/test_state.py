@@ -81,12 +81,19 @@ def test_bad_policy_strings_are_config_errors(text):
 
 
 def test_policy_boundaries():
-    assert SnapshotPolicy(1, False).boundaries(2, 6) == [3, 4, 5, 6]
-    assert SnapshotPolicy(4, False).boundaries(2, 13) == [4, 8, 12]
-    assert SnapshotPolicy(4, False).boundaries(4, 7) == []  # boundary 4 came from the cache
-    assert SnapshotPolicy(None, True).boundaries(2, 6) == [6]
-    assert SnapshotPolicy(None, True).boundaries(6, 6) == []  # a full hit stores nothing new
-    assert SnapshotPolicy(4, True).boundaries(0, 10) == [4, 8, 10]
+    assert SnapshotPolicy(1, False).boundaries(2, 100, 16) == [3, 4, 5, 6]
+    assert SnapshotPolicy(4, False).boundaries(2, 210, 16) == [4, 8, 12]
+    assert SnapshotPolicy(4, False).boundaries(4, 120, 16) == []  # boundary 4 came from the cache
+    assert SnapshotPolicy(None, True).boundaries(2, 100, 16) == [6]
+    assert SnapshotPolicy(None, True).boundaries(6, 100, 16) == []  # a full hit stores nothing new
+    assert SnapshotPolicy(4, True).boundaries(0, 170, 16) == [4, 8, 10]
+
+
+def test_last_boundary_leaves_a_token_to_compute():
+    """For a prompt of whole chunks, the last snapshot is one chunk earlier, where a repeat can restore it."""
+    assert SnapshotPolicy(None, True).boundaries(0, 96, 16) == [5]
+    assert SnapshotPolicy(None, True).boundaries(0, 97, 16) == [6]
+    assert SnapshotPolicy(1, False).boundaries(0, 96, 16) == [1, 2, 3, 4, 5, 6]  # 6 serves longer prompts
 
 
 def test_cache_config_reads_the_policy():

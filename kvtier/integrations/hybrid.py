@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +92,19 @@ def _state(layer, kind: StateKind) -> dict[int, torch.Tensor | None]:
     return layer.conv_states if kind is StateKind.CONV else layer.recurrent_states
 
 
-@torch.inference_mode()
+_LAYOUTS: weakref.WeakKeyDictionary[PreTrainedModel, CacheLayout] = weakref.WeakKeyDictionary()
+
+
 def probe_layout(model: PreTrainedModel) -> CacheLayout:
+    """Where ``model``'s cache keeps KV and SSM state (probed once per model object)."""
+    layout = _LAYOUTS.get(model)
+    if layout is None:
+        layout = _LAYOUTS[model] = _probe(model)
+    return layout
+
+
+@torch.inference_mode()
+def _probe(model: PreTrainedModel) -> CacheLayout:
     """Run one token through ``model`` and read off where its cache keeps KV and SSM state."""
     params = inspect.signature(model.forward).parameters
     cache_arg = "cache_params" if "cache_params" in params else "past_key_values"
@@ -166,7 +178,7 @@ class StatefulPrefixCachedLM(PrefixCachedLM):
         """Compute ``prompt[start:]`` segment by segment, each ending at a chunk boundary (or the prompt's end),
         snapshotting the state at the boundaries the snapshot policy picks."""
         size = self.chunk_size
-        wanted = set(self._snapshot_boundaries(start // size, len(prompt) // size))
+        wanted = set(self._snapshot_boundaries(start // size, len(prompt)))
         ends = [*range((start // size + 1) * size, len(prompt), size), len(prompt)]
         logits = None
         for begin, end in zip([start, *ends[:-1]], ends):
@@ -175,8 +187,10 @@ class StatefulPrefixCachedLM(PrefixCachedLM):
                 past.snapshots[end // size] = self.layout.snapshot(past)
         return logits
 
-    def _snapshot_boundaries(self, cached: int, full: int) -> list[int]:
-        return [] if self.cache is None else self.cache.config.state_snapshots.boundaries(cached, full)
+    def _snapshot_boundaries(self, cached: int, prompt_tokens: int) -> list[int]:
+        if self.cache is None:
+            return []
+        return self.cache.config.state_snapshots.boundaries(cached, prompt_tokens, self.chunk_size)
 
     def _decode(self, token: int, position: int, past: DynamicCache) -> torch.Tensor:
         return self._forward([token], position, past, last_only=False)
