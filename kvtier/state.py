@@ -183,15 +183,15 @@ class SnapshotPolicy:
         """Boundaries (counted in chunks, ascending) to snapshot for a prompt of ``prompt_tokens`` tokens whose
         first ``cached`` chunks came from the cache.
 
-        ``last`` is the last boundary *before* the prompt's last token: the engine always computes at least
-        one token, so a repeat of the same prompt can restore that boundary and no later one (for a prompt of
-        whole chunks, a snapshot at its very end would serve only longer prompts).
+        ``last`` is the prompt's last full boundary, and for a prompt of whole chunks also the one before it:
+        the engine always computes at least one token, so a repeat of such a prompt can restore only the
+        boundary before its end, while a longer prompt (the next round of a chat) can restore its end.
         """
         chosen = set()
+        full = prompt_tokens // chunk_size
         if self.interval is not None:
             first = (cached // self.interval + 1) * self.interval
-            chosen.update(range(first, prompt_tokens // chunk_size + 1, self.interval))
-        last = (prompt_tokens - 1) // chunk_size
-        if self.last and last > cached:
-            chosen.add(last)
+            chosen.update(range(first, full + 1, self.interval))
+        if self.last:
+            chosen.update(k for k in {full, (prompt_tokens - 1) // chunk_size} if k > cached)
         return sorted(chosen)

@@ -89,11 +89,11 @@ def test_policy_boundaries():
     assert SnapshotPolicy(4, True).boundaries(0, 170, 16) == [4, 8, 10]
 
 
-def test_last_boundary_leaves_a_token_to_compute():
-    """For a prompt of whole chunks, the last snapshot is one chunk earlier, where a repeat can restore it."""
-    assert SnapshotPolicy(None, True).boundaries(0, 96, 16) == [5]
+def test_last_boundary_of_a_whole_chunk_prompt():
+    """A repeat must compute a token, so it restores boundary 5 of a 6-chunk prompt; a longer prompt, 6."""
+    assert SnapshotPolicy(None, True).boundaries(0, 96, 16) == [5, 6]
+    assert SnapshotPolicy(None, True).boundaries(5, 96, 16) == [6]
     assert SnapshotPolicy(None, True).boundaries(0, 97, 16) == [6]
-    assert SnapshotPolicy(1, False).boundaries(0, 96, 16) == [1, 2, 3, 4, 5, 6]  # 6 serves longer prompts
 
 
 def test_cache_config_reads_the_policy():
