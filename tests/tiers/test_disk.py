@@ -213,6 +213,6 @@ def test_config_from_yaml_and_env(tmp_path):
 
 
 def test_errno_names():
-    from kvtier.tiers.disk_files import DiskIOError
+    from kvtier.tiers.disk.files import DiskIOError
 
     assert DiskIOError("write", OSError(errno.ENOSPC, "full")).errno_name == "ENOSPC"

@@ -128,7 +128,7 @@ def test_unreachable_tcp_address_respects_connect_timeout():
 
 @pytest.mark.parametrize("threshold", [1, 3])
 def test_breaker_threshold_and_probe(threshold):
-    from kvtier.tiers.breaker import BreakerState, CircuitBreaker
+    from kvtier.net.breaker import BreakerState, CircuitBreaker
 
     now = [0.0]
     changes = []

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvtier.tiers.resp import BIG_ARG, Packer, Reader, RespError, WireClosed, WireProtocolError, WireTimeout, send_all
+from kvtier.tiers.redis.resp import BIG_ARG, Packer, Reader, RespError, WireClosed, WireProtocolError, WireTimeout, send_all
 
 
 @pytest.fixture

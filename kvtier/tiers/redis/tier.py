@@ -47,11 +47,11 @@ from kvtier.codecs import Payload, get_codec
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
-from kvtier.tiers import redis_net as net
+from kvtier.tiers.redis import pipeline as net
 from kvtier.tiers.base import TierConfig, TierContext, TierStats, register_tier
-from kvtier.tiers.buffers import BufferPool
-from kvtier.tiers.redis_servers import Servers
-from kvtier.tiers.resp import Reader, RespError
+from kvtier.net.buffers import BufferPool
+from kvtier.tiers.redis.servers import Servers
+from kvtier.tiers.redis.resp import Reader, RespError
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.policy import EvictionPolicy, make_policy
 from kvtier.tiers.base import TierConfig, TierContext, TierStats, register_tier, stats_gauges
-from kvtier.tiers.disk_files import (
+from kvtier.tiers.disk.files import (
     BufferPool,
     DiskIOError,
     Layout,
@@ -54,7 +54,7 @@ from kvtier.tiers.disk_files import (
     scan,
     write_atomic,
 )
-from kvtier.tiers.disk_index import PRESENT, DiskIndex, Pending
+from kvtier.tiers.disk.index import PRESENT, DiskIndex, Pending
 
 log = logging.getLogger(__name__)
 

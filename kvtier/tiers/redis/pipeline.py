@@ -22,8 +22,8 @@ from time import monotonic
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.resp import Into, Packer, Reader, RespError, WireClosed, WireError, WireTimeout, send_all
+from kvtier.net.breaker import CircuitBreaker
+from kvtier.tiers.redis.resp import Into, Packer, Reader, RespError, WireClosed, WireError, WireTimeout, send_all
 
 log = logging.getLogger(__name__)
 

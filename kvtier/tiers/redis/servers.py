@@ -18,9 +18,9 @@ from time import monotonic
 from typing import Any
 
 from kvtier.metrics import Metrics
-from kvtier.tiers import redis_net as net
-from kvtier.tiers.breaker import BreakerState, CircuitBreaker
-from kvtier.tiers.resp import WireError
+from kvtier.tiers.redis import pipeline as net
+from kvtier.net.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.redis.resp import WireError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,5 @@
+"""Local-disk tier: one file per chunk (see tier.py for its design, files.py for its on-disk layout)."""
+
+from kvtier.tiers.disk.tier import DiskTier, DiskTierConfig
+
+__all__ = ["DiskTier", "DiskTierConfig"]
