@@ -9,12 +9,9 @@ Keys
 Values
     The sealed, checksummed blob (blob.py). KVCache verifies every read against the chunk key and token ids,
     so a planted, truncated, foreign or older-format value is a miss (and is deleted). A blob larger than
-    ``max_part_bytes`` is split so that no single command moves more than that: parts
-    ``<head key>:<nonce>:<i>`` are written first, then the head (a 32-byte split header plus part 0) last,
-    on the same connection, with ``SET NX``. A reader therefore sees the head only once every part exists,
-    parts of concurrent writers never mix (each write has its own nonce), and a value with a part missing
-    (evicted, expired) is a miss that is cleaned up. Largest value: ``max_value_bytes`` (default 1 GiB);
-    largest single command: ``max_part_bytes`` (default 8 MiB, at most 512 MiB, Redis's proto-max-bulk-len).
+    ``max_part_bytes`` is split (split.py) so that no single command moves more than that; a reader sees it
+    only once every part exists. Largest value: ``max_value_bytes`` (default 1 GiB); largest single command:
+    ``max_part_bytes`` (default 8 MiB, at most 512 MiB, Redis's proto-max-bulk-len).
 
 Capacity
     Left to the server: set ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (see README). The tier does not
@@ -27,134 +24,112 @@ Failures
     ``kvtier_skipped_stores_total``); ``breaker_failures`` consecutive failures of one server open its circuit
     breaker, after which requests skip it at once while a background thread probes it every
     ``breaker_cooldown_s`` and closes the breaker when it answers. With Redis Cluster each primary has its own
-    pool and breaker, and one pipeline per primary is sent per call.
+    pool and breaker, and one pipeline per primary is sent per call (servers.py, pipeline.py).
+
+Modules: config.py (RedisTierConfig), split.py (split values), servers.py (routing, health), pipeline.py
+(the batch runner), pool.py (connections per server), client.py (the redis-py adapter), resp.py (RESP2).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-import os
-import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import monotonic
-from typing import Any
 
 import numpy as np
 
 from kvtier.codecs import Payload, get_codec
-from kvtier.errors import ConfigError
 from kvtier.keys import ChunkHash
-from kvtier.metrics import Metrics
-from kvtier.tiers.redis import pipeline as net
-from kvtier.tiers.base import TierConfig, TierContext, TierStats, register_tier
-from kvtier.net.buffers import BufferPool
+from kvtier.net.buffers import TransferBufferPool
+from kvtier.tiers.base import TierContext, TierStats
+from kvtier.tiers.redis.client import Endpoint
+from kvtier.tiers.redis.config import MiB, RedisTierConfig
+from kvtier.tiers.redis.pipeline import Batch, is_redirect
+from kvtier.tiers.redis.resp import RespError
 from kvtier.tiers.redis.servers import Servers
-from kvtier.tiers.redis.resp import Reader, RespError
+from kvtier.tiers.redis.split import (
+    HEADER_BYTES,
+    HeadReader,
+    PartReader,
+    SplitHeader,
+    SplitValue,
+    Unusable,
+    part_keys_of,
+)
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
-#: Redis's default proto-max-bulk-len: no single argument may be larger.
-REDIS_MAX_BULK = 512 * MiB
-SPLIT_MAGIC = b"KVTS"
-SPLIT_VERSION = 1
-_SPLIT = struct.Struct("<4sHH8sQII")  # magic, version, reserved, nonce, total length, part length, part count
-assert _SPLIT.size == 32
 #: A put stages at most this many bytes of values before sending them (one round trip per stage).
 STAGE_BYTES = 64 * MiB
 _STATS_FIELDS = (b"used_memory:", b"maxmemory:", b"total_system_memory:")
 
 
-@register_tier
-@dataclass(frozen=True)
-class RedisTierConfig(TierConfig):
-    """A Redis/Valkey server or cluster shared by every replica pointed at it (see the module docstring).
+class Role(enum.Enum):
+    """What one SET of a put pipeline writes: a value's head, or one of its other parts."""
 
-    ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or ``unix:///path.sock?db=0``.
-    ``username``/``password`` override the URL's (handy as ``KVTIER_REDIS_PASSWORD``). ``tls_*``: CA bundle,
-    client certificate and key for ``rediss://``. ``ttl_s``: expire entries this long after their last
-    write (and, with ``refresh_ttl``, their last read); None keeps them until the server evicts them.
-    """
-
-    kind = "redis"
-    url: str = field(default="redis://localhost:6379/0", repr=False)
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    key_prefix: str = "kvtier:"
-    cluster: bool = False
-    timeout_s: float = 0.5
-    connect_timeout_s: float = 0.5
-    min_rate_bytes: int = 64 * MiB  #: per second; big transfers get this much extra time
-    pool_size: int = 8  #: connections per server
-    ttl_s: float | None = None
-    refresh_ttl: bool = True
-    max_part_bytes: int = 8 * MiB
-    max_value_bytes: int = 1024 * MiB
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 2.0
-    buffer_pool_bytes: int = 1024 * MiB  #: idle receive/staging buffers kept for reuse
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError("redis url must start with redis://, rediss:// or unix://")
-        if any(c in self.key_prefix for c in "{} \t\r\n") or len(self.key_prefix) > 128:
-            raise ConfigError(f"redis key_prefix {self.key_prefix!r} must be short and free of braces/spaces")
-        if not (self.timeout_s > 0 and self.connect_timeout_s > 0 and self.breaker_cooldown_s > 0):
-            raise ConfigError("redis timeouts and breaker_cooldown_s must be positive")
-        if self.pool_size < 1 or self.breaker_failures < 1 or self.min_rate_bytes < 1:
-            raise ConfigError("redis pool_size, breaker_failures and min_rate_bytes must be >= 1")
-        if not 4096 <= self.max_part_bytes <= REDIS_MAX_BULK - _SPLIT.size:
-            raise ConfigError(f"redis max_part_bytes must lie in [4096, {REDIS_MAX_BULK - _SPLIT.size}]")
-        if self.max_value_bytes < 1 or (self.ttl_s is not None and self.ttl_s < 0):
-            raise ConfigError("redis max_value_bytes must be positive and ttl_s not negative")
-
-    def build(self, ctx: TierContext) -> RedisTier:
-        return RedisTier(self, metrics=ctx.metrics, name=ctx.name)
+    HEAD = "head"
+    PART = "part"
 
 
-class _Split:
-    """A split value being received: its assembled bytes and where its parts come from."""
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """The tag of one SET in a put pipeline: which piece of which value (its position in the put)."""
 
-    __slots__ = ("n_parts", "nonce", "ok", "part_len", "view")
-
-    def __init__(self, view: memoryview, nonce: bytes, part_len: int, n_parts: int) -> None:
-        self.view, self.nonce, self.part_len, self.n_parts, self.ok = view, nonce, part_len, n_parts, True
+    role: Role
+    index: int
 
 
-_BAD = object()  # a reply that is not a value of ours: a miss, and deleted
-_TOO_BIG = object()  # a value larger than max_value_bytes: a miss, left for replicas that accept it
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A value sent in a put stage: its head key, its size and, when split, the keys of its other parts."""
+
+    head: bytes
+    nbytes: int
+    part_keys: list[bytes]
+
+
+def _stages(todo: list[int], sizes: list[int], capacity: int) -> Iterator[list[int]]:
+    """``todo`` in consecutive groups whose values fit ``capacity`` bytes together (a larger one goes alone)."""
+    group: list[int] = []
+    used = 0
+    for i in todo:
+        if group and used + sizes[i] > capacity:
+            yield group
+            group, used = [], 0
+        group.append(i)
+        used += sizes[i]
+    if group:
+        yield group
 
 
 class RedisTier:
+    """The Tier protocol over a Redis/Valkey server or cluster (see the module docstring)."""
+
     verifies = True
 
-    def __init__(self, config: RedisTierConfig, *, metrics: Metrics | None = None, name: str = "redis") -> None:
-        self.name = name
+    def __init__(self, config: RedisTierConfig, ctx: TierContext) -> None:
+        self.name = ctx.name
         self.config = config
         self.codec = get_codec(config.codec)
-        self._metrics = metrics if metrics is not None else Metrics()
+        self._metrics = ctx.metrics
         self._prefix = f"{config.key_prefix}{self.codec.name}:".encode()
         self._ttl_ms = int(config.ttl_s * 1000) if config.ttl_s else 0
         # parts outlive their head a little, so a head never points at parts that already expired
         self._part_ttl_ms = self._ttl_ms + max(60_000, self._ttl_ms // 10) if self._ttl_ms else 0
+        self._ttl_args = (b"PX", b"%d" % self._ttl_ms) if self._ttl_ms else ()
+        self._part_ttl_args = (b"PX", b"%d" % self._part_ttl_ms) if self._part_ttl_ms else ()
         self._rate = float(config.min_rate_bytes)
-        self._buffers = BufferPool(config.buffer_pool_bytes)
-        conn_class, conn_kwargs = net.connection_kwargs(config.url, {
+        self._buffers = TransferBufferPool(config.buffer_pool_bytes)
+        endpoint = Endpoint.from_url(config.url, {
             "username": config.username, "password": config.password,
             "ssl_ca_certs": config.tls_ca_file, "ssl_certfile": config.tls_cert_file,
             "ssl_keyfile": config.tls_key_file,
             "protocol": 2, "health_check_interval": 0,
         })
-        self._servers = Servers(
-            conn_class, conn_kwargs, cluster=config.cluster, pool_size=config.pool_size, timeout_s=config.timeout_s,
-            connect_timeout_s=config.connect_timeout_s, breaker_failures=config.breaker_failures,
-            breaker_cooldown_s=config.breaker_cooldown_s, metrics=self._metrics, name=name)
+        self._servers = Servers(endpoint, config, self._metrics, self.name)
         self._last_stats = TierStats(0, 0, 0)
 
     # -- the Tier protocol ---------------------------------------------------------------------------------
@@ -162,9 +137,9 @@ class RedisTier:
         out = [False] * len(keys)
         if not keys:
             return out
-        batches: dict[str, net.Batch] = {}
+        batches: dict[str, Batch] = {}
         for node, (idx, heads) in self._servers.group([self._key(key) for key in keys]).items():
-            batches[node.name] = batch = net.Batch(node)
+            batches[node.name] = batch = Batch(node)
             batch.add_exists(idx, heads)
         for batch in self._servers.run(batches, "contains", monotonic() + self.config.timeout_s):
             for i, reply in zip(batch.tags, batch.replies or ()):
@@ -173,62 +148,43 @@ class RedisTier:
 
     @contextmanager
     def get(self, keys: Sequence[ChunkHash]) -> Iterator[list[memoryview | None]]:
-        taken: list[np.ndarray] = []
+        taken: list[np.ndarray] = []  # the buffers the values were received into, released when the block ends
         try:
             yield self._get(keys, taken)
         finally:
             for buf in taken:
-                self._buffers.give(buf)
+                self._buffers.release(buf)
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
         out = [False] * len(items)
         sizes = [payload.nbytes for _, payload in items]
-        todo = []
-        for i, n in enumerate(sizes):
-            if n > self.config.max_value_bytes:
-                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="too_large")
-            else:
-                todo.append(i)
+        todo = [i for i, n in enumerate(sizes) if n <= self.config.max_value_bytes]
+        if len(todo) < len(items):
+            self._metrics.inc("kvtier_skipped_stores_total", len(items) - len(todo), tier=self.name,
+                              reason="too_large")
         if not todo:
             return out
-        deadline = monotonic() + self.config.timeout_s + sum(sizes[i] for i in todo) / self._rate
-        stage = self._buffers.take(min(sum(sizes[i] for i in todo), max(STAGE_BYTES, max(sizes))))
+        total = sum(sizes[i] for i in todo)
+        deadline = monotonic() + self.config.timeout_s + total / self._rate
+        stage = self._buffers.acquire(min(total, max(STAGE_BYTES, max(sizes))))
         try:
-            start = 0
-            while start < len(todo):  # one round trip per stage of at most STAGE_BYTES (or one value)
-                end, used = start, 0
-                while end < len(todo) and (end == start or used + sizes[todo[end]] <= stage.nbytes):
-                    used += sizes[todo[end]]
-                    end += 1
-                self._put_stage([(i, *items[i]) for i in todo[start:end]], stage, out, deadline)
-                start = end
+            for group in _stages(todo, sizes, stage.nbytes):  # one round trip per stage
+                self._put_stage([(i, *items[i]) for i in group], stage, out, deadline)
         finally:
-            self._buffers.give(stage)
+            self._buffers.release(stage)
         return out
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
         if keys:
             self._delete(keys, monotonic() + self.config.timeout_s)
 
-    def _delete(self, keys: Sequence[ChunkHash], deadline: float) -> None:
-        """Read each head's first bytes (a split header names its parts), then unlink head and parts."""
-        heads = [self._key(key) for key in keys]
-        batches: dict[str, net.Batch] = {}
-        for head in heads:
-            self._servers.batch(batches, head).add(head, b"GETRANGE", head, b"0", b"%d" % (_SPLIT.size - 1))
-        doomed: dict[str, net.Batch] = {}
-        for batch in self._servers.run(batches, "delete", deadline):
-            for head, reply in zip(batch.tags, batch.replies or ()):
-                parts = self._part_keys(head, reply) if isinstance(reply, bytes) else []
-                self._servers.batch(doomed, head).add(head, b"UNLINK", head, *parts)
-        self._servers.run(doomed, "delete", deadline)
-
     def stats(self) -> TierStats:
+        """The servers' figures summed over the primaries; the last complete figures if one does not answer."""
         deadline = monotonic() + self.config.timeout_s
         nodes = self._servers.primaries()
-        batches: dict[str, net.Batch] = {}
+        batches: dict[str, Batch] = {}
         for node in nodes:
-            batch = batches[node.name] = net.Batch(node)
+            batch = batches[node.name] = Batch(node)
             batch.add("info", b"INFO", b"memory")
             batch.add("dbsize", b"DBSIZE")
         used = capacity = entries = 0
@@ -250,30 +206,14 @@ class RedisTier:
         self._servers.close()
         self._buffers.clear()
 
-    # -- keys -----------------------------------------------------------------------------------------
+    # -- keys and commands ---------------------------------------------------------------------------------
     def _key(self, key: ChunkHash) -> bytes:
         return b"%s{%s}" % (self._prefix, key.hex().encode())
 
-    @staticmethod
-    def _part_key(head: bytes, nonce: bytes, i: int) -> bytes:
-        return b"%s:%s:%d" % (head, nonce.hex().encode(), i)
-
-    def _part_keys(self, head: bytes, header: bytes) -> list[bytes]:
-        parsed = self._parse_split(header)
-        if parsed is None:
-            return []
-        nonce, _total, _part_len, n_parts = parsed
-        return [self._part_key(head, nonce, i) for i in range(1, n_parts)]
-
-    def _parse_split(self, header: bytes) -> tuple[bytes, int, int, int] | None:
-        if len(header) < _SPLIT.size or header[:4] != SPLIT_MAGIC:
-            return None
-        _magic, version, _reserved, nonce, total, part_len, n_parts = _SPLIT.unpack_from(header)
-        if version != SPLIT_VERSION or not 0 < part_len < total or part_len > REDIS_MAX_BULK - _SPLIT.size:
-            return None
-        if n_parts != -(-total // part_len):
-            return None
-        return nonce, total, part_len, n_parts
+    def _get_cmd(self, key: bytes, ttl_ms: int) -> tuple[bytes, ...]:
+        if ttl_ms and self.config.refresh_ttl:
+            return b"GETEX", key, b"PX", b"%d" % ttl_ms
+        return b"GET", key
 
     # -- get -----------------------------------------------------------------------------------------------
     def _get(self, keys: Sequence[ChunkHash], taken: list[np.ndarray]) -> list[memoryview | None]:
@@ -282,21 +222,21 @@ class RedisTier:
             return out
         deadline = monotonic() + self.config.timeout_s
         heads = [self._key(key) for key in keys]
-        read_head = self._head_reader(taken)
-        batches: dict[str, net.Batch] = {}
+        read_head = HeadReader(self._buffers, self.config.max_value_bytes, taken)
+        batches: dict[str, Batch] = {}
         for i, head in enumerate(heads):
             self._servers.batch(batches, head).add(i, *self._get_cmd(head, self._ttl_ms), into=read_head)
-        splits: dict[int, _Split] = {}
+        splits: dict[int, SplitValue] = {}
         bad: list[ChunkHash] = []
         for batch in self._servers.run(batches, "get", deadline, self._rate):
             for i, reply in zip(batch.tags, batch.replies or ()):
                 if isinstance(reply, memoryview):
                     out[i] = reply
-                elif isinstance(reply, _Split):
+                elif isinstance(reply, SplitValue):
                     splits[i] = reply
-                elif reply is _BAD or isinstance(reply, RespError) and reply.code == "WRONGTYPE":
+                elif reply is Unusable.FOREIGN or isinstance(reply, RespError) and reply.code == "WRONGTYPE":
                     bad.append(keys[i])  # not a value of ours (a bad split header, a hash, ...)
-                elif isinstance(reply, RespError) and not net.is_redirect(reply):
+                elif isinstance(reply, RespError) and not is_redirect(reply):
                     log.debug("redis tier %s: get: %s", self.name, reply)
         if splits:
             self._get_parts(keys, heads, splits, out, deadline)
@@ -306,55 +246,15 @@ class RedisTier:
             self._delete(bad, deadline)
         return out
 
-    def _get_cmd(self, key: bytes, ttl_ms: int) -> tuple[bytes, ...]:
-        if ttl_ms and self.config.refresh_ttl:
-            return b"GETEX", key, b"PX", b"%d" % ttl_ms
-        return b"GET", key
-
-    def _head_reader(self, taken: list[np.ndarray]) -> Any:
-        """The ``Into`` for heads: a plain value lands in a pooled buffer; a split head's part 0 lands at the
-        start of a buffer sized for the whole value, which its other parts fill later."""
-        max_value = self.config.max_value_bytes
-        take = self._buffers.take
-
-        def read_head(n: int, reader: Reader) -> Any:
-            if n > _SPLIT.size and reader.peek(4) == SPLIT_MAGIC:
-                parsed = self._parse_split(reader.peek(_SPLIT.size))
-                if parsed is None or n != _SPLIT.size + parsed[2]:
-                    reader.skip(n)
-                    return _BAD
-                nonce, total, part_len, n_parts = parsed
-                if total > max_value:  # valid, but more than this replica accepts: a miss, left in place
-                    reader.skip(n)
-                    return _TOO_BIG
-                buf = take(total)
-                taken.append(buf)
-                view = memoryview(buf)[:total]
-                reader.skip(_SPLIT.size)
-                reader.read_into(view[:part_len])
-                return _Split(view, nonce, part_len, n_parts)
-            if n > max_value:
-                reader.skip(n)
-                return _TOO_BIG
-            buf = take(n)
-            taken.append(buf)
-            view = memoryview(buf)[:n]
-            reader.read_into(view)
-            return view
-
-        return read_head
-
-    def _get_parts(self, keys: Sequence[ChunkHash], heads: list[bytes], splits: dict[int, _Split],
+    def _get_parts(self, keys: Sequence[ChunkHash], heads: list[bytes], splits: dict[int, SplitValue],
                    out: list[memoryview | None], deadline: float) -> None:
-        batches: dict[str, net.Batch] = {}
-        for i, split in splits.items():
+        """Receive the other parts of the split values whose heads arrived; complete ones go to ``out``."""
+        batches: dict[str, Batch] = {}
+        for i, value in splits.items():
             batch = self._servers.batch(batches, heads[i])
-            total = split.view.nbytes
-            for p in range(1, split.n_parts):
-                start = p * split.part_len
-                target = split.view[start : min(start + split.part_len, total)]
-                batch.add(i, *self._get_cmd(self._part_key(heads[i], split.nonce, p), self._part_ttl_ms),
-                          into=self._part_reader(target, split))
+            for p in range(1, value.header.n_parts):
+                part_key = value.header.part_key(heads[i], p)
+                batch.add(i, *self._get_cmd(part_key, self._part_ttl_ms), into=PartReader(value, p))
         answered: set[int] = set()
         for batch in self._servers.run(batches, "get", deadline, self._rate):
             for i, reply in zip(batch.tags, batch.replies or ()):
@@ -362,84 +262,97 @@ class RedisTier:
                 if reply is not True:
                     splits[i].ok = False
         broken = []
-        for i, split in splits.items():
+        for i, value in splits.items():
             if i not in answered:
                 continue  # the server failed: a miss, but the value may be fine
-            if split.ok:
-                out[i] = split.view
+            if value.ok:
+                out[i] = value.view
             else:
                 broken.append(keys[i])
         if broken:  # a part was evicted or expired: drop the rest so the chunk can be stored again
             self._metrics.inc("kvtier_incomplete_values_total", len(broken), tier=self.name)
             self._delete(broken, deadline)
 
-    @staticmethod
-    def _part_reader(target: memoryview, split: _Split) -> Any:
-        def read_part(n: int, reader: Reader) -> bool:
-            if n != target.nbytes or not split.ok:
-                reader.skip(n)
-                return False
-            reader.read_into(target)
-            return True
-
-        return read_part
-
     # -- put -----------------------------------------------------------------------------------------------
     def _put_stage(self, items: list[tuple[int, ChunkHash, Payload]], stage: np.ndarray, out: list[bool],
                    deadline: float) -> None:
-        """Write, send and confirm one stage of values (they fit in ``stage`` together, or are one value)."""
+        """Write, send and confirm one stage of values (they fit in ``stage`` together, or are one value).
+
+        Cleanup (unlinking the parts of values that cannot be used) is sent only once every reply is in, so it
+        never races the writes it cleans up after."""
+        batches, staged = self._pack_stage(items, stage)
+        cleanup: dict[str, Batch] = {}
+        for batch in self._servers.run(batches, "put", deadline):
+            self._confirm(batch, staged, out, cleanup)
+        for batch in batches.values():
+            if batch.error is not None:
+                heads = sum(1 for tag in batch.tags if tag.role is Role.HEAD)
+                self._metrics.inc("kvtier_skipped_stores_total", heads, tier=self.name, reason="unavailable")
+        if cleanup:
+            self._servers.run(cleanup, "put", deadline)
+
+    def _pack_stage(self, items: list[tuple[int, ChunkHash, Payload]],
+                    stage: np.ndarray) -> tuple[dict[str, Batch], dict[int, _Staged]]:
+        """Copy each value into ``stage`` and queue its SETs: a split value's parts first, its head last."""
         part_len = self.config.max_part_bytes
-        ttl = (b"PX", b"%d" % self._ttl_ms) if self._ttl_ms else ()
-        part_ttl = (b"PX", b"%d" % self._part_ttl_ms) if self._part_ttl_ms else ()
         view = memoryview(stage)
         offset = 0
-        batches: dict[str, net.Batch] = {}
-        parts_of: dict[int, list[bytes]] = {}
-        sizes: dict[int, int] = {}
+        batches: dict[str, Batch] = {}
+        staged: dict[int, _Staged] = {}
         for i, key, payload in items:
-            n = sizes[i] = payload.nbytes
+            n = payload.nbytes
             value = view[offset : offset + n]
             offset += n
             payload.write_into(value)
             head = self._key(key)
             batch = self._servers.batch(batches, head)
             if n <= part_len:
-                batch.add(("head", i, head), b"SET", head, value, b"NX", *ttl)
+                staged[i] = _Staged(head, n, [])
+                batch.add(_Write(Role.HEAD, i), b"SET", head, value, b"NX", *self._ttl_args)
                 continue
-            nonce = os.urandom(8)
-            n_parts = -(-n // part_len)
-            parts_of[i] = [self._part_key(head, nonce, p) for p in range(1, n_parts)]
-            for p, part_key in enumerate(parts_of[i], start=1):  # the parts first ...
-                batch.add(("part", i, head), b"SET", part_key, value[p * part_len : (p + 1) * part_len], *part_ttl)
-            header = _SPLIT.pack(SPLIT_MAGIC, SPLIT_VERSION, 0, nonce, n, part_len, n_parts)
-            batch.add(("head", i, head), b"SET", head, (header, value[:part_len]), b"NX", *ttl)  # ... the head last
-        cleanup: dict[str, net.Batch] = {}
-        for batch in self._servers.run(batches, "put", deadline):
-            refused: set[int] = set()
-            for (what, i, head), reply in zip(batch.tags, batch.replies or ()):
-                if isinstance(reply, RespError):
-                    refused.add(i)
-                    log.debug("redis tier %s: put refused: %s", self.name, reply)
-                    if what == "head":
-                        self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="refused")
-                    continue
-                if what != "head":
-                    continue
-                ours = reply == b"OK"  # else nil: another writer's complete value is already there
-                if i in refused:  # a part was refused (e.g. OOM): the value is unusable
-                    self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="refused")
-                    cleanup_keys = ([head] if ours else []) + parts_of.get(i, [])
-                    self._servers.batch(cleanup, head).add(i, b"UNLINK", *cleanup_keys)
-                    continue
-                out[i] = True
-                if ours:
-                    self._metrics.inc("kvtier_written_bytes_total", sizes[i], tier=self.name)
-                elif i in parts_of:  # lost the race to another writer: our parts are orphans
-                    self._servers.batch(cleanup, head).add(i, b"UNLINK", *parts_of[i])
-        for batch in batches.values():
-            if batch.error is not None:
-                heads = sum(1 for what, _i, _h in batch.tags if what == "head")
-                self._metrics.inc("kvtier_skipped_stores_total", heads, tier=self.name, reason="unavailable")
-        if cleanup:
-            self._servers.run(cleanup, "put", deadline)
+            header = SplitHeader.new(n, part_len)
+            staged[i] = _Staged(head, n, header.part_keys(head))
+            for p, part_key in enumerate(staged[i].part_keys, start=1):
+                batch.add(_Write(Role.PART, i), b"SET", part_key, value[header.part_range(p)], *self._part_ttl_args)
+            batch.add(_Write(Role.HEAD, i), b"SET", head, (header.pack(), value[:part_len]), b"NX", *self._ttl_args)
+        return batches, staged
 
+    def _confirm(self, batch: Batch, staged: dict[int, _Staged], out: list[bool], cleanup: dict[str, Batch]) -> None:
+        """Read one batch's SET replies: mark the values now stored, queue unlinks of unusable pieces."""
+        refused: set[int] = set()
+        for tag, reply in zip(batch.tags, batch.replies or ()):
+            i = tag.index
+            if isinstance(reply, RespError):
+                refused.add(i)
+                log.debug("redis tier %s: put refused: %s", self.name, reply)
+                if tag.role is Role.HEAD:
+                    self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="refused")
+                continue
+            if tag.role is Role.PART:
+                continue
+            value = staged[i]
+            ours = reply == b"OK"  # else nil: another writer's complete value is already there
+            if i in refused:  # a part was refused (e.g. OOM), and parts come before their head: unusable
+                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="refused")
+                self._servers.batch(cleanup, value.head).add(i, b"UNLINK", *([value.head] if ours else []),
+                                                            *value.part_keys)
+                continue
+            out[i] = True
+            if ours:
+                self._metrics.inc("kvtier_written_bytes_total", value.nbytes, tier=self.name)
+            elif value.part_keys:  # lost the race to another writer: our parts are orphans
+                self._servers.batch(cleanup, value.head).add(i, b"UNLINK", *value.part_keys)
+
+    # -- delete --------------------------------------------------------------------------------------------
+    def _delete(self, keys: Sequence[ChunkHash], deadline: float) -> None:
+        """Read each head's first bytes (a split header names its parts), then unlink head and parts."""
+        heads = [self._key(key) for key in keys]
+        batches: dict[str, Batch] = {}
+        for head in heads:
+            self._servers.batch(batches, head).add(head, b"GETRANGE", head, b"0", b"%d" % (HEADER_BYTES - 1))
+        doomed: dict[str, Batch] = {}
+        for batch in self._servers.run(batches, "delete", deadline):
+            for head, reply in zip(batch.tags, batch.replies or ()):
+                parts = part_keys_of(head, reply) if isinstance(reply, bytes) else []
+                self._servers.batch(doomed, head).add(head, b"UNLINK", head, *parts)
+        self._servers.run(doomed, "delete", deadline)
