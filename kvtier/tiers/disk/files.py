@@ -7,7 +7,7 @@ Layout under the configured root, one file per chunk::
     <root>/<codec>/<hh>/<hex>.tmp a write in progress (or torn by a crash): never read, removed at start
 
 The codec is part of the path, so tiers of different codecs may share a root without ever meeting. Nothing
-here keeps state: the tier (disk.py) owns the index, the locking and the accounting; these are plain
+here keeps state: the tier (tier.py) owns the index, the locking and the accounting; these are plain
 functions over paths that raise OSError (wrapped in ``DiskIOError`` naming the failed step).
 """
 

@@ -1,7 +1,7 @@
 """Local-disk tier: one file per chunk under a directory, written in the background, read in parallel.
 
-* **Index in RAM, truth on disk.** The index (disk_index.py) is rebuilt at start from a listing of the
-  directory (disk_files.scan): leftovers of interrupted writes are removed, every complete file is an entry
+* **Index in RAM, truth on disk.** The index (index.py) is rebuilt at start from a listing of the
+  directory (files.scan): leftovers of interrupted writes are removed, every complete file is an entry
   again, oldest first in the eviction order (by mtime).
 * **Stores never wait on the disk.** ``put`` reserves room (evicting through the policy), copies the payload
   into a reused staging buffer and queues the write. Writer threads write a temp file, fsync it, rename it
