@@ -67,31 +67,40 @@ def run(batches: Sequence[Batch], deadline: float, rate: float) -> None:
     admitted = []
     for batch in batches:
         if batch.node.breaker.allow():
+            batch.packer.finish()
             admitted.append(batch)
         else:
             batch.error = BreakerOpen(f"circuit open for {batch.node.name}")
-    _run(admitted, deadline, rate, retry_stale=True)
-
-
-def probe(node: Node, timeout: float) -> bool:
-    """PING ``node`` whatever its breaker says; True when it answered PONG (which also closes the breaker)."""
-    batch = Batch(node)
-    batch.add(None, b"PING")
-    _run([batch], monotonic() + timeout, 0.0, retry_stale=False)
-    return batch.replies == [b"PONG"]
-
-
-def _run(batches: list[Batch], deadline: float, rate: float, *, retry_stale: bool) -> None:
     held: dict[int, tuple[Batch, Conn]] = {}
     try:
-        for batch in batches:
-            batch.packer.finish()
-        while batches:  # at most twice: the second round resends, on fresh connections, what met a stale one
-            batches = _round(batches, deadline, rate, held, retry_stale)
-            retry_stale = False
+        # at most two rounds: the second resends, on fresh connections, what met a stale pooled one
+        stale = _round(admitted, deadline, rate, held, retry_stale=True)
+        _round(stale, deadline, rate, held, retry_stale=False)
     finally:
         for batch, conn in held.values():  # only left here when something unexpected was raised
             batch.node.release(conn, False)
+
+
+def probe(node: Node, timeout: float) -> bool:
+    """PING ``node`` whatever its breaker says; True when it answered PONG. The breaker is the caller's to
+    close: only a PONG shows the server serves again (an error reply, say NOAUTH, does not)."""
+    deadline = monotonic() + timeout
+    try:
+        conn = node.acquire(deadline)
+    except WireError:
+        return False
+    ok = False
+    try:
+        batch = Batch(node)
+        batch.add(None, b"PING")
+        conn.reader.arm(deadline, 0.0)
+        send_all(conn.sock, batch.packer.finish(), deadline)
+        ok = batch.read(conn.reader) == [b"PONG"]
+    except WireError:
+        ok = False
+    finally:
+        node.release(conn, ok)
+    return ok
 
 
 def _round(batches: list[Batch], deadline: float, rate: float, held: dict[int, tuple[Batch, Conn]],
@@ -111,20 +120,20 @@ def _round(batches: list[Batch], deadline: float, rate: float, held: dict[int, t
         try:
             send_all(conn.sock, batch.packer.pieces, deadline)
         except WireError as exc:
-            _done(batch, held, exc, stale if retry_stale else None)
+            _settle(batch, held, exc, stale if retry_stale else None)
             continue
         sent.append(batch)
     for batch in sent:
         try:
             batch.replies = batch.read(held[id(batch)][1].reader)
         except WireError as exc:
-            _done(batch, held, exc, stale if retry_stale else None)
+            _settle(batch, held, exc, stale if retry_stale else None)
             continue
-        _done(batch, held, None, None)
+        _settle(batch, held, None, None)
     return stale
 
 
-def _done(batch: Batch, held: dict[int, tuple[Batch, Conn]], exc: WireError | None,
+def _settle(batch: Batch, held: dict[int, tuple[Batch, Conn]], exc: WireError | None,
           stale: list[Batch] | None) -> None:
     """Release the batch's connection and settle its outcome: replies, a failure, or a retry (into ``stale``)."""
     _, conn = held.pop(id(batch))

@@ -161,8 +161,8 @@ class Servers:
             with self._lock:
                 nodes = list(self._nodes.values())
             for node in nodes:
-                if node.breaker.probe_due():
-                    probe(node, self._config.timeout_s)  # an answer closes the breaker
+                if node.breaker.probe_due() and probe(node, self._config.timeout_s):
+                    node.breaker.success()
             if self._stale and monotonic() - self._last_refresh >= REFRESH_INTERVAL_S:
                 self._refresh_slots()
             waits = [n.breaker.seconds_to_next_probe() for n in nodes if n.breaker.state is BreakerState.OPEN]
