@@ -101,7 +101,6 @@ def stats_gauges(tier: Tier) -> Iterator[tuple[str, dict[str, str], float]]:
     yield "kvtier_tier_entries", labels, stats.entries
 
 
-
 class WriteMode(enum.Enum):
     """How a tier below the first receives chunks."""
 
@@ -148,4 +147,3 @@ def register_tier(cls: C) -> C:
         raise ConfigError(f"tier kind {cls.kind!r} registered twice")
     TIER_KINDS[cls.kind] = cls
     return cls
-

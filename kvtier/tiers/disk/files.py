@@ -36,7 +36,7 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 class DiskIOError(TierError):
     """An OSError at one named step (``op``) of a file operation. The tier turns it into a miss or a skipped
-    store; as a TierError it is also what KVCache expects should one ever cross the tier boundary."""
+    store; being a TierError, KVCache would do the same should one escape the tier."""
 
     def __init__(self, op: str, cause: OSError) -> None:
         super().__init__(f"{op}: {cause}")
