@@ -1,8 +1,8 @@
 """The pipeline runner of the Redis tier: one pipeline (``Batch``) per server, sent and read in one go.
 
-``run`` sends every node's commands first, then reads the replies, so shards work in parallel without threads,
-and nothing waits past the call's deadline. Failures land in each batch (``error``), never raise: the tier
-turns them into misses and skipped stores. Each exchange reports to the node's circuit breaker.
+``run_batches`` sends every node's commands first, then reads the replies, so shards work in parallel without
+threads, and nothing waits past the call's deadline. Failures land in each batch (``error``), never raise:
+the tier turns them into misses and skipped stores. Each exchange reports to the node's circuit breaker.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def is_redirect(reply: Any) -> bool:
 
 @dataclass
 class Batch:
-    """One pipeline for one node; ``replies`` or ``error`` is set by ``run``."""
+    """One pipeline for one node; ``replies`` or ``error`` is set by ``run_batches``."""
 
     node: Node
     packer: Packer = field(default_factory=Packer)
@@ -57,7 +57,7 @@ class Batch:
         return [reader.read_reply(into) for into in self.intos]
 
 
-def run(batches: Sequence[Batch], deadline: float, rate: float) -> None:
+def run_batches(batches: Sequence[Batch], deadline: float, rate: float) -> None:
     """Execute every batch (one per node) whose node's breaker allows it: send all, then read all.
 
     A pooled connection that turns out dead before the server answered (the server restarted, or dropped idle

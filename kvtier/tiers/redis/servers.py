@@ -21,7 +21,7 @@ from kvtier.metrics import Metrics
 from kvtier.net.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.redis.client import Endpoint, key_slot_function
 from kvtier.tiers.redis.config import RedisTierConfig
-from kvtier.tiers.redis.pipeline import Batch, is_redirect, probe, run
+from kvtier.tiers.redis.pipeline import Batch, is_redirect, probe, run_batches
 from kvtier.tiers.redis.pool import BreakerOpen, Node
 from kvtier.tiers.redis.resp import WireClosed, WireError
 
@@ -105,7 +105,7 @@ class Servers:
         todo = list(batches.values())
         if not todo:
             return []
-        run(todo, deadline, rate)
+        run_batches(todo, deadline, rate)
         done = []
         for batch in todo:
             if batch.error is None:
@@ -187,7 +187,7 @@ class Servers:
                 continue
             batch = Batch(node)
             batch.add(None, b"CLUSTER", b"SLOTS")
-            run([batch], monotonic() + self._config.timeout_s, 0.0)
+            run_batches([batch], monotonic() + self._config.timeout_s, 0.0)
             if batch.error is not None or not batch.replies:
                 continue
             try:
