@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvalidArgument
 from kvtier.keys import ChunkHash
 from kvtier.layout import KVSpec, dtype_from_name, dtype_name
 
@@ -78,9 +78,9 @@ class StateSpec:
         return math.prod(self.snapshot_shape) * self.dtype.itemsize
 
     def check(self, tensor: torch.Tensor) -> None:
-        """Raise ConfigError unless ``tensor`` is a snapshot of this kind."""
+        """Raise InvalidArgument unless ``tensor`` is a snapshot of this kind."""
         if tuple(tensor.shape) != self.snapshot_shape or tensor.dtype != self.dtype:
-            raise ConfigError(f"{self.kind.value} snapshot must be {self.snapshot_shape} {self.dtype}, "
+            raise InvalidArgument(f"{self.kind.value} snapshot must be {self.snapshot_shape} {self.dtype}, "
                               f"got {tuple(tensor.shape)} {tensor.dtype}")
 
 

@@ -27,7 +27,7 @@ import torch
 
 from kvtier.blob import decode_blob, encode_blob
 from kvtier.config import CacheConfig
-from kvtier.errors import BlobError, ConfigError, KVTierError
+from kvtier.errors import BlobError, ConfigError, InvalidArgument, KVTierError
 from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.state import ModelStateSpec, StateKind, StateSpec, state_key
@@ -176,7 +176,7 @@ class StateSnapshots:
         try:
             tensor = decode_blob(blob, key, tokens, codec=tier.codec, verify=tier.verifies)
             spec.check(tensor)
-        except (BlobError, ConfigError) as exc:
+        except (BlobError, InvalidArgument) as exc:
             self._metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
             log.warning("tier %s: %s snapshot %s is a miss: %s", tier.name, spec.kind.value, key.hex()[:16], exc)
             return None
@@ -191,7 +191,7 @@ class StateSnapshots:
         owners: list[int] = []
         for boundary, snapshot in sorted(snapshots.items()):
             if not 0 < boundary <= len(keys) or set(snapshot) != set(self.specs):
-                raise ConfigError(f"snapshot at boundary {boundary} must hold {sorted(k.value for k in self.specs)}"
+                raise InvalidArgument(f"snapshot at boundary {boundary} must hold {sorted(k.value for k in self.specs)}"
                                   f" and lie within the {len(keys)} full chunks")
             for kind, tensor in snapshot.items():
                 self.specs[kind].check(tensor)
