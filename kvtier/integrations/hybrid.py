@@ -63,13 +63,13 @@ class CacheLayout:
     def restore(self, model: PreTrainedModel, prefix: PrefixState) -> SnapshottingCache:
         """A fresh cache holding ``prefix``: its attention KV and, in every SSM slot, its snapshot."""
         past = SnapshottingCache(config=model.config)
-        device, dtype = model.device, model.dtype
+        device = model.device
         if prefix.kv is not None:
             for n, layer in enumerate(self.attention):
                 kv = prefix.kv[n].to(device)
                 past.layers[layer].update(kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0))
         for (layer, index), conv in zip(self.slots.get(StateKind.CONV, ()), prefix.states.get(StateKind.CONV, ())):
-            past.layers[layer].update_conv_state(conv.unsqueeze(0).to(device, dtype), index,
+            past.layers[layer].update_conv_state(conv.unsqueeze(0).to(device), index,
                                                  conv_kernel_size=conv.shape[-1])
         for (layer, index), ssm in zip(self.slots.get(StateKind.SSM, ()), prefix.states.get(StateKind.SSM, ())):
             past.layers[layer].update_recurrent_state(ssm.unsqueeze(0).to(device), index)
