@@ -52,6 +52,7 @@ from kvtier.tiers.redis.resp import RespError
 from kvtier.tiers.redis.servers import Servers
 from kvtier.tiers.redis.split import (
     HEADER_BYTES,
+    MAX_PARTS,
     HeadReader,
     PartReader,
     SplitHeader,
@@ -122,6 +123,8 @@ class RedisTier:
         self._ttl_args = (b"PX", b"%d" % self._ttl_ms) if self._ttl_ms else ()
         self._part_ttl_args = (b"PX", b"%d" % self._part_ttl_ms) if self._part_ttl_ms else ()
         self._rate = float(config.min_rate_bytes)
+        #: the largest value put() stores: readers refuse heads of more than MAX_PARTS parts
+        self.max_value_bytes = min(config.max_value_bytes, MAX_PARTS * config.max_part_bytes)
         self._buffers = TransferBufferPool(config.buffer_pool_bytes)
         endpoint = Endpoint.from_url(config.url, {
             "username": config.username, "password": config.password,
@@ -158,7 +161,7 @@ class RedisTier:
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
         out = [False] * len(items)
         sizes = [payload.nbytes for _, payload in items]
-        todo = [i for i, n in enumerate(sizes) if n <= self.config.max_value_bytes]
+        todo = [i for i, n in enumerate(sizes) if n <= self.max_value_bytes]
         if len(todo) < len(items):
             self._metrics.inc("kvtier_skipped_stores_total", len(items) - len(todo), tier=self.name,
                               reason="too_large")
@@ -251,6 +254,8 @@ class RedisTier:
         """Receive the other parts of the split values whose heads arrived; complete ones go to ``out``."""
         batches: dict[str, Batch] = {}
         for i, value in splits.items():
+            if monotonic() > deadline:
+                break  # the rest stay misses, not deleted: asking for their parts would only overrun the call
             batch = self._servers.batch(batches, heads[i])
             for p in range(1, value.header.n_parts):
                 part_key = value.header.part_key(heads[i], p)
