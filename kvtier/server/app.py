@@ -121,7 +121,7 @@ async def _prepare(backend: Backend, request: Request, route: Route):
         raise RequestError(f"model {req.model!r} is not served here; this server serves {backend.name!r}", 404,
                            param="model")
     max_tokens = backend.budget(prompt_ids, limit)
-    job = Job(prompt_ids, max_tokens, salt, backend.stop_ids, asyncio.get_running_loop())
+    job = Job(prompt_ids, max_tokens, salt, backend.stop_ids, asyncio.get_running_loop(), req.sampling())
     return req, job
 
 
