@@ -57,7 +57,8 @@ def main() -> int:
     server = None
     url = args.url
     if url is None:
-        from tests.redis_server import RedisServer, free_port
+        from kvtier.net.ports import free_port
+        from tests.redis_server import RedisServer
 
         server = RedisServer(port=free_port(), maxmemory="4gb").start()
         url = server.tcp_url

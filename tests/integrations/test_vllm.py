@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from functools import cache
@@ -21,6 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.net.ports import free_port  # noqa: E402
 from tests.integrations.vllm_model import build_tiny_llama, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -76,12 +76,6 @@ def with_kvtier(engine, workdir) -> dict:
     tiers = {**json.loads(kvtier_tiers(workdir)), "metrics_port": free_port()}
     steps = ("gen:cold", "reset", "gen:warm", "reset", "gen:again", "prom:vllm", "scrape:worker")
     return engine("kvtier", json.dumps(tiers), steps, log_stats=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokens(outputs: list[dict]) -> list[list[int]]:

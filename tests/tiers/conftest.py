@@ -44,7 +44,7 @@ def redis_server(request) -> Iterator[RedisServer]:
 def own_redis(request) -> Iterator[RedisServer]:
     """A server of the test's own, on a unix socket and a loopback port, free to be killed or frozen."""
     _require_redis(request.param)
-    from tests.redis_server import free_port
+    from kvtier.net.ports import free_port
 
     server = RedisServer(port=free_port(), kind=request.param)
     try:
