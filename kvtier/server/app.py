@@ -18,6 +18,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvtier.integrations.sampling import SamplingParams
+from kvtier.metrics import CONTENT_TYPE
 from kvtier.server.backend import Backend, tenant_salt
 from kvtier.server.body import decode_json, read_body
 from kvtier.server.engine import Event, EventKind, Job, Overloaded
@@ -58,7 +60,7 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(backend.metrics.render_prometheus(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(backend.metrics.render_prometheus(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -83,7 +85,8 @@ async def _generate(backend: Backend, request: Request, route: Route):
         # Decoding, validation and tokenization cost CPU in proportion to the body: off the event loop, so
         # /health and other clients' streams go on meanwhile.
         prepared = await asyncio.to_thread(_prepare, backend, raw, route)
-        job = Job(prepared.prompt_ids, prepared.max_tokens, salt, backend.stop_ids, asyncio.get_running_loop())
+        job = Job(prepared.prompt_ids, prepared.max_tokens, salt, backend.stop_ids, asyncio.get_running_loop(),
+                  prepared.sampling)
         text = TextStream(backend.tokenizer, prepared.stops, skip_ids=backend.stop_ids)
         backend.engine.submit(job)  # last: a request is queued only once nothing about it can fail
     except RequestError as exc:
@@ -120,6 +123,7 @@ class Prepared:
     prompt_ids: list[int]
     max_tokens: int
     stops: list[str]
+    sampling: SamplingParams
 
 
 def _prepare(backend: Backend, raw: bytes, route: Route) -> Prepared:
@@ -133,7 +137,7 @@ def _prepare(backend: Backend, raw: bytes, route: Route) -> Prepared:
         prompt_ids, limit = backend.chat_prompt(req.template_messages()), req.limit()
     else:
         prompt_ids, limit = backend.completion_prompt(req.prompt_value()), req.max_tokens
-    return Prepared(req, prompt_ids, backend.budget(prompt_ids, limit), req.stop_strings())
+    return Prepared(req, prompt_ids, backend.budget(prompt_ids, limit), req.stop_strings(), req.sampling())
 
 
 def _api_key(request: Request) -> str | None:
