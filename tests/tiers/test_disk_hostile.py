@@ -124,3 +124,17 @@ def test_where_a_directory_cannot_be_locked_the_lock_file_still_is(tmp_path, mon
         disk_tier(tmp_path, 1 << 20)
     assert put(tier, [2]) == [True] and read(tier, [2]) == [blob(2)]
     tier.close()
+
+
+@pytest.mark.timeout(60, method="thread")
+def test_a_fifo_in_place_of_the_holders_note_neither_blocks_nor_unlocks(tmp_path):
+    codec_dir = tmp_path / "raw"
+    codec_dir.mkdir()
+    os.mkfifo(codec_dir / ".lock")
+    tier = disk_tier(tmp_path, 1 << 20)
+    try:
+        with pytest.raises(ConfigError, match="in use by process unknown"):
+            disk_tier(tmp_path, 1 << 20)
+        assert put(tier, [3]) == [True] and read(tier, [3]) == [blob(3)]
+    finally:
+        tier.close()

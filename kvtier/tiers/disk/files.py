@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -32,6 +33,7 @@ ALIGN = 4096
 #: The shortest possible blob: a header for one dimension and no tokens, and no payload.
 MIN_BLOB_BYTES = header_length(1, 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+log = logging.getLogger(__name__)
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -80,20 +82,18 @@ def lock_directory(paths: ChunkPaths) -> int:
     note = os.path.join(paths.dir, LOCK_NAME)
     fd = os.open(paths.dir, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
     try:
-        _flock(fd, paths, note)
-    except (BlockingIOError, ConfigError):
-        os.close(fd)
-        raise
-    except OSError:  # this filesystem cannot lock a directory
-        os.close(fd)
-        fd = os.open(note, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
         try:
             _flock(fd, paths, note)
-        except OSError:
+        except OSError:  # this filesystem cannot lock a directory: lock the note instead
             os.close(fd)
-            raise
-    with open(note, "w") as fh:
-        fh.write(f"{os.getpid()}\n")
+            fd = -1
+            fd = os.open(note, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | _O_CLOEXEC, 0o644)
+            _flock(fd, paths, note)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    _write_note(note)
     return fd
 
 
@@ -101,14 +101,32 @@ def _flock(fd: int, paths: ChunkPaths, note: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        raise ConfigError(f"disk tier directory {paths.dir} is in use by process {_holder(note)}; give each "
+                          "process its own path") from None
+
+
+def _holder(note: str) -> str:
+    try:
+        fd = open_regular(note, os.O_RDONLY | _O_CLOEXEC)
+    except DiskIOError:
+        return "unknown"  # no note (deleted, or something else in its place): the lock still holds
+    try:
+        return os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+
+
+def _write_note(note: str) -> None:
+    """Write this process's pid to ``note``; a note that cannot be written only costs error messages."""
+    try:
+        fd = open_regular(note, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC)
         try:
-            with open(note) as fh:
-                holder = fh.read(32).strip() or "unknown"
-        except OSError:
-            holder = "unknown"
-        raise ConfigError(
-            f"disk tier directory {paths.dir} is in use by process {holder}; give each process its own path"
-        ) from None
+            os.write(fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+    except (DiskIOError, OSError) as exc:
+        log.warning("disk tier: cannot write the holder's pid to %s (%s); the directory is locked all the same",
+                    note, exc)
 
 
 # -- writing --------------------------------------------------------------------------------------------------
