@@ -10,8 +10,10 @@ Values
     The sealed, checksummed blob (blob.py). KVCache verifies every read against the chunk key and token ids,
     so a planted, truncated, foreign or older-format value is a miss (and is deleted). A blob larger than
     ``max_part_bytes`` is split (split.py) so that no single command moves more than that; a reader sees it
-    only once every part exists. Largest value: ``max_value_bytes`` (default 1 GiB); largest single command:
-    ``max_part_bytes`` (default 8 MiB, at most 512 MiB, Redis's proto-max-bulk-len).
+    only once every part exists. Largest value: ``max_value_bytes`` (default 1 GiB) and at most MAX_PARTS
+    (4,096) parts; largest single command: ``max_part_bytes`` (default 8 MiB, at most 512 MiB, Redis's
+    proto-max-bulk-len). A head declaring parts under 4 KiB or more than 4,096 is foreign: a miss, deleted
+    before any part is asked for.
 
 Capacity
     Left to the server: set ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (see README). The tier does not
