@@ -6,7 +6,8 @@
   the engine needs the last position's logits) and handed to the model as a ``DynamicCache``;
 * only the remaining tokens are prefilled;
 * the first token is yielded before the prompt's KV is stored, so storing never delays time to first token;
-* decoding is greedy, so outputs with and without the cache are comparable token for token.
+* decoding is greedy by default, so outputs with and without the cache are comparable token for token;
+  ``sampling=SamplingParams(...)`` samples instead (sampling.py), which never changes what is cached.
 
 Models with SSM layers (Mamba2, hybrids) keep state beyond KV: :func:`prefix_cached_lm` and
 :func:`cache_spec` pick kvtier.integrations.hybrid's StatefulPrefixCachedLM and ModelStateSpec for them.
@@ -26,6 +27,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
+from kvtier.integrations.sampling import GREEDY, Sampler, SamplingParams
 from kvtier.layout import KVSpec
 from kvtier.state import ModelStateSpec
 
@@ -114,7 +116,8 @@ class GenerationStats:
 
 
 class PrefixCachedLM:
-    """Greedy generation for one causal LM, reusing prompt prefixes through a KVCache (or none)."""
+    """Generation (greedy unless sampling is asked for) for one causal LM, reusing prompt prefixes through a
+    KVCache (or none)."""
 
     #: Subclasses that restore SSM state set this; this class would silently drop it.
     keeps_recurrent_state = False
@@ -133,19 +136,23 @@ class PrefixCachedLM:
         return prefix_cached_lm(model, cache) if cls is PrefixCachedLM else cls(model, cache)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
-                 stop_ids: Sequence[int] = ()) -> GenerationStats:
+                 stop_ids: Sequence[int] = (), sampling: SamplingParams = GREEDY) -> GenerationStats:
         stats = GenerationStats()
-        for _ in self.stream(prompt_ids, max_new_tokens, salt=salt, stop_ids=stop_ids, stats=stats):
+        for _ in self.stream(prompt_ids, max_new_tokens, salt=salt, stop_ids=stop_ids, stats=stats,
+                             sampling=sampling):
             pass
         return stats
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
-               stop_ids: Sequence[int] = (), stats: GenerationStats | None = None) -> Iterator[int]:
+               stop_ids: Sequence[int] = (), stats: GenerationStats | None = None,
+               sampling: SamplingParams = GREEDY) -> Iterator[int]:
         """Yield generated token ids one by one; ``stats`` (if given) is filled in as generation proceeds.
 
-        Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``.
+        Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``. Tokens are chosen
+        by ``sampling`` (greedy by default); the prompt's KV stored in the cache is the same either way.
         """
+        sampler = Sampler(sampling)
         stats = stats if stats is not None else GenerationStats()
         prompt = list(prompt_ids)
         if not prompt:
@@ -154,7 +161,7 @@ class PrefixCachedLM:
         begin = time.perf_counter()
         past, n_cached = self._cached_prefix(prompt, salt, stats)
         logits = self._prefill(prompt, n_cached, past)
-        token = int(logits[0, -1].argmax())
+        token = sampler.choose(logits[0, -1])
         stats.ttft_s = time.perf_counter() - begin
         stats.cached_tokens = n_cached
         for step in range(max_new_tokens):
@@ -165,7 +172,7 @@ class PrefixCachedLM:
             if token in stop_ids or step + 1 == max_new_tokens:
                 break
             logits = self._decode(token, len(prompt) + step, past)
-            token = int(logits[0, -1].argmax())
+            token = sampler.choose(logits[0, -1])
         stats.total_s = time.perf_counter() - begin
 
     def _prefill(self, prompt: list[int], start: int, past: DynamicCache) -> torch.Tensor:
