@@ -190,7 +190,7 @@ def test_lossless_tier_restores_bit_exact_state():
     assert_restored(cache.retrieve_states(toks), toks, 3)
 
 
-def test_snapshots_promote_and_demote_like_chunks(tmp_path):
+def test_snapshots_are_promoted_like_chunks(tmp_path):
     fast = MemoryTierConfig(capacity_bytes=8 << 20, prefault=False)
     disk = DiskTierConfig(path=tmp_path, capacity_bytes=32 << 20, fsync=False, write=WriteMode.THROUGH)
     toks = tokens(64)
@@ -203,6 +203,19 @@ def test_snapshots_promote_and_demote_like_chunks(tmp_path):
         assert restarted.metrics.get("kvtier_state_snapshots_loaded_total", tier="disk", kind="ssm") == 1
         assert restarted.tiers[0].contains([state_key(restarted.keys(toks)[3], k) for k in (StateKind.CONV,
                                                                                           StateKind.SSM)]) == [True] * 2
+
+
+def test_snapshots_are_demoted_to_a_write_back_tier():
+    snapshot_bytes = CONV.nbytes + SSM.nbytes
+    fast = MemoryTierConfig(capacity_bytes=snapshot_bytes + (8 << 10), prefault=False)  # about one snapshot
+    slow = MemoryTierConfig(capacity_bytes=8 << 20, prefault=False, write=WriteMode.BACK)
+    cache = make(HYBRID, fast, slow)
+    toks = tokens(64)
+    fill(cache, toks, [2, 4])  # the fast tier cannot hold both snapshots: the first is evicted downwards
+    assert cache.metrics.total("kvtier_demotions_total") > 0
+    assert cache.lookup(toks) == 64
+    assert_restored(cache.retrieve_states(toks), toks, 4)
+    assert_restored(cache.retrieve_states(toks, max_tokens=63), toks, 2)
 
 
 def test_store_states_checks_its_input():
