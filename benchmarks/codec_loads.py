@@ -36,6 +36,7 @@ from _util import best, drop_caches, result, timed  # noqa: E402
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
 from kvtier.calibration import measure_codec, synthetic_kv  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.tiers import Flushable  # noqa: E402
 
 CODECS = ["raw", "lossless", "int8", "int4", "cachegen"]
 CHUNK = 256
@@ -100,7 +101,8 @@ def measure_tier(kind: str, where: str, spec: KVSpec, source: TiledSource, n_chu
         for codec, cache in tqdm(caches.items(), desc=f"store into {kind}", leave=False):
             while cache.lookup(tokens) < len(tokens):  # a disk tier turns stores away while its queue is full
                 cache.store(tokens, source)
-                getattr(cache.tiers[0], "flush", lambda: None)()
+                if isinstance(cache.tiers[0], Flushable):
+                    cache.tiers[0].flush()
         for _ in tqdm(range(reps), desc=f"retrieve from {kind}", leave=False):
             for codec, cache in caches.items():
                 def load(cache=cache) -> None:

@@ -31,7 +31,7 @@ from kvtier.cache import KVCache
 from kvtier.codecs import get_codec
 from kvtier.config import CacheConfig
 from kvtier.layout import KVSpec
-from kvtier.tiers import TierConfig
+from kvtier.tiers import Flushable, TierConfig
 
 CODECS = ("raw", "lossless", "int8", "int4", "cachegen")
 #: Llama-3-8B's KV shape: 128 KiB per token in bf16, a 32 MiB chunk of 256 tokens
@@ -182,12 +182,11 @@ def measure_tier(cfg: TierConfig, name: str, codec: str, spec: KVSpec, chunk_tok
 def _store_all(cache: KVCache, tokens: list[int], kv: torch.Tensor, salt: bytes, deadline_s: float = 120) -> None:
     """Store until every chunk is in (a tier with a write queue may turn some away while it is full)."""
     tier = cache.tiers[0]
-    flush = getattr(tier, "flush", None)
     until = time.monotonic() + deadline_s
     while True:
         cache.store(tokens, kv, salt=salt)
-        if flush is not None:
-            flush()
+        if isinstance(tier, Flushable):
+            tier.flush()
         if cache.lookup(tokens, salt=salt) == len(tokens):
             return
         if time.monotonic() > until:

@@ -37,7 +37,7 @@ import torch
 import zstandard
 
 from kvtier.codecs._blocks import BLOCK_ELEMS, blocks
-from kvtier.codecs._wire import PartsPayload, Reader, can_rotate, check_canonical, fp16_scale, hadamard
+from kvtier.codecs._wire import PartsPayload, PayloadReader, can_rotate, check_canonical, fp16_scale, hadamard
 from kvtier.errors import CodecError
 
 _VERSION = 1
@@ -131,7 +131,7 @@ class CacheGenCodec:
         layers, two, tokens, heads, dim = check_canonical(shape, self.name)
         if not dtype.is_floating_point:
             raise CodecError(f"{self.name}: cannot decode into {dtype}")
-        reader = Reader(payload, self.name)
+        reader = PayloadReader(payload, self.name)
         version, flags, anchor, *_steps = reader.unpack(_HEAD)
         rotated = bool(flags & _ROTATED)
         if version != _VERSION or flags & ~_ROTATED or anchor < 1 or (rotated and not can_rotate(dim)):
@@ -146,7 +146,7 @@ class CacheGenCodec:
             _dequantise(sym.view(torch.int8).view(-1, dim), steps, rotated, out.view(-1, dim))
         return out
 
-    def _inflate_slabs(self, reader: Reader, slabs: int, tokens: int, row: int, anchor: int) -> torch.Tensor:
+    def _inflate_slabs(self, reader: PayloadReader, slabs: int, tokens: int, row: int, anchor: int) -> torch.Tensor:
         """Every slab's symbols, ``[slabs, tokens, row]`` uint8, delta coding undone."""
         sym = torch.empty(slabs, tokens, row, dtype=torch.uint8)
         flat = sym.view(slabs, -1).numpy()

@@ -29,7 +29,7 @@ import struct
 import blosc2
 import torch
 
-from kvtier.codecs._wire import PartsPayload, Reader, numel_of
+from kvtier.codecs._wire import PartsPayload, PayloadReader, numel_of
 from kvtier.codecs.lossless_v1 import VERSION as _V1, decode_v1
 from kvtier.errors import CodecError
 
@@ -94,7 +94,7 @@ class LosslessCodec:
 
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = numel_of(shape, "lossless")
-        reader = Reader(payload, "lossless")
+        reader = PayloadReader(payload, "lossless")
         version, itemsize, method, _level = reader.unpack(_HEAD)
         if version == _V1:
             return decode_v1(payload, shape, dtype)

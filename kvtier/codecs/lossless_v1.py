@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kvtier.codecs._wire import Reader, numel_of
+from kvtier.codecs._wire import PayloadReader, numel_of
 from kvtier.errors import CodecError
 
 VERSION = 1
@@ -31,7 +31,7 @@ _LOCAL = threading.local()
 def decode_v1(payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A v1 payload as a new tensor of ``shape``/``dtype``; CodecError when it does not fit them."""
     numel = numel_of(shape, "lossless")
-    reader = Reader(payload, "lossless")
+    reader = PayloadReader(payload, "lossless")
     version, itemsize, method, _level = reader.unpack(_HEAD)
     if version != VERSION or itemsize != dtype.itemsize or method not in (_ZSTD, _LZ4):
         raise CodecError(f"lossless payload v{version}, {itemsize}-byte items, method {method} does not fit {dtype}")
