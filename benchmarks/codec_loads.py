@@ -84,8 +84,8 @@ class TiledSource:
 
 def tier_configs(kind: str, codec: str, where: str) -> tuple:
     if kind == "disk":
-        return ({"kind": "disk", "path": f"{where}/{codec}", "capacity_bytes": "64GiB", "fsync": False},)
-    return ({"kind": "redis", "url": where, "key_prefix": f"bench:{codec}:", "timeout_s": 30.0},)
+        return ({"kind": "disk", "path": f"{where}/{codec}", "codec": codec, "capacity_bytes": "64GiB", "fsync": False},)
+    return ({"kind": "redis", "url": where, "codec": codec, "key_prefix": f"bench:{codec}:", "timeout_s": 30.0},)
 
 
 def measure_tier(kind: str, where: str, spec: KVSpec, source: TiledSource, n_chunks: int, codecs, reps: int,
@@ -98,6 +98,8 @@ def measure_tier(kind: str, where: str, spec: KVSpec, source: TiledSource, n_chu
     out.zero_()  # fault the destination in once, outside the timings
     times: dict[str, list[float]] = {c: [] for c in codecs}
     try:
+        for codec, cache in caches.items():
+            assert cache.tiers[0].codec.name == codec, f"{kind} tier built with {cache.tiers[0].codec.name}, not {codec}"
         for codec, cache in tqdm(caches.items(), desc=f"store into {kind}", leave=False):
             while cache.lookup(tokens) < len(tokens):  # a disk tier turns stores away while its queue is full
                 cache.store(tokens, source)
