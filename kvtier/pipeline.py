@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 #: KV bytes per task: big enough that a task's overhead (~50 us) is noise, small enough that a few windows
 #: are in flight for a prefix of a few hundred MiB.
 WINDOW_BYTES = 16 << 20
+#: tasks in flight: a decode on every core, plus one waiting on I/O
+WORKERS = (os.cpu_count() or 1) + 1
 #: windows encoded ahead of the one being written on store (bounds the memory held by encoded payloads)
 STORE_AHEAD = 4
 
@@ -55,8 +57,7 @@ class Pipeline:
         self.per_window = max(1, WINDOW_BYTES // max(chunk_bytes, 1))
         self.chunk_size = chunk_size
         self.metrics = metrics
-        # decode on every core, plus one task waiting on I/O
-        self._workers = workers or (os.cpu_count() or 1) + 1
+        self._workers = workers or WORKERS
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
