@@ -73,7 +73,9 @@ class TensorSink:
         self.out = out
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
-        self.out[:, :, start:end].copy_(chunk)
+        # Pipeline workers are other threads: an engine's inference-mode tensor needs inference mode there too.
+        with torch.inference_mode(self.out.is_inference()):
+            self.out[:, :, start:end].copy_(chunk)
 
 
 def _tier_names(kinds: Sequence[str]) -> list[str]:

@@ -229,3 +229,15 @@ def test_store_states_checks_its_input():
         cache.store_states(toks, {2: {**snapshot(2), StateKind.SSM: torch.zeros(3, 4, 8, 8, dtype=torch.bfloat16)}})
     with pytest.raises(ConfigError):
         make(KV).store_states(toks, {1: snapshot(1)})
+
+
+def test_restore_under_inference_mode_across_pipeline_windows(monkeypatch):
+    """Engines retrieve inside torch.inference_mode; the pipeline's workers write the KV on other threads."""
+    monkeypatch.setattr("kvtier.pipeline.WINDOW_BYTES", 1)  # one chunk per window: several windows, a pool
+    cache = make()
+    toks = tokens(100)
+    fill(cache, toks, [6])
+    with torch.inference_mode():
+        prefix = cache.retrieve_states(toks)
+    assert_restored(prefix, toks, 6)
+    cache.close()
