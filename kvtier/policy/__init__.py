@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from kvtier.errors import ConfigError
+from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.lru import LRUPolicy
+from kvtier.policy.s3fifo import S3FIFOPolicy
+from kvtier.policy.tinylfu import TinyLFUPolicy
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "arc": ARCPolicy,
+    "arc-lfu": partial(ARCPolicy, history=True),
+    "tinylfu": TinyLFUPolicy,
+}
 
 
 def make_policy(name: str) -> EvictionPolicy:
@@ -18,4 +28,4 @@ def make_policy(name: str) -> EvictionPolicy:
         raise ConfigError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None
 
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "POLICIES", "make_policy"]
+__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "POLICIES", "S3FIFOPolicy", "TinyLFUPolicy", "make_policy"]
