@@ -183,6 +183,11 @@ class KVCache:
             self.metrics.inc("kvtier_miss_tokens_total", (len(keys) - good) * self.chunk_size)
         return tensor, good * self.chunk_size
 
+    def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
+        """For each key, the index of the fastest tier holding it, up to the first key no tier holds (then
+        None). No side effects: what a router or a simulator asks before choosing where a request goes."""
+        return self._locate(keys)
+
     def close(self) -> None:
         for tier in self.tiers:
             try:
