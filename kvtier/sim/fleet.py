@@ -8,7 +8,8 @@ YAML (every key optional)::
     sticky: false               # keep each session (bench JSON: conversation / document) on one replica
     tier_weights: {disk: 0.9}   # what a cached token in each tier is worth to the router (default 1.0)
     kv_bytes_per_token: 131072  # the served model's KV per token (Llama-3-8B, bf16): turns bytes into chunks
-    prefill_tokens_per_s: 20000 # each replica's prefill rate: in-flight requests and queueing delay
+    prefill_tokens_per_s: 20000 # each replica's prefill rate (prefills run one at a time) ...
+    decode_tokens_per_s: 30     # ... and each request's decode rate (batched): in-flight requests, waits
     tiers:                      # each replica's own chain, fastest first
       - kind: memory            # memory | disk
         chunks: 2500            # capacity in chunks, or capacity_bytes: 64GiB (with codec_ratio)
@@ -88,14 +89,15 @@ class FleetConfig:
     routing: RoutingConfig = RoutingConfig()
     kv_bytes_per_token: int = 131_072
     prefill_tokens_per_s: float = 20_000.0
+    decode_tokens_per_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"replicas must be at least 1, got {self.replicas}")
         if not self.tiers:
             raise ConfigError("each replica needs at least one tier")
-        if self.kv_bytes_per_token <= 0 or self.prefill_tokens_per_s <= 0:
-            raise ConfigError("kv_bytes_per_token and prefill_tokens_per_s must be positive")
+        if min(self.kv_bytes_per_token, self.prefill_tokens_per_s, self.decode_tokens_per_s) <= 0:
+            raise ConfigError("kv_bytes_per_token, prefill_tokens_per_s and decode_tokens_per_s must be positive")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FleetConfig:

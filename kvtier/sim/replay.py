@@ -1,15 +1,16 @@
 """Replay requests through a simulated fleet: route each, serve it on its replica, count what it hit.
 
-Time and load: each replica serves its requests one after another at ``prefill_tokens_per_s``, computing
-the tokens its cache did not hold (decode is not modelled). A request is in flight from its arrival until
-its prefill ends; the router sees every replica's in-flight count when the request arrives, and the wait
-before a request's prefill starts is reported as queueing delay.
+Time and load: each replica runs prefills one after another at ``prefill_tokens_per_s``, computing the
+tokens its cache did not hold; decoding then runs batched beside other requests at ``decode_tokens_per_s``
+per request. A request is in flight from its arrival until its last output token; the router sees every
+replica's in-flight count when a request arrives, and the wait before a request's prefill starts is
+reported as queueing delay.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,24 +22,25 @@ from kvtier.sim.trace import TraceRequest
 
 
 class LoadModel:
-    """Per replica, a FIFO server of prefill work: in-flight counts and queueing delays."""
+    """Per replica, a FIFO queue of prefills followed by batched decoding: in-flight counts and waits."""
 
-    def __init__(self, replicas: int, tokens_per_s: float) -> None:
-        self._rate = tokens_per_s
+    def __init__(self, replicas: int, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> None:
+        self._prefill_rate = prefill_tokens_per_s
+        self._decode_rate = decode_tokens_per_s
         self._free_at = [0.0] * replicas
-        self._finishing: list[deque[float]] = [deque() for _ in range(replicas)]  # ascending finish times
+        self._finishing: list[list[float]] = [[] for _ in range(replicas)]  # heaps of finish times
 
     def in_flight(self, now: float) -> list[int]:
         for done in self._finishing:
             while done and done[0] <= now:
-                done.popleft()
+                heapq.heappop(done)
         return [len(done) for done in self._finishing]
 
-    def admit(self, replica: int, now: float, computed_tokens: int) -> float:
-        """Queue a request's prefill; returns how long it waits before its prefill starts."""
+    def admit(self, replica: int, now: float, computed_tokens: int, output_tokens: int) -> float:
+        """Queue a request; returns how long it waits before its prefill starts."""
         start = max(now, self._free_at[replica])
-        self._free_at[replica] = finish = start + computed_tokens / self._rate
-        self._finishing[replica].append(finish)
+        self._free_at[replica] = prefilled = start + computed_tokens / self._prefill_rate
+        heapq.heappush(self._finishing[replica], prefilled + output_tokens / self._decode_rate)
         return start - now
 
 
@@ -103,7 +105,7 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
     replicas = [Replica(fleet, chunk_tokens, chunk_kv_bytes, shared) for _ in range(fleet.replicas)]
     labels = replicas[0].labels
     router = fleet.routing.build()
-    load = LoadModel(fleet.replicas, fleet.prefill_tokens_per_s)
+    load = LoadModel(fleet.replicas, fleet.prefill_tokens_per_s, fleet.decode_tokens_per_s)
     namespace = Namespace(SIM_MODEL, SIM_SPEC, chunk_tokens)
     result = SimResult(label, hit_chunks_by_tier=dict.fromkeys(labels, 0),
                        replicas=[ReplicaStats() for _ in replicas])
@@ -119,7 +121,7 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
                 index = router.choose(RouteRequest(len(tokens), keys[0] if keys else b"", request.session), views)
             hits = replicas[index].serve(tokens)
             computed = _count(result, request, index, len(keys), hits, labels)
-            result.replicas[index].wait_s.append(load.admit(index, request.arrival_s, computed))
+            result.replicas[index].wait_s.append(load.admit(index, request.arrival_s, computed, request.output_tokens))
             if progress is not None and (n % 64 == 0 or n == len(requests)):
                 progress(n)
     finally:

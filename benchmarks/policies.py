@@ -1,0 +1,138 @@
+"""Eviction policies against LRU, Belady's offline optimum and an infinite cache, through ``kvtier sim``.
+
+Every registered policy replays each workload at 1,000 and 10,000 chunks of 512 tokens: one cache, and 4
+replicas behind load-bounded affinity routing (a quarter of the chunks each). Workloads:
+
+* ``mooncake``: the Mooncake synthetic trace (``../shared/workloads/``), every block a full chunk: the
+  block-level model of the issue's reference figures (LRU 0.424 at 10k chunks);
+* ``mooncake-cut``: the same prompts cut to their real length, so a partial last block is never stored, as
+  a server would see them;
+* ``chat``: kvtier.sim.synthetic's chat / agent / RAG workload (another reuse shape, generated here).
+
+For each replay: chunk hit ratio, its ratio to LRU's and the share of the LRU-to-Belady gap it closes;
+per policy, the cost of one operation (insert + evict, or access) on a recorded key stream against LRU's.
+Writes a PNG per workload under results/policies/ and ends with one line ``RESULT {json}``:
+``{workload: {setup: {policy: {size: {"hit": .., "vs_lru": ..}}}}}`` plus the references and costs.
+
+    python benchmarks/policies.py [--workloads mooncake,chat] [--block-tokens 512] [--out results/policies]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import result  # noqa: E402
+
+from kvtier.bench.workloads import find_workload_file  # noqa: E402
+from kvtier.policy import POLICIES, make_policy  # noqa: E402
+from kvtier.router.scoring import Routing, RoutingConfig  # noqa: E402
+from kvtier.sim import report, synthetic  # noqa: E402
+from kvtier.sim.fleet import FleetConfig, SimTier  # noqa: E402
+from kvtier.sim.study import Study, chunk_chains, run_study  # noqa: E402
+from kvtier.sim.trace import read_mooncake  # noqa: E402
+
+SIZES = (1_000, 10_000)
+SETUPS = {"single": 1, "4 replicas": 4}
+
+
+def workload(name: str, block_tokens: int, out: Path):
+    if name == "chat":
+        return read_mooncake(synthetic.write(out / "chat.jsonl"), block_tokens=block_tokens)
+    trace = find_workload_file("mooncake_synthetic_trace.jsonl")
+    return read_mooncake(trace, block_tokens=block_tokens, cut_tail=name == "mooncake-cut")
+
+
+def op_cost_ns(requests, block_tokens: int, capacity: int = 1_000) -> dict[str, float]:
+    """Nanoseconds per policy operation over the trace's key stream, as a tier of ``capacity`` issues them."""
+    chains = chunk_chains(requests[:1500], block_tokens)
+    out = {}
+    for name in POLICIES:
+        policy, held, ops = make_policy(name), set(), 0
+        start = time.perf_counter()
+        for keys in chains:
+            for key in reversed(keys):  # tiers report a request's chunks deepest first
+                ops += 1
+                if key in held:
+                    policy.on_access(key)
+                    continue
+                if len(held) >= capacity:
+                    victim = policy.victim(lambda k: True)
+                    held.discard(victim)
+                    policy.on_remove(victim)
+                held.add(key)
+                policy.on_insert(key)
+        out[name] = (time.perf_counter() - start) / ops * 1e9
+    return out
+
+
+def print_table(name: str, setup: str, study: Study) -> None:
+    print(f"\n{name}, {setup}: chunk hit ratio (vs LRU, share of the LRU-to-Belady gap closed)")
+    print("| policy | " + " | ".join(f"{s:,} chunks" for s in SIZES) + " |")
+    print("|---|" + "---|" * len(SIZES))
+    for policy in POLICIES:
+        cells = []
+        for size in SIZES:
+            point = next(p for p in study.points if p.capacity == size and p.policy == policy)
+            gap = study.gap_closed(point)
+            cells.append(f"{point.result.chunk_hit_ratio:.3f} ({study.vs_lru(point):.3f}x, "
+                         f"{'-' if gap is None else f'{gap:.0%}'})")
+        print(f"| {policy} | " + " | ".join(cells) + " |")
+    belady = {p.capacity: p.belady for p in study.points}
+    print("| Belady (offline) | " + " | ".join(f"{belady[s]:.3f}" for s in SIZES) + " |")
+    print("| infinite cache | " + " | ".join(f"{study.ideal:.3f}" for _ in SIZES) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="mooncake,mooncake-cut,chat")
+    parser.add_argument("--block-tokens", type=int, default=512, help="token ids per trace block (= per chunk)")
+    parser.add_argument("--out", default="results/policies")
+    args = parser.parse_args()
+    out = Path(args.out)
+    loaded = {name: workload(name, args.block_tokens, out) for name in args.workloads.split(",") if name}
+    per_study = len(SIZES) * len(POLICIES)
+    total = sum(len(requests) for requests in loaded.values()) * len(SETUPS) * per_study
+    figures: dict = {}
+    with tqdm(total=total, desc="replays", unit="req", mininterval=2.0) as bar:
+        for name, requests in loaded.items():
+            figures[name] = {"requests": len(requests)}
+            for setup, replicas in SETUPS.items():
+                fleet = FleetConfig(replicas=replicas, tiers=(SimTier(chunks=SIZES[0]),),
+                                    routing=RoutingConfig(Routing.LOAD_BOUNDED))
+                base = bar.n
+                study = run_study(requests, fleet, args.block_tokens, capacities=SIZES, policies=list(POLICIES),
+                                  progress=lambda n, base=base: bar.update(base + n - bar.n))
+                print_table(name, setup, study)
+                report.plot(study, out / f"{name}-{setup.replace(' ', '-')}.png", f"{name}, {setup}")
+                figures[name][setup] = _figures(study)
+        cost = op_cost_ns(next(iter(loaded.values())), args.block_tokens)
+    print("\nns per policy operation, a tier of 1,000 chunks on the first workload's key stream (vs LRU): "
+          + ", ".join(f"{k} {v:.0f} ({v / cost['lru']:.2f}x)" for k, v in cost.items()))
+    figures["op_ns"] = cost
+    figures["op_cost_vs_lru"] = {k: v / cost["lru"] for k, v in cost.items()}
+    result(_rounded(figures))
+
+
+def _figures(study: Study) -> dict:
+    out: dict = {"ideal": study.ideal, "belady": {}}
+    for p in study.points:
+        out.setdefault(p.policy, {})[str(p.capacity)] = {
+            "hit": p.result.chunk_hit_ratio, "vs_lru": study.vs_lru(p), "gap_closed": study.gap_closed(p)}
+        out["belady"][str(p.capacity)] = p.belady
+    return out
+
+
+def _rounded(value):
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return round(value, 4) if isinstance(value, float) else value
+
+
+if __name__ == "__main__":
+    main()
