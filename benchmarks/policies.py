@@ -1,13 +1,14 @@
 """Eviction policies against LRU, Belady's offline optimum and an infinite cache, through ``kvtier sim``.
 
-Every registered policy replays each workload at 1,000 and 10,000 chunks of 512 tokens: one cache, and 4
-replicas behind load-bounded affinity routing (a quarter of the chunks each). Workloads:
+Every registered policy replays each workload at two sizes: one cache, and 4 replicas behind load-bounded
+affinity routing (a quarter of the chunks each). Workloads, and their sizes in chunks of 512 tokens:
 
-* ``mooncake``: the Mooncake synthetic trace (``../shared/workloads/``), every block a full chunk: the
-  block-level model of the issue's reference figures (LRU 0.424 at 10k chunks);
-* ``mooncake-cut``: the same prompts cut to their real length, so a partial last block is never stored, as
-  a server would see them;
-* ``chat``: kvtier.sim.synthetic's chat / agent / RAG workload (another reuse shape, generated here).
+* ``mooncake`` (1k, 10k): the Mooncake synthetic trace (``../shared/workloads/``), every block a full
+  chunk: the block-level model of the trace's reference figures (LRU 0.424 at 10k chunks);
+* ``mooncake-cut`` (1k, 10k): the same prompts cut to their real length, so a partial last block is never
+  stored, as a server would see them;
+* ``chat`` (1k, 3k): kvtier.sim.synthetic's chat / agent / RAG workload, another reuse shape generated here
+  (its working set fits in 10k chunks, where every policy hits what an infinite cache does).
 
 For each replay: chunk hit ratio, its ratio to LRU's and the share of the LRU-to-Belady gap it closes;
 per policy, the cost of one operation (insert + evict, or access) on a recorded key stream against LRU's.
@@ -37,7 +38,7 @@ from kvtier.sim.fleet import FleetConfig, SimTier  # noqa: E402
 from kvtier.sim.study import Study, chunk_chains, run_study  # noqa: E402
 from kvtier.sim.trace import read_mooncake  # noqa: E402
 
-SIZES = (1_000, 10_000)
+SIZES = {"mooncake": (1_000, 10_000), "mooncake-cut": (1_000, 10_000), "chat": (1_000, 3_000)}
 SETUPS = {"single": 1, "4 replicas": 4}
 
 
@@ -72,20 +73,21 @@ def op_cost_ns(requests, block_tokens: int, capacity: int = 1_000) -> dict[str, 
 
 
 def print_table(name: str, setup: str, study: Study) -> None:
+    sizes = SIZES[name]
     print(f"\n{name}, {setup}: chunk hit ratio (vs LRU, share of the LRU-to-Belady gap closed)")
-    print("| policy | " + " | ".join(f"{s:,} chunks" for s in SIZES) + " |")
-    print("|---|" + "---|" * len(SIZES))
+    print("| policy | " + " | ".join(f"{s:,} chunks" for s in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
     for policy in POLICIES:
         cells = []
-        for size in SIZES:
+        for size in sizes:
             point = next(p for p in study.points if p.capacity == size and p.policy == policy)
             gap = study.gap_closed(point)
             cells.append(f"{point.result.chunk_hit_ratio:.3f} ({study.vs_lru(point):.3f}x, "
                          f"{'-' if gap is None else f'{gap:.0%}'})")
         print(f"| {policy} | " + " | ".join(cells) + " |")
     belady = {p.capacity: p.belady for p in study.points}
-    print("| Belady (offline) | " + " | ".join(f"{belady[s]:.3f}" for s in SIZES) + " |")
-    print("| infinite cache | " + " | ".join(f"{study.ideal:.3f}" for _ in SIZES) + " |")
+    print("| Belady (offline) | " + " | ".join(f"{belady[s]:.3f}" for s in sizes) + " |")
+    print("| infinite cache | " + " | ".join(f"{study.ideal:.3f}" for _ in sizes) + " |")
 
 
 def main() -> None:
@@ -96,17 +98,16 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     loaded = {name: workload(name, args.block_tokens, out) for name in args.workloads.split(",") if name}
-    per_study = len(SIZES) * len(POLICIES)
-    total = sum(len(requests) for requests in loaded.values()) * len(SETUPS) * per_study
+    total = sum(len(requests) * len(SIZES[name]) for name, requests in loaded.items()) * len(SETUPS) * len(POLICIES)
     figures: dict = {}
     with tqdm(total=total, desc="replays", unit="req", mininterval=2.0) as bar:
         for name, requests in loaded.items():
             figures[name] = {"requests": len(requests)}
             for setup, replicas in SETUPS.items():
-                fleet = FleetConfig(replicas=replicas, tiers=(SimTier(chunks=SIZES[0]),),
+                fleet = FleetConfig(replicas=replicas, tiers=(SimTier(chunks=SIZES[name][0]),),
                                     routing=RoutingConfig(Routing.LOAD_BOUNDED))
                 base = bar.n
-                study = run_study(requests, fleet, args.block_tokens, capacities=SIZES, policies=list(POLICIES),
+                study = run_study(requests, fleet, args.block_tokens, capacities=SIZES[name], policies=list(POLICIES),
                                   progress=lambda n, base=base: bar.update(base + n - bar.n))
                 print_table(name, setup, study)
                 report.plot(study, out / f"{name}-{setup.replace(' ', '-')}.png", f"{name}, {setup}")
