@@ -250,7 +250,9 @@ class KVCache:
             bad: list[ChunkHash] = []
             try:
                 with tier.get([keys[i] for i in idx]) as blobs:
-                    for i, blob in zip(idx, blobs):
+                    # deepest chunk first: promotions then reach faster tiers in the order their policies
+                    # expect (a chain learnt from its end, see policy/base.py)
+                    for i, blob in reversed(list(zip(idx, blobs))):
                         if blob is None:
                             continue
                         start, end = i * size, (i + 1) * size

@@ -77,8 +77,10 @@ class MemoryTier:
                     continue
                 entry.pins += 1
                 pinned.append(entry)
-                self._policy.on_access(key)
                 views.append(self._view[entry.offset : entry.offset + entry.nbytes])
+            for key, view in zip(reversed(keys), reversed(views)):  # deepest chunk first (policy/base.py)
+                if view is not None:
+                    self._policy.on_access(key)
         try:
             yield views
         finally:
@@ -89,7 +91,8 @@ class MemoryTier:
                         self._alloc.free(entry.offset, entry.nbytes)
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
-        return [self._put_one(key, payload) for key, payload in items]
+        """Stores a batch deepest chunk first, so the policy learns a chain from its end (policy/base.py)."""
+        return [self._put_one(key, payload) for key, payload in reversed(items)][::-1]
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ everywhere, and tiers, shared tier and routing doing what a fleet of kvtier cach
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -37,6 +38,22 @@ def test_a_cache_that_never_fills_hits_exactly_the_ideal(requests, chains):
     assert result.hit_chunks == ideal_hits(chains) > 0
     assert result.chunks == sum(len(c) for c in chains)
     assert belady_hits(chains, 10**5) == result.hit_chunks
+
+
+def test_lru_replay_matches_a_plain_model_of_the_cache(requests, chains):
+    """Every hit of the real cache, tier and policy, against twenty lines of OrderedDict: a retrieve reads the
+    longest held prefix (reported deepest chunk first), a store adds what is missing (deepest first)."""
+    capacity, held, hits = 50, collections.OrderedDict(), 0
+    for keys in chains:
+        n = next((i for i, k in enumerate(keys) if k not in held), len(keys))
+        hits += n
+        for k in reversed(keys[:n]):
+            held.move_to_end(k)
+        for k in reversed([k for k in keys if k not in held]):
+            if len(held) >= capacity:
+                held.popitem(last=False)
+            held[k] = None
+    assert replay(requests, one_cache(capacity), BLOCK_TOKENS).hit_chunks == hits > 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc", "arc-lfu", "tinylfu"])

@@ -101,8 +101,10 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, data[done:])
 
 
-def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct: bool) -> None:
+def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct: bool,
+                 mtime_ns: int | None = None) -> None:
     """Make ``path`` hold exactly ``buf[:nbytes]``, all or nothing: temp file, fsync, rename, fsync of the directory.
+    ``mtime_ns`` (when given) becomes the file's modification time, set before the fsync so it lasts with it.
 
     With ``direct`` the temp file is written O_DIRECT (``buf`` is page-aligned and at least
     ``round_up(nbytes)`` long), whole blocks, then truncated to ``nbytes``. On failure the temp file is removed
@@ -117,6 +119,8 @@ def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct:
             _step("write", _write_all, fd, memoryview(buf)[: round_up(nbytes) if direct else nbytes])
             if direct:
                 _step("write", os.ftruncate, fd, nbytes)
+            if mtime_ns is not None:
+                _step("utime", set_mtime, fd, mtime_ns)
             if fsync:
                 _step("fsync", os.fsync, fd)
         finally:
@@ -134,6 +138,16 @@ def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct:
             _step("fsync_dir", os.fsync, dfd)
         finally:
             os.close(dfd)
+
+
+def set_mtime(target: str | int, mtime_ns: int) -> None:
+    """Set the access and modification times of a path or open file: the disk tier's record of last use."""
+    os.utime(target, ns=(mtime_ns, mtime_ns))
+
+
+def touch(path: str, mtime_ns: int) -> None:
+    """``set_mtime`` of a chunk file, failures as DiskIOError."""
+    _step("utime", set_mtime, path, mtime_ns)
 
 
 def remove(path: str) -> bool:
