@@ -18,6 +18,7 @@ entries; doubling copies each row twice, so estimates carry over unchanged.
 from __future__ import annotations
 
 import hashlib
+import struct
 
 ROWS = 4
 MAX_COUNT = 15
@@ -28,11 +29,14 @@ MAX_WIDTH = 1 << 24  # 64 MiB of counters at most: a million chunks
 _HALVE = bytes(i >> 1 for i in range(256))
 
 
-def _bits(key: bytes) -> int:
-    """128 uniform bits of ``key``."""
+_WORDS = struct.Struct("<4I")
+
+
+def _words(key: bytes) -> tuple[int, int, int, int]:
+    """Four uniform 32-bit words of ``key``: one counter index per row."""
     if len(key) < 16:
         key = hashlib.blake2b(key, digest_size=16).digest()
-    return int.from_bytes(key[:16], "little")
+    return _WORDS.unpack_from(key)
 
 
 class FrequencySketch:
@@ -63,18 +67,24 @@ class FrequencySketch:
             self._mask = len(self._rows[0]) - 1
 
     def estimate(self, key: bytes) -> int:
-        bits, mask, rows = _bits(key), self._mask, self._rows
-        return min(rows[0][bits & mask], rows[1][(bits >> 32) & mask], rows[2][(bits >> 64) & mask],
-                   rows[3][(bits >> 96) & mask])
+        a, b, c, d = _words(key)
+        mask, (r0, r1, r2, r3) = self._mask, self._rows
+        return min(r0[a & mask], r1[b & mask], r2[c & mask], r3[d & mask])
 
     def increment(self, key: bytes) -> None:
-        bits, mask, rows = _bits(key), self._mask, self._rows
-        slots = (bits & mask, (bits >> 32) & mask, (bits >> 64) & mask, (bits >> 96) & mask)
-        low = min(row[slot] for row, slot in zip(rows, slots))
-        if low < MAX_COUNT:
-            for row, slot in zip(rows, slots):
-                if row[slot] == low:
-                    row[slot] = low + 1
+        a, b, c, d = _words(key)
+        mask, (r0, r1, r2, r3) = self._mask, self._rows
+        a, b, c, d = a & mask, b & mask, c & mask, d & mask
+        low = min(r0[a], r1[b], r2[c], r3[d])
+        if low < MAX_COUNT:  # conservative update: only the counters at the minimum grow
+            if r0[a] == low:
+                r0[a] = low + 1
+            if r1[b] == low:
+                r1[b] = low + 1
+            if r2[c] == low:
+                r2[c] = low + 1
+            if r3[d] == low:
+                r3[d] = low + 1
         self._added += 1
         if self._added >= self._period:
             self._age()
