@@ -10,8 +10,11 @@ affinity routing (a quarter of the chunks each). Workloads, and their sizes in c
 * ``chat`` (1k, 3k): kvtier.sim.synthetic's chat / agent / RAG workload, another reuse shape generated here
   (its working set fits in 10k chunks, where every policy hits what an infinite cache does).
 
-For each replay: chunk hit ratio, its ratio to LRU's and the share of the LRU-to-Belady gap it closes;
-per policy, the cost of one operation (insert + evict, or access) on a recorded key stream against LRU's.
+For each replay: chunk hit ratio, its ratio to LRU's and the share of the LRU-to-Belady gap it closes.
+Where requests are routed, which replica gets a new prefix is a tie broken by hashing its first chunk key,
+so the fleets are replayed ``--seeds`` times under differently named keys and the table gives the mean and
+the range. Per policy, the cost of one operation (insert and evict, or access) on a recorded key stream
+against LRU's.
 Writes a PNG per workload under results/policies/ and ends with one line ``RESULT {json}``:
 ``{workload: {setup: {policy: {size: {"hit": .., "vs_lru": ..}}}}}`` plus the references and costs.
 
@@ -21,6 +24,7 @@ Writes a PNG per workload under results/policies/ and ends with one line ``RESUL
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +39,7 @@ from kvtier.policy import POLICIES, make_policy  # noqa: E402
 from kvtier.router.scoring import Routing, RoutingConfig  # noqa: E402
 from kvtier.sim import report, synthetic  # noqa: E402
 from kvtier.sim.fleet import FleetConfig, SimTier  # noqa: E402
+from kvtier.sim.replica import SIM_MODEL  # noqa: E402
 from kvtier.sim.study import Study, chunk_chains, run_study  # noqa: E402
 from kvtier.sim.trace import read_mooncake  # noqa: E402
 
@@ -72,33 +77,54 @@ def op_cost_ns(requests, block_tokens: int, capacity: int = 1_000) -> dict[str, 
     return out
 
 
-def print_table(name: str, setup: str, study: Study) -> None:
-    sizes = SIZES[name]
-    print(f"\n{name}, {setup}: chunk hit ratio (vs LRU, share of the LRU-to-Belady gap closed)")
+def summarize(studies: list[Study], sizes: tuple[int, ...]) -> dict:
+    """Per policy and size over the studies (one per key naming): mean hit ratio, its ratio to LRU's mean,
+    the spread of the per-study ratios, and the share of the LRU-to-Belady gap closed."""
+    first = studies[0]
+    out: dict = {"ideal": first.ideal, "belady": {str(p.capacity): p.belady for p in first.points}}
+    for policy in POLICIES:
+        for size in sizes:
+            points = [next(p for p in s.points if p.capacity == size and p.policy == policy) for s in studies]
+            lru = [s.lru(size).result.chunk_hit_ratio for s in studies]
+            hit = statistics.fmean(p.result.chunk_hit_ratio for p in points)
+            ratios = [s.vs_lru(p) for s, p in zip(studies, points)]
+            belady = points[0].belady
+            out.setdefault(policy, {})[str(size)] = {
+                "hit": hit, "vs_lru": hit / statistics.fmean(lru), "vs_lru_min": min(ratios),
+                "vs_lru_max": max(ratios),
+                "gap_closed": (hit - statistics.fmean(lru)) / (belady - statistics.fmean(lru)) if belady else None}
+    return out
+
+
+def print_table(name: str, setup: str, summary: dict, sizes: tuple[int, ...], seeds: int) -> None:
+    spread = f"; over {seeds} namings of the keys, the range of the ratio in brackets" if seeds > 1 else ""
+    print(f"\n{name}, {setup}: chunk hit ratio (vs LRU{spread}; share of the LRU-to-Belady gap closed)")
     print("| policy | " + " | ".join(f"{s:,} chunks" for s in sizes) + " |")
     print("|---|" + "---|" * len(sizes))
     for policy in POLICIES:
         cells = []
         for size in sizes:
-            point = next(p for p in study.points if p.capacity == size and p.policy == policy)
-            gap = study.gap_closed(point)
-            cells.append(f"{point.result.chunk_hit_ratio:.3f} ({study.vs_lru(point):.3f}x, "
-                         f"{'-' if gap is None else f'{gap:.0%}'})")
+            f = summary[policy][str(size)]
+            rng = f" [{f['vs_lru_min']:.3f}-{f['vs_lru_max']:.3f}]" if seeds > 1 else ""
+            cells.append(f"{f['hit']:.3f} ({f['vs_lru']:.3f}x{rng}, {f['gap_closed']:.0%})")
         print(f"| {policy} | " + " | ".join(cells) + " |")
-    belady = {p.capacity: p.belady for p in study.points}
-    print("| Belady (offline) | " + " | ".join(f"{belady[s]:.3f}" for s in sizes) + " |")
-    print("| infinite cache | " + " | ".join(f"{study.ideal:.3f}" for _ in sizes) + " |")
+    print("| Belady (offline) | " + " | ".join(f"{summary['belady'][str(s)]:.3f}" for s in sizes) + " |")
+    print("| infinite cache | " + " | ".join(f"{summary['ideal']:.3f}" for _ in sizes) + " |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="mooncake,mooncake-cut,chat")
     parser.add_argument("--block-tokens", type=int, default=512, help="token ids per trace block (= per chunk)")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="replays of each fleet under differently named keys (routing ties fall differently)")
     parser.add_argument("--out", default="results/policies")
     args = parser.parse_args()
     out = Path(args.out)
     loaded = {name: workload(name, args.block_tokens, out) for name in args.workloads.split(",") if name}
-    total = sum(len(requests) * len(SIZES[name]) for name, requests in loaded.items()) * len(SETUPS) * len(POLICIES)
+    seeds = {setup: 1 if replicas == 1 else args.seeds for setup, replicas in SETUPS.items()}
+    total = sum(len(requests) * len(SIZES[name]) for name, requests in loaded.items()) * len(POLICIES) \
+        * sum(seeds.values())
     figures: dict = {}
     with tqdm(total=total, desc="replays", unit="req", mininterval=2.0) as bar:
         for name, requests in loaded.items():
@@ -106,27 +132,23 @@ def main() -> None:
             for setup, replicas in SETUPS.items():
                 fleet = FleetConfig(replicas=replicas, tiers=(SimTier(chunks=SIZES[name][0]),),
                                     routing=RoutingConfig(Routing.LOAD_BOUNDED))
-                base = bar.n
-                study = run_study(requests, fleet, args.block_tokens, capacities=SIZES[name], policies=list(POLICIES),
-                                  progress=lambda n, base=base: bar.update(base + n - bar.n))
-                print_table(name, setup, study)
-                report.plot(study, out / f"{name}-{setup.replace(' ', '-')}.png", f"{name}, {setup}")
-                figures[name][setup] = _figures(study)
+                studies = []
+                for seed in range(seeds[setup]):
+                    base = bar.n
+                    studies.append(run_study(
+                        requests, fleet, args.block_tokens, capacities=SIZES[name], policies=list(POLICIES),
+                        model=SIM_MODEL if seed == 0 else f"{SIM_MODEL}/{seed}",
+                        progress=lambda n, base=base: bar.update(base + n - bar.n)))
+                summary = summarize(studies, SIZES[name])
+                print_table(name, setup, summary, SIZES[name], len(studies))
+                report.plot(studies[0], out / f"{name}-{setup.replace(' ', '-')}.png", f"{name}, {setup}")
+                figures[name][setup] = summary
         cost = op_cost_ns(next(iter(loaded.values())), args.block_tokens)
     print("\nns per policy operation, a tier of 1,000 chunks on the first workload's key stream (vs LRU): "
           + ", ".join(f"{k} {v:.0f} ({v / cost['lru']:.2f}x)" for k, v in cost.items()))
     figures["op_ns"] = cost
     figures["op_cost_vs_lru"] = {k: v / cost["lru"] for k, v in cost.items()}
     result(_rounded(figures))
-
-
-def _figures(study: Study) -> dict:
-    out: dict = {"ideal": study.ideal, "belady": {}}
-    for p in study.points:
-        out.setdefault(p.policy, {})[str(p.capacity)] = {
-            "hit": p.result.chunk_hit_ratio, "vs_lru": study.vs_lru(p), "gap_closed": study.gap_closed(p)}
-        out["belady"][str(p.capacity)] = p.belady
-    return out
 
 
 def _rounded(value):

@@ -12,6 +12,10 @@ from kvtier.policy.lru import LRUPolicy
 from kvtier.policy.s3fifo import S3FIFOPolicy
 from kvtier.policy.tinylfu import TinyLFUPolicy
 
+#: What a memory or disk tier evicts by unless configured otherwise; README "Choosing an eviction policy" has
+#: the measurements behind it.
+DEFAULT_POLICY = "arc-lfu"
+
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "s3fifo": S3FIFOPolicy,
@@ -28,4 +32,4 @@ def make_policy(name: str) -> EvictionPolicy:
         raise ConfigError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None
 
 
-__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "POLICIES", "S3FIFOPolicy", "TinyLFUPolicy", "make_policy"]
+__all__ = ["ARCPolicy", "DEFAULT_POLICY", "EvictionPolicy", "LRUPolicy", "POLICIES", "S3FIFOPolicy", "TinyLFUPolicy", "make_policy"]

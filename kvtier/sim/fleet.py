@@ -13,7 +13,7 @@ YAML (every key optional)::
     tiers:                      # each replica's own chain, fastest first
       - kind: memory            # memory | disk
         chunks: 2500            # capacity in chunks, or capacity_bytes: 64GiB (with codec_ratio)
-        policy: arc-lfu
+        policy: arc-lfu         # default: the tiers' default (arc-lfu)
       - kind: disk
         capacity_bytes: 2TiB
         codec_ratio: 1.9        # the tier's codec: chunks are this many times smaller than raw KV
@@ -41,6 +41,7 @@ from typing import Any
 
 from kvtier.config import build_dataclass
 from kvtier.errors import ConfigError
+from kvtier.policy import DEFAULT_POLICY, POLICIES
 from kvtier.router.scoring import Routing, RoutingConfig
 from kvtier.tiers import WriteMode
 
@@ -58,12 +59,10 @@ class SimTier:
     chunks: int | None = None
     capacity_bytes: int | None = None
     codec_ratio: float = 1.0
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     write: WriteMode = WriteMode.THROUGH
 
     def __post_init__(self) -> None:
-        from kvtier.policy import POLICIES
-
         if (self.chunks is None) == (self.capacity_bytes is None):
             raise ConfigError("a simulated tier needs exactly one of chunks or capacity_bytes")
         if self.chunks is not None and self.chunks < 0:

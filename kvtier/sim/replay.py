@@ -97,16 +97,20 @@ def chunk_tokens_of(requests: Sequence[TraceRequest], default: int) -> int:
 
 
 def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: int, *, label: str = "",
-           progress: Callable[[int], None] | None = None) -> SimResult:
-    """Replay ``requests`` in order through a fresh fleet built from ``fleet``."""
+           model: str = SIM_MODEL, progress: Callable[[int], None] | None = None) -> SimResult:
+    """Replay ``requests`` in order through a fresh fleet built from ``fleet``.
+
+    ``model`` names the cached model: it changes every chunk key (not the sharing between them), so the
+    router's tie-breaks fall differently; replays under several names show how much a result owes to them.
+    """
     t0 = time.perf_counter()
     chunk_kv_bytes = fleet.kv_bytes_per_token * (requests[0].tokens_per_chunk if requests else chunk_tokens)
     shared = build_shared(fleet, chunk_tokens, chunk_kv_bytes)
-    replicas = [Replica(fleet, chunk_tokens, chunk_kv_bytes, shared) for _ in range(fleet.replicas)]
+    replicas = [Replica(fleet, chunk_tokens, chunk_kv_bytes, shared, model) for _ in range(fleet.replicas)]
     labels = replicas[0].labels
     router = fleet.routing.build()
     load = LoadModel(fleet.replicas, fleet.prefill_tokens_per_s, fleet.decode_tokens_per_s)
-    namespace = Namespace(SIM_MODEL, SIM_SPEC, chunk_tokens)
+    namespace = Namespace(model, SIM_SPEC, chunk_tokens)
     result = SimResult(label, hit_chunks_by_tier=dict.fromkeys(labels, 0),
                        replicas=[ReplicaStats() for _ in replicas])
     try:

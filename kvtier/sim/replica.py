@@ -88,11 +88,12 @@ class _Zeros:
 class Replica:
     """A KVCache built from a fleet's tier chain (plus the shared tier), serving requests one at a time."""
 
-    def __init__(self, fleet: FleetConfig, chunk_tokens: int, chunk_kv_bytes: int, shared: Tier | None) -> None:
+    def __init__(self, fleet: FleetConfig, chunk_tokens: int, chunk_kv_bytes: int, shared: Tier | None,
+                 model: str = SIM_MODEL) -> None:
         tiers: list[TierConfig] = [tier_config(t, chunk_tokens, chunk_kv_bytes) for t in fleet.tiers]
         if shared is not None and fleet.shared is not None:
             tiers.append(_Existing(write=fleet.shared.write, tier=shared))
-        self.cache = KVCache(SIM_SPEC, SIM_MODEL, CacheConfig(chunk_size=chunk_tokens, tiers=tuple(tiers)))
+        self.cache = KVCache(SIM_SPEC, model, CacheConfig(chunk_size=chunk_tokens, tiers=tuple(tiers)))
         self.labels = fleet.tier_labels()
         self._names = [tier.name for tier in self.cache.tiers]
         self._hits_seen = [0.0] * len(self._names)

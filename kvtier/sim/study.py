@@ -86,7 +86,8 @@ def chunk_chains(requests: Sequence[TraceRequest], chunk_tokens: int) -> list[li
 
 def run_study(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: int, *,
               capacities: Sequence[int | None] = (None,), policies: Sequence[str | None] = (None,),
-              belady: bool = True, progress: Callable[[int], None] | None = None) -> Study:
+              belady: bool = True, model: str = SIM_MODEL,
+              progress: Callable[[int], None] | None = None) -> Study:
     """Replay ``requests`` once per (capacity, policy); None keeps the fleet's own value."""
     if not requests:
         raise ConfigError("the trace has no requests")
@@ -105,7 +106,7 @@ def run_study(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens
             config = with_first_tier(sized, None, policy)
             label = f"{config.tiers[0].policy} @ {capacity if capacity is not None else 'fleet'}"
             step = (lambda n, base=done: progress(base + n)) if progress is not None else None
-            result = replay(requests, config, chunk_tokens, label=label, progress=step)
+            result = replay(requests, config, chunk_tokens, label=label, model=model, progress=step)
             done += len(requests)
             first = config.tiers[0].capacity_chunks(chunk_kv_bytes) * config.replicas
             study.points.append(Point(first, config.tiers[0].policy, result, optimum))

@@ -19,7 +19,7 @@ import torch
 
 from kvtier.codecs import Payload, get_codec
 from kvtier.keys import ChunkHash
-from kvtier.policy import make_policy
+from kvtier.policy import DEFAULT_POLICY, make_policy
 from kvtier.tiers.allocator import Allocator
 from kvtier.tiers.base import (
     EvictionListener,
@@ -173,7 +173,7 @@ class MemoryTierConfig(TierConfig):
 
     kind = "memory"
     capacity_bytes: int = 1 << 30
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     prefault: bool = True
 
     def build(self, ctx: TierContext) -> MemoryTier:

@@ -21,7 +21,7 @@ def test_the_documented_example_parses(tmp_path):
     memory, disk = fleet.tiers
     assert memory == SimTier(chunks=2500, policy="arc-lfu")
     assert disk.kind is TierKind.DISK and disk.capacity_bytes == 2 * 2**40 and disk.write is WriteMode.BACK
-    assert fleet.shared == SimTier(chunks=100_000)
+    assert fleet.shared == SimTier(chunks=100_000, policy="lru")
     assert fleet.tier_labels() == ["memory", "disk", "shared"]
 
 
