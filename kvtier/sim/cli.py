@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvtier sim: {exc}", file=sys.stderr)
         return 2
-    title = f"kvtier sim: {Path(args.trace).name}, {len(requests):,} requests, {fleet.replicas} replica(s), " \
-            f"routing {fleet.routing.routing.value}"
+    title = f"kvtier sim: {Path(args.trace).name}, {len(requests):,} requests, " + (
+        f"{fleet.replicas} replicas, routing {fleet.routing.routing.value}" if fleet.replicas > 1 else "one cache")
     report.print_study(study, title)
     out = Path(args.out)
     config = {"trace": str(args.trace), "requests": len(requests), "chunk_tokens": chunk_tokens,

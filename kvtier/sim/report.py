@@ -73,6 +73,7 @@ def plot(study: Study, path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     capacities = sorted({p.capacity for p in study.points})
@@ -85,9 +86,12 @@ def plot(study: Study, path: Path, title: str) -> None:
     ax.axhline(study.ideal, color="grey", linestyle=":", label="infinite cache")
     if len(capacities) > 1 and capacities[0] > 0 and capacities[-1] / capacities[0] >= 10:
         ax.set_xscale("log")
+        ax.set_xticks(capacities)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("capacity (chunks, all replicas' first tiers together)")
     ax.set_ylabel("chunk hit ratio")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -28,7 +28,7 @@ def key(i: int) -> ChunkHash:
 Op = tuple[str, int]
 
 #: the suite's tests run once per policy class; they keep no state on ``self``, so that is safe
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.differing_executors])
+PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.differing_executors])
 
 ops_strategy = st.lists(st.tuples(st.sampled_from(["insert", "insert", "access", "remove", "evict"]),
                                   st.integers(0, 40)), max_size=300)
