@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import build_dataclass
+from kvtier.config import build_dataclass, read_yaml_mapping
 from kvtier.errors import ConfigError
 from kvtier.policy import DEFAULT_POLICY, POLICIES
 from kvtier.router.scoring import Routing, RoutingConfig
@@ -117,26 +117,7 @@ class FleetConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> FleetConfig:
-        import yaml
-
-        try:
-            with open(path, encoding="utf-8") as fh:
-                values = yaml.safe_load(fh) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read fleet {path}: {exc}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-        return cls.from_dict(values)
-
-    def tier_labels(self) -> list[str]:
-        """Names of a replica's tiers as reports show them: kinds, numbered when repeated, then ``shared``."""
-        labels: list[str] = []
-        for tier in self.tiers:
-            label, n = tier.kind.value, 2
-            while label in labels:
-                label, n = f"{tier.kind.value}{n}", n + 1
-            labels.append(label)
-        return labels + (["shared"] if self.shared is not None else [])
+        return cls.from_dict(read_yaml_mapping(path, "fleet"))
 
 
 def _tier(values: Any, owner: str) -> SimTier:

@@ -94,9 +94,9 @@ class Replica:
         if shared is not None and fleet.shared is not None:
             tiers.append(_Existing(write=fleet.shared.write, tier=shared))
         self.cache = KVCache(SIM_SPEC, model, CacheConfig(chunk_size=chunk_tokens, tiers=tuple(tiers)))
-        self.labels = fleet.tier_labels()
-        self._names = [tier.name for tier in self.cache.tiers]
-        self._hits_seen = [0.0] * len(self._names)
+        #: the tiers' names (kinds, numbered when repeated: memory, disk, shared), as reports show them
+        self.labels = [tier.name for tier in self.cache.tiers]
+        self._hits_seen = [0.0] * len(self.labels)
         self._sink = _Discard()
         self._source = _Zeros(chunk_tokens)
 
@@ -116,7 +116,7 @@ class Replica:
         self.cache.store(tokens, self._source)
         hits = []
         size = self.cache.chunk_size
-        for i, name in enumerate(self._names):
+        for i, name in enumerate(self.labels):
             total = self.cache.metrics.get("kvtier_hit_tokens_total", tier=name)
             hits.append(int(total - self._hits_seen[i]) // size)
             self._hits_seen[i] = total

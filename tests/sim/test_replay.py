@@ -63,6 +63,15 @@ def test_no_policy_beats_the_offline_optimum(requests, chains, policy):
         assert 0 < hits <= belady_hits(chains, capacity) <= ideal_hits(chains)
 
 
+def test_tiers_are_named_by_kind():
+    fleet = FleetConfig(tiers=(SimTier(chunks=4), SimTier(kind=TierKind.DISK, chunks=8), SimTier(chunks=2)))
+    replica = Replica(fleet, BLOCK_TOKENS, 1, None)
+    try:
+        assert replica.labels == ["memory", "disk", "memory2"]
+    finally:
+        replica.close()
+
+
 def test_a_tier_holds_exactly_its_capacity(requests):
     replica = Replica(one_cache(40), BLOCK_TOKENS, 1, None)
     try:
