@@ -32,4 +32,5 @@ def make_policy(name: str) -> EvictionPolicy:
         raise ConfigError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None
 
 
-__all__ = ["ARCPolicy", "DEFAULT_POLICY", "EvictionPolicy", "LRUPolicy", "POLICIES", "S3FIFOPolicy", "TinyLFUPolicy", "make_policy"]
+__all__ = ["ARCPolicy", "DEFAULT_POLICY", "EvictionPolicy", "LRUPolicy", "POLICIES", "S3FIFOPolicy", "TinyLFUPolicy",
+           "make_policy"]

@@ -79,7 +79,8 @@ class SimResult:
         return {
             "label": self.label, "requests": self.requests, "chunks": self.chunks, "hit_chunks": self.hit_chunks,
             "chunk_hit_ratio": self.chunk_hit_ratio, "token_hit_ratio": self.token_hit_ratio,
-            "hit_ratio_by_tier": {t: n / self.chunks if self.chunks else 0.0 for t, n in self.hit_chunks_by_tier.items()},
+            "hit_ratio_by_tier": {t: n / self.chunks if self.chunks else 0.0
+                                  for t, n in self.hit_chunks_by_tier.items()},
             "input_tokens": self.input_tokens, "saved_tokens": self.saved_tokens,
             "prefill_tokens": self.input_tokens - self.saved_tokens,
             "queue_wait_mean_s": sum(waits) / len(waits) if waits else 0.0,

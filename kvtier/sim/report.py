@@ -33,7 +33,8 @@ def study_table(study: Study, title: str):
         spread = max(prefill) / (sum(prefill) / len(prefill)) if prefill and sum(prefill) else None
         table.add_row(f"{point.capacity:,}", point.policy, _pct(res.chunk_hit_ratio), _pct(res.token_hit_ratio),
                       *(_pct(doc["hit_ratio_by_tier"].get(t)) for t in tiers), _ratio(study.vs_lru(point)),
-                      _pct(point.belady), _pct(study.gap_closed(point)), _ratio(spread), f"{doc['queue_wait_p99_s']:.2f}")
+                      _pct(point.belady), _pct(study.gap_closed(point)), _ratio(spread),
+                      f"{doc['queue_wait_p99_s']:.2f}")
     return table
 
 

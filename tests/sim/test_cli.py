@@ -30,7 +30,8 @@ def test_sweep_writes_table_json_and_plot(small_trace, tmp_path):
 
 def test_fleet_file_and_errors(small_trace, tmp_path):
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text("replicas: 2\nrouting: prefix\ntiers:\n  - chunks: 40\n    policy: arc-lfu\nshared:\n  chunks: 200\n")
+    fleet.write_text("replicas: 2\nrouting: prefix\ntiers:\n  - chunks: 40\n    policy: arc-lfu\n"
+                     "shared:\n  chunks: 200\n")
     run = kvtier("sim", str(small_trace), "--block-tokens", "16", "--fleet", str(fleet), "--no-belady",
                  "--out", str(tmp_path / "o"), cwd=tmp_path)
     assert run.returncode == 0, run.stderr

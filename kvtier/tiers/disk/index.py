@@ -135,8 +135,8 @@ class DiskIndex:
             for (key, _), job in zip(reversed(items), reversed(out)):
                 if isinstance(job, Pending):
                     self._policy.on_insert(key)
-                elif job is Declined.PRESENT and self._entries[key].pending is None:
-                    self._policy.on_access(key)
+                elif job is Declined.PRESENT and (entry := self._entries.get(key)) and entry.pending is None:
+                    self._policy.on_access(key)  # (unless a later store of the batch evicted it meanwhile)
         return out
 
     def _reserve_one(self, key: ChunkHash, nbytes: int, stamp_ns: int) -> Pending | Declined:
