@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "serve": "kvtier.server.cli",
     "bench": "kvtier.bench.cli",
     "sim": "kvtier.sim.cli",
+    "calibrate": "kvtier.calibrate",
 }
 
 
