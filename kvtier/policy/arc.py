@@ -20,10 +20,10 @@ after a pause), and they often come back after longer gaps than ARC's ghosts cov
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtier.keys import ChunkHash
-from kvtier.policy.base import first_evictable
+from kvtier.policy.base import first_evictable, renew_in_order
 from kvtier.policy.sketch import FrequencySketch
 
 
@@ -82,6 +82,9 @@ class ARCPolicy:
         else:
             return
         self._trim_ghosts()
+
+    def on_chain(self, keys: Sequence[ChunkHash]) -> None:
+        renew_in_order([self._t1, self._t2], keys)
 
     def victim(self, evictable: Callable[[ChunkHash], bool]) -> ChunkHash | None:
         t1_first = bool(self._t1) and (len(self._t1) > self._p or not self._t2)

@@ -16,10 +16,10 @@ so every hook is O(1) amortised and ``victim`` is O(1) unless it has to skip pin
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtier.keys import ChunkHash
-from kvtier.policy.base import first_evictable
+from kvtier.policy.base import first_evictable, renew_in_order
 
 SMALL_SHARE = 0.1  #: S's share of the entries (the paper's choice across its traces)
 MAX_USES = 3  #: two-bit use counters
@@ -58,6 +58,11 @@ class S3FIFOPolicy:
                 self._ghost.popitem(last=False)
         elif self._main.pop(key, None) is None:
             return
+        self._normalise()
+
+    def on_chain(self, keys: Sequence[ChunkHash]) -> None:
+        # S's order is the order keys arrived in; M's is the order they qualified in, which a use never changes
+        renew_in_order([self._small], keys)  # use counts stay
         self._normalise()
 
     def victim(self, evictable: Callable[[ChunkHash], bool]) -> ChunkHash | None:

@@ -17,11 +17,11 @@ tier's capacity; chunks of one model have one size, so that is the capacity once
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain
 
 from kvtier.keys import ChunkHash
-from kvtier.policy.base import first_evictable
+from kvtier.policy.base import first_evictable, renew_in_order
 from kvtier.policy.sketch import FrequencySketch
 
 WINDOW_SHARE = 0.01
@@ -73,6 +73,30 @@ class TinyLFUPolicy:
             return
         if self._window and len(self._window) >= self._window_size():
             self._admit()  # the candidate won the room this removal freed
+
+    def on_chain(self, keys: Sequence[ChunkHash]) -> None:
+        # The window is its own region: if deeper chunks of the chain sit in it while shallower ones sit in
+        # the main region, they trade places, so the window holds the chain's shallowest chunks, as when a
+        # request's chunks arrive deepest first.
+        window = self._window
+        in_window = [k for k in keys if k in window]
+        if in_window:
+            held = [k for k in keys if k in window or k in self._probation or k in self._protected]
+            shallow = set(held[: len(in_window)])
+            self._trade_places([k for k in in_window if k not in shallow],
+                               [k for k in held[: len(in_window)] if k not in window])
+        renew_in_order([window, self._probation, self._protected], keys)
+
+    def _trade_places(self, deeper_in_window: list[ChunkHash], shallower_in_main: list[ChunkHash]) -> None:
+        """Swap each window key with a main-region key, pair by pair (both lists in chain order). The deeper key
+        goes on probation, never into protected (it must not outlast its ancestor there); the shallower one
+        keeps its claim to protected through the window's used flag."""
+        for out, into in zip(deeper_in_window, shallower_in_main):
+            del self._window[out]
+            was_protected = into in self._protected
+            del (self._protected if was_protected else self._probation)[into]
+            self._probation[out] = None
+            self._window[into] = was_protected
 
     def victim(self, evictable: Callable[[ChunkHash], bool]) -> ChunkHash | None:
         main = first_evictable(chain(self._probation, self._protected), evictable)

@@ -39,7 +39,7 @@ class _Entry:
 
 
 class MemoryTier:
-    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter``."""
+    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter`` and ``ChainOrdered``."""
 
     verifies = False
 
@@ -106,6 +106,11 @@ class MemoryTier:
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+
+    # -- ChainOrdered ---------------------------------------------------------------------------------------
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        with self._lock:
+            self._policy.on_chain(keys)
 
     # -- EvictionReporter ----------------------------------------------------------------------------------
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:

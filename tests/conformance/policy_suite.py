@@ -24,13 +24,14 @@ def key(i: int) -> ChunkHash:
     return ChunkHash(hashlib.sha256(f"policy-{i}".encode()).digest())
 
 
-#: One step of a workload: ("insert" | "access" | "remove" | "evict", key number)
+#: One step of a workload: ("insert" | "access" | "remove" | "evict" | "chain", key number); "chain" reports
+#: a request's chain (``on_chain``) from that key on, some of its keys held, some not
 Op = tuple[str, int]
 
 #: the suite's tests run once per policy class; they keep no state on ``self``, so that is safe
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.differing_executors])
 
-ops_strategy = st.lists(st.tuples(st.sampled_from(["insert", "insert", "access", "remove", "evict"]),
+ops_strategy = st.lists(st.tuples(st.sampled_from(["insert", "insert", "access", "remove", "evict", "chain"]),
                                   st.integers(0, 40)), max_size=300)
 
 
@@ -70,6 +71,8 @@ def drive(policy: EvictionPolicy, ops: Iterable[Op], capacity: int = 16, pinned:
         elif op == "remove":
             held.discard(k)
             policy.on_remove(k)
+        elif op == "chain":
+            policy.on_chain([key(j) for j in range(i, i + 6)])
         else:
             evict_one()
         assert len(policy) == len(held)
@@ -119,6 +122,14 @@ class PolicyConformance:
                 policy.victim(lambda k: k != key(7))
 
         assert drive(self.make(), ops, between=ask_often) == drive(self.make(), ops)
+
+    @PROPERTY
+    @given(ops=ops_strategy)
+    def test_a_chain_of_keys_not_held_changes_nothing(self, ops):
+        def stray_chain(policy: EvictionPolicy) -> None:
+            policy.on_chain([key(1000), key(1001), key(1002)])
+
+        assert drive(self.make(), ops, between=stray_chain) == drive(self.make(), ops)
 
     def test_deterministic_across_processes(self):
         """The same calls give the same victims in processes with different hash seeds."""
@@ -178,11 +189,27 @@ class PolicyConformance:
             policy.on_insert(k)
         for k in reversed(chain):  # read again, as a retrieve of the whole prefix reports it
             policy.on_access(k)
+        assert self._eviction_order(policy) == list(reversed(chain))
+
+    def test_on_chain_orders_a_chain_that_arrived_in_pieces(self):
+        """Windows of a store reach a tier root side first; ``on_chain`` then orders the chain deepest first,
+        ignoring keys the policy does not hold."""
+        policy = self.make()
+        chain = [key(200 + depth) for depth in range(12)]
+        for start in (0, 4, 8):  # three windows, each reported deepest first
+            for k in reversed(chain[start : start + 4]):
+                policy.on_insert(k)
+        policy.on_chain([key(999), *chain])
+        assert len(policy) == 12
+        assert self._eviction_order(policy) == list(reversed(chain))
+
+    @staticmethod
+    def _eviction_order(policy: EvictionPolicy) -> list[ChunkHash]:
         order = []
         while (victim := policy.victim(lambda k: True)) is not None:
             order.append(victim)
             policy.on_remove(victim)
-        assert order == list(reversed(chain))
+        return order
 
 
 def _env() -> dict[str, str]:

@@ -42,7 +42,8 @@ def test_a_cache_that_never_fills_hits_exactly_the_ideal(requests, chains):
 
 def test_lru_replay_matches_a_plain_model_of_the_cache(requests, chains):
     """Every hit of the real cache, tier and policy, against twenty lines of OrderedDict: a retrieve reads the
-    longest held prefix (reported deepest chunk first), a store adds what is missing (deepest first)."""
+    longest held prefix (reported deepest chunk first), a store adds what is missing (deepest first), and
+    then the whole chain is ordered deepest first (``order_chain``)."""
     capacity, held, hits = 50, collections.OrderedDict(), 0
     for keys in chains:
         n = next((i for i, k in enumerate(keys) if k not in held), len(keys))
@@ -53,6 +54,9 @@ def test_lru_replay_matches_a_plain_model_of_the_cache(requests, chains):
             if len(held) >= capacity:
                 held.popitem(last=False)
             held[k] = None
+        for k in reversed(keys):
+            if k in held:
+                held.move_to_end(k)
     assert replay(requests, one_cache(capacity), BLOCK_TOKENS).hit_chunks == hits > 0
 
 

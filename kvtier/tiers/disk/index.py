@@ -116,6 +116,10 @@ class DiskIndex:
                 self._policy.on_access(key)
         return out
 
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        with self._lock:
+            self._policy.on_chain(keys)
+
     def unpin(self, entries: Iterable[Entry]) -> None:
         with self._lock:
             for entry in entries:

@@ -65,7 +65,8 @@ STAGING_POOL_RETAIN = 128 << 20
 
 
 class DiskTier:
-    """The Tier protocol over one directory of chunk files; ``Flushable`` (stores are written in the background)."""
+    """The Tier protocol over one directory of chunk files; ``Flushable`` (stores are written in the
+    background) and ``ChainOrdered``."""
 
     verifies = True
 
@@ -140,6 +141,11 @@ class DiskTier:
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
         self._index.remove(keys)
+
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        """``ChainOrdered``: the policy orders the request's chunks deepest first (no file is touched: the
+        mtimes the reads and writes set already are in that order)."""
+        self._index.order_chain(keys)
 
     def stats(self) -> TierStats:
         return self._index.stats()
