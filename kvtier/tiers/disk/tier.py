@@ -143,8 +143,9 @@ class DiskTier:
         self._index.remove(keys)
 
     def order_chain(self, keys: Sequence[ChunkHash]) -> None:
-        """``ChainOrdered``: the policy orders the request's chunks deepest first (no file is touched: the
-        mtimes the reads and writes set already are in that order)."""
+        """``ChainOrdered``: the policy orders the request's chunks deepest first. No file is touched: the
+        mtimes that writes and reads set order each batch deepest first, but not a request's batches among
+        themselves, which is what a restart loses (README, "After a restart")."""
         self._index.order_chain(keys)
 
     def stats(self) -> TierStats:
