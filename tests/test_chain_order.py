@@ -90,3 +90,21 @@ def test_a_prefix_read_then_a_longer_prompt_stored_is_evicted_from_its_end(make_
     assert cache.store(prompt, kv_for(len(prompt))) == 3 * CHUNK
     evict_checking_prefix(cache, prompt, unused_tail=3)
     cache.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc-lfu"])
+def test_a_restarted_disk_tier_still_evicts_a_prompt_from_its_end(tmp_path, monkeypatch, policy):
+    """The prompt's windows are written and read as separate batches, each stamped on its own; ``order_chain``
+    stamps the chain again, so the order a restart rebuilds from the files' mtimes keeps it whole."""
+    monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 2 * CHUNK_BYTES)
+    tier = DiskTierConfig(path=tmp_path, capacity_bytes=SLOTS * (CHUNK_BYTES + 320), policy=policy, fsync=False,
+                          o_direct=False)
+    config = CacheConfig(chunk_size=CHUNK, tiers=(tier,))
+    prompt = list(range(6 * CHUNK))
+    with KVCache(SPEC, "chain-order@1", config) as cache:
+        cache.store(prompt, kv_for(len(prompt)))
+        settle(cache)
+        assert cache.retrieve(prompt)[1] == len(prompt)  # three windows read in parallel, then re-stamped
+    with KVCache(SPEC, "chain-order@1", config) as cache:
+        assert held(cache, prompt) == [True] * 6
+        evict_checking_prefix(cache, prompt, unused_tail=6)

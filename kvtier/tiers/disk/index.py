@@ -14,7 +14,9 @@ write queue drops the deepest chunks, and reports the batch to the policy deepes
 a pending entry is known to the policy from its reservation, never proposed as a victim, and goes on in the
 order decided when its file lands. Each reservation carries ``stamp_ns``, deeper chunks older, which the
 writer sets as the file's mtime, as reads do for what they read: a restart re-indexes files oldest mtime
-first, so the policy starts again from the order of last use.
+first, so the policy starts again from the order of last use. A request's chunks come in several batches,
+each stamped on its own, so ``order_chain`` stamps the whole chain again (``submit_touch``, after any
+queued write of the same key), deeper chunks older, as it orders the policy.
 """
 
 from __future__ import annotations
@@ -81,13 +83,14 @@ class DiskIndex:
         queue_depth: int,
         submit_write: Callable[[Pending], None],
         submit_unlink: Callable[[ChunkHash], None],
+        submit_touch: Callable[[ChunkHash, int], None],
         metrics: Metrics,
         name: str,
     ) -> None:
         self.capacity = capacity
         self._policy = policy
         self._depth = queue_depth
-        self._submit_write, self._submit_unlink = submit_write, submit_unlink
+        self._submit_write, self._submit_unlink, self._submit_touch = submit_write, submit_unlink, submit_touch
         self._lock = threading.Lock()
         self._entries: dict[ChunkHash, Entry] = {}
         self.used = 0
@@ -117,8 +120,14 @@ class DiskIndex:
         return out
 
     def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        """The policy's ``on_chain``, and the files' mtimes in the same order (see the module docstring)."""
         with self._lock:
+            if self.closed:
+                return
             self._policy.on_chain(keys)
+            held = [key for key in keys if key in self._entries]
+            for key, stamp in zip(held, stamps_ns(len(held))):
+                self._submit_touch(key, stamp)
 
     def unpin(self, entries: Iterable[Entry]) -> None:
         with self._lock:

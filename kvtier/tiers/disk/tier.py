@@ -93,6 +93,7 @@ class DiskTier:
             config.capacity_bytes, make_policy(config.policy), queue_depth=config.write_queue_depth,
             submit_write=lambda job: self._writer(job.key).submit(self._write, job),
             submit_unlink=lambda key: self._writer(key).submit(self._unlink, self.paths.path(key)),
+            submit_touch=lambda key, stamp: self._writer(key).submit(self._restamp, self.paths.path(key), stamp),
             metrics=self._metrics, name=name,
         )
         self._reindex()
@@ -143,9 +144,8 @@ class DiskTier:
         self._index.remove(keys)
 
     def order_chain(self, keys: Sequence[ChunkHash]) -> None:
-        """``ChainOrdered``: the policy orders the request's chunks deepest first. No file is touched: the
-        mtimes that writes and reads set order each batch deepest first, but not a request's batches among
-        themselves, which is what a restart loses (README, "After a restart")."""
+        """``ChainOrdered``: the policy orders the request's chunks deepest first, and their files' mtimes are
+        stamped again in that order (writes and reads stamp each batch on its own), so a restart keeps it."""
         self._index.order_chain(keys)
 
     def stats(self) -> TierStats:
@@ -241,6 +241,15 @@ class DiskTier:
             remove(path)
         except DiskIOError as exc:
             self._io_failed("unlink", exc)
+
+    def _restamp(self, path: str, stamp_ns: int) -> None:
+        """Record a chunk's place in the order of last use; a file gone meanwhile (evicted, or its write
+        skipped) has no place to keep."""
+        try:
+            touch(path, stamp_ns)
+        except DiskIOError as exc:
+            if exc.cause.errno != errno.ENOENT:
+                self._io_failed("utime", exc)
 
     def _recover(self) -> None:
         """The directory vanished earlier: once ``<root>`` exists again, take it back and re-index it."""
