@@ -20,7 +20,7 @@ from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
 from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is imported only when a tier is built
 
 __all__ = [
-    "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter", "Flushable", "MemoryTier",
-    "MemoryTierConfig", "RedisTier", "RedisTierConfig", "Tier", "TierConfig", "TierContext", "TierStats",
-    "WriteMode", "register_tier", "stats_gauges",
+    "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter",
+    "Flushable", "MemoryTier", "MemoryTierConfig", "RedisTier", "RedisTierConfig", "Tier", "TierConfig",
+    "TierContext", "TierStats", "WriteMode", "register_tier", "stats_gauges",
 ]
