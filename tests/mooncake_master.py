@@ -147,6 +147,11 @@ class MooncakeMaster:
                 out[name] = float(value)
         return out
 
+    def keys(self) -> list[str]:
+        """Every key the master holds (its admin endpoint), sorted."""
+        _, body = _get(self.metrics_url.rsplit("/", 1)[0] + "/get_all_keys", timeout=5.0)
+        return sorted(body.decode().split())
+
     def pause(self) -> None:
         """Freeze the master (connections are accepted, nothing is answered): a hung master."""
         assert self.proc is not None
@@ -180,6 +185,51 @@ class MooncakeMaster:
         except BaseException:
             self.stop()
             raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+_SEGMENT_HOST = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+metadata, master, segment = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", metadata, segment, 16 << 20, "tcp", "", master)
+print("ready" if rc == 0 else f"setup failed: {rc}", flush=True)
+sys.stdin.read()  # until the parent closes our stdin
+store.close()
+"""
+
+
+class SegmentHost:
+    """A process that only contributes ``segment_bytes`` of its RAM to the pool (a Mooncake client that never
+    puts or gets): the remote memory benchmarks and tests move values to and from."""
+
+    def __init__(self, master: MooncakeMaster, segment_bytes: int) -> None:
+        env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SEGMENT_HOST, master.metadata_url, master.master_address, str(segment_bytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            self.stop()
+            raise RuntimeError(f"segment host did not join the pool: {line or 'exited'}")
+
+    def stop(self) -> None:
+        """Leave the pool cleanly (its segment, and what it holds, are unmounted at once)."""
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> SegmentHost:
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
