@@ -23,11 +23,11 @@ import torch
 from kvtier.blob import decode_blob, encode_blob, parse_blob
 from kvtier.codecs import codec_by_id
 from kvtier.config import CacheConfig
-from kvtier.errors import BlobError, ConfigError, KVTierError
+from kvtier.errors import BlobError, ConfigError, InvalidArgument, KVTierError
 from kvtier.keys import ChunkHash, Namespace, Tokens, token_array
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
-from kvtier.tiers import Tier, TierContext, WriteMode
+from kvtier.tiers import EvictionReporter, Tier, TierContext, WriteMode
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class KVCache:
             keys = self.keys(token_ids, salt=salt)
             if isinstance(kv, torch.Tensor):
                 if kv.dim() != 5 or kv.shape[2] < len(keys) * self.chunk_size:
-                    raise ConfigError(f"kv {tuple(kv.shape)} does not cover {len(keys)} chunks")
+                    raise InvalidArgument(f"kv {tuple(kv.shape)} does not cover {len(keys)} chunks")
                 self.spec.check(kv[:, :, :0], 0)
                 source: KVSource = TensorSource(kv)
             else:
@@ -174,7 +174,7 @@ class KVCache:
                 sink: KVSink = TensorSink(tensor)
             elif isinstance(out, torch.Tensor):
                 if out.dim() != 5 or out.shape[2] < n * self.chunk_size:
-                    raise ConfigError(f"out {tuple(out.shape)} has no room for {n * self.chunk_size} tokens")
+                    raise InvalidArgument(f"out {tuple(out.shape)} has no room for {n * self.chunk_size} tokens")
                 self.spec.check(out[:, :, :0], 0)
                 tensor, sink = out, TensorSink(out)
             else:
@@ -202,11 +202,10 @@ class KVCache:
             if cfg.write is not WriteMode.BACK:
                 continue
             upper = self.tiers[i - 1]
-            setter = getattr(upper, "set_eviction_listener", None)
-            if setter is None:
+            if not isinstance(upper, EvictionReporter):
                 raise ConfigError(f"tier {upper.name} cannot feed a write-back tier (it reports no evictions)")
             target = self.tiers[i]
-            setter(lambda key, blob, target=target: self._demote(key, blob, target))
+            upper.set_eviction_listener(lambda key, blob, target=target: self._demote(key, blob, target))
 
     def _locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
         """For each key, the index of the fastest tier holding it, up to the first key no tier holds."""
@@ -261,7 +260,7 @@ class KVCache:
                         sink.write(start, end, chunk)
                         ok[i] = True
                         self.metrics.inc("kvtier_read_bytes_total", blob.nbytes, tier=tier.name)
-                        if t > 0:
+                        if t > 0:  # here, not after the block: the decoded chunk may be a view of ``blob``
                             self._promote(keys[i], token_ids[start:end], chunk, t)
             except KVTierError as exc:
                 self._tier_failed(tier, "get", exc)
@@ -296,27 +295,35 @@ class KVCache:
         return done
 
     def _promote(self, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, found_in: int) -> None:
+        """Copy a chunk found in tier ``found_in`` into every faster tier.
+
+        Called inside the slower tier's ``get`` block: ``chunk`` may view that tier's buffer (the raw codec
+        decodes without copying), which is valid only until the block ends."""
         for tier in self.tiers[:found_in]:
-            try:
-                stored = tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])
-            except KVTierError as exc:
-                self._tier_failed(tier, "promote", exc)
-                continue
-            if stored[0]:
+            if self._copy_into(tier, key, tokens, chunk, "promote"):
                 self.metrics.inc("kvtier_promotions_total", tier=tier.name)
 
     def _demote(self, key: ChunkHash, blob: memoryview, target: Tier) -> None:
-        """Write-back: re-encode an entry the upper tier is evicting into ``target``."""
+        """Write-back: re-encode an entry the upper tier is evicting into ``target``.
+
+        Runs as the upper tier's eviction listener, while ``blob`` is still valid (see EvictionReporter)."""
         try:
             header, payload = parse_blob(blob, key, verify=False)
             chunk = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
-            tokens = header.tokens(blob)
-            stored = target.put([(key, encode_blob(key, tokens, target.codec, chunk, seal=target.verifies))])
         except KVTierError as exc:
             self._tier_failed(target, "demote", exc)
             return
-        if stored[0]:
+        if self._copy_into(target, key, header.tokens(blob), chunk, "demote"):
             self.metrics.inc("kvtier_demotions_total", tier=target.name)
+
+    def _copy_into(self, tier: Tier, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, op: str) -> bool:
+        """Encode ``chunk`` for ``tier`` (its codec, sealed where it verifies) and store it; True if stored.
+        A failure of the tier is counted under ``op`` and is a False, never an exception."""
+        try:
+            return tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])[0]
+        except KVTierError as exc:
+            self._tier_failed(tier, op, exc)
+            return False
 
     def _delete(self, tier: Tier, keys: list[ChunkHash]) -> None:
         try:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from kvtier.net.ports import free_port
 
 REDIS_SERVER = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = os.environ.get("REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -22,24 +23,6 @@ REDIS_CLI = os.environ.get("REDIS_CLI") or shutil.which("redis-cli") or "/usr/bi
 
 def have_redis_server() -> bool:
     return os.access(REDIS_SERVER, os.X_OK)
-
-
-def free_port(*, plus_bus: bool = False) -> int:
-    """A loopback port that is free now (and whose cluster bus port, +10000, is free too if asked)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not plus_bus:
-            return port
-        if port + 10000 < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free port pair found")
 
 
 def _ping(args: list[str], timeout: float = 0.5) -> bool:
@@ -167,7 +150,7 @@ class RedisCluster:
     def start(self, timeout: float = 30.0) -> RedisCluster:
         try:
             for i in range(self.n):
-                port = free_port(plus_bus=True)
+                port = free_port(plus=10000)  # the cluster bus listens on port + 10000
                 node_dir = self.dir / f"n{i}"
                 node_dir.mkdir()
                 server = RedisServer(port=port, maxmemory=self.maxmemory, directory=str(node_dir), args=(

@@ -1,7 +1,7 @@
 """Shared pieces of the compressed codecs: a payload built from parts, and a bounds-checked payload reader.
 
-Payloads are untrusted: every read goes through ``Reader``, which raises CodecError instead of slicing past
-the end, and decoders compute every length from the declared shape before they allocate anything.
+Payloads are untrusted: every read goes through ``PayloadReader``, which raises CodecError instead of slicing
+past the end, and decoders compute every length from the declared shape before they allocate anything.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class PartsPayload:
             at += part.nbytes
 
 
-class Reader:
+class PayloadReader:
     """Sequential reads over a payload; any read past the end, or bytes left over, is a CodecError."""
 
     __slots__ = ("_at", "_view", "_what")

@@ -36,7 +36,15 @@ import numpy as np
 import torch
 import zstandard
 
-from kvtier.codecs._wire import PartsPayload, Reader, can_rotate, check_canonical, float_chunk, fp16_scale, hadamard
+from kvtier.codecs._wire import (
+    PartsPayload,
+    PayloadReader,
+    can_rotate,
+    check_canonical,
+    float_chunk,
+    fp16_scale,
+    hadamard,
+)
 from kvtier.errors import CodecError
 
 _VERSION = 1
@@ -110,7 +118,7 @@ class CacheGenCodec:
         layers, two, tokens, heads, dim = check_canonical(shape, self.name)
         if not dtype.is_floating_point:
             raise CodecError(f"{self.name}: cannot decode into {dtype}")
-        reader = Reader(payload, self.name)
+        reader = PayloadReader(payload, self.name)
         version, flags, anchor, *_steps = reader.unpack(_HEAD)
         rotated = bool(flags & _ROTATED)
         if version != _VERSION or flags & ~_ROTATED or anchor < 1 or (rotated and not can_rotate(dim)):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kvtier.codecs._wire import PartsPayload, Reader, numel_of
+from kvtier.codecs._wire import PartsPayload, PayloadReader, numel_of
 from kvtier.errors import CodecError
 
 _VERSION = 1
@@ -73,7 +73,7 @@ class LosslessCodec:
 
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = numel_of(shape, "lossless")
-        reader = Reader(payload, "lossless")
+        reader = PayloadReader(payload, "lossless")
         version, itemsize, method, _level = reader.unpack(_HEAD)
         if version != _VERSION or itemsize != dtype.itemsize or method not in (_ZSTD, _LZ4):
             raise CodecError(f"lossless payload v{version}, {itemsize}-byte items, method {method} does not fit {dtype}")

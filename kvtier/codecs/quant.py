@@ -30,7 +30,15 @@ import struct
 import numpy as np
 import torch
 
-from kvtier.codecs._wire import PartsPayload, Reader, can_rotate, check_canonical, float_chunk, fp16_scale, hadamard
+from kvtier.codecs._wire import (
+    PartsPayload,
+    PayloadReader,
+    can_rotate,
+    check_canonical,
+    float_chunk,
+    fp16_scale,
+    hadamard,
+)
 from kvtier.errors import CodecError
 
 _VERSION = 1
@@ -81,7 +89,7 @@ class GroupQuantCodec:
         layers, two, tokens, heads, dim = check_canonical(shape, self.name)
         if not dtype.is_floating_point:
             raise CodecError(f"{self.name}: cannot decode into {dtype}")
-        reader = Reader(payload, self.name)
+        reader = PayloadReader(payload, self.name)
         version, bits, g, flags = reader.unpack(_HEAD)
         rotated = bool(flags & _ROTATED)
         bad_dim = g < 1 or dim % g or (bits == 4 and dim % 2) or (rotated and not can_rotate(dim))

@@ -35,7 +35,7 @@ def redis_server() -> Iterator[RedisServer]:
 def own_redis() -> Iterator[RedisServer]:
     """A server of the test's own, on a unix socket and a loopback port, free to be killed or frozen."""
     _require_redis()
-    from tests.redis_server import free_port
+    from kvtier.net.ports import free_port
 
     server = RedisServer(port=free_port())
     try:

@@ -16,9 +16,10 @@ import torch
 from kvtier import CacheConfig, ConfigError, KVCache, KVSpec
 from kvtier.blob import blob_bytes, encode_blob
 from kvtier.codecs import BytesPayload, get_codec
+from kvtier.net.ports import free_port
 from kvtier.tiers import RedisTier, RedisTierConfig
-from tests.conformance.tier_suite import BLOB_BYTES, TierConformance, blob, key
-from tests.redis_server import RedisServer, free_port
+from tests.conformance.tier_suite import BLOB_BYTES, TierConformance, blob, key, tier_context
+from tests.redis_server import RedisServer
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 CHUNK = 16
@@ -48,7 +49,8 @@ class TestRedisTierConformance(TierConformance):
         self.server = redis_server
 
     def make_tier(self, capacity_bytes: int) -> RedisTier:
-        return RedisTier(RedisTierConfig(url=self.server.url, max_value_bytes=capacity_bytes, **self.tier_options))
+        config = RedisTierConfig(url=self.server.url, max_value_bytes=capacity_bytes, **self.tier_options)
+        return RedisTier(config, tier_context("redis"))
 
 
 class TestRedisTierConformanceSplitValues(TestRedisTierConformance):
@@ -228,7 +230,7 @@ def test_missing_part_is_a_miss_and_is_cleaned_up(redis_server):
 
 def test_concurrent_writers_of_one_split_value(redis_server):
     redis_server.flush()
-    tier = RedisTier(RedisTierConfig(url=redis_server.url, max_part_bytes=4096))
+    tier = RedisTier(RedisTierConfig(url=redis_server.url, max_part_bytes=4096), tier_context("redis"))
     data = blob(1)
     barrier = threading.Barrier(4)
 
@@ -326,7 +328,7 @@ def test_bad_config_is_rejected(bad):
 
 def test_unknown_url_option_is_rejected():
     with pytest.raises(ConfigError):
-        RedisTier(RedisTierConfig(url="redis://localhost:6379/0?bogus_option=1"))
+        RedisTier(RedisTierConfig(url="redis://localhost:6379/0?bogus_option=1"), tier_context("redis"))
 
 
 def test_import_kvtier_without_redis_py():

@@ -28,7 +28,7 @@ BIG_ARG = 16 * 1024
 BIG_REPLY = 64 * 1024
 _MAX_LINE = 64 * 1024  # a status/error/length line longer than this is a protocol violation
 
-Into = Callable[[int, "Reader"], Any]
+Into = Callable[[int, "RespReader"], Any]
 """Receives a bulk reply: called with its length and the reader; must consume exactly that many bytes."""
 
 
@@ -129,7 +129,7 @@ def send_all(sock: socket.socket, pieces: list[bytes | bytearray | memoryview], 
         raise WireClosed(f"send failed: {exc}") from None
 
 
-class Reader:
+class RespReader:
     """Buffered RESP2 reader over one socket; bulk strings can land directly in caller-owned memory.
 
     ``deadline`` (time.monotonic) bounds every receive; a bulk reply of ``n`` bytes extends it by

@@ -7,7 +7,7 @@ Layout under the configured root, one file per chunk::
     <root>/<codec>/<hh>/<hex>.tmp a write in progress (or torn by a crash): never read, removed at start
 
 The codec is part of the path, so tiers of different codecs may share a root without ever meeting. Nothing
-here keeps state: the tier (disk.py) owns the index, the locking and the accounting; these are plain
+here keeps state: the tier (tier.py) owns the index, the locking and the accounting; these are plain
 functions over paths that raise OSError (wrapped in ``DiskIOError`` naming the failed step).
 """
 
@@ -20,7 +20,7 @@ import os
 import threading
 
 from kvtier.blob import header_length
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierError
 from kvtier.keys import HASH_BYTES, ChunkHash
 
 TEMP_SUFFIX = ".tmp"
@@ -34,8 +34,9 @@ _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-class DiskIOError(Exception):
-    """An OSError at one named step (``op``) of a file operation."""
+class DiskIOError(TierError):
+    """An OSError at one named step (``op``) of a file operation. The tier turns it into a miss or a skipped
+    store; being a TierError, KVCache would do the same should one escape the tier."""
 
     def __init__(self, op: str, cause: OSError) -> None:
         super().__init__(f"{op}: {cause}")
@@ -50,8 +51,8 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-class Layout:
-    """Paths of one tier's directory (``<root>/<codec>``)."""
+class ChunkPaths:
+    """Where one disk tier's chunk files live: ``dir`` is ``<root>/<codec>``, ``path(key)`` a chunk's file."""
 
     def __init__(self, root: str | os.PathLike[str], codec: str) -> None:
         self.root = os.fspath(root)
@@ -62,21 +63,21 @@ class Layout:
 
 
 # -- locking --------------------------------------------------------------------------------------------------
-def lock_directory(layout: Layout) -> int:
-    """Create ``layout.dir`` if needed and take its exclusive lock; returns the fd that holds it.
+def lock_directory(paths: ChunkPaths) -> int:
+    """Create ``paths.dir`` if needed and take its exclusive lock; returns the fd that holds it.
 
     Raises ConfigError when another process (or another tier in this one) holds the directory. The lock goes
     with the fd: it is released by ``os.close`` or by the death of the process, SIGKILL included.
     """
-    os.makedirs(layout.dir, exist_ok=True)
-    fd = os.open(os.path.join(layout.dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+    os.makedirs(paths.dir, exist_ok=True)
+    fd = os.open(os.path.join(paths.dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
         os.close(fd)
         raise ConfigError(
-            f"disk tier directory {layout.dir} is in use by process {holder}; give each process its own path"
+            f"disk tier directory {paths.dir} is in use by process {holder}; give each process its own path"
         ) from None
     except OSError:
         os.close(fd)
@@ -169,7 +170,7 @@ def read_into(path: str, out: memoryview, nbytes: int, *, direct: bool) -> int:
         os.close(fd)
 
 
-class BufferPool:
+class AlignedBufferPool:
     """Page-aligned, reusable byte buffers (anonymous mmaps), so reads and staged writes allocate rarely.
 
     Keeps at most ``retain_bytes`` of free buffers (a buffer released beyond that is dropped); a buffer is handed
@@ -212,8 +213,8 @@ def _parse_key(name: str) -> ChunkHash | None:
         return None
 
 
-def scan(layout: Layout) -> tuple[list[tuple[ChunkHash, int]], dict[str, int]]:
-    """Every chunk file under ``layout.dir`` as ``(key, size)``, oldest first; removes everything else there.
+def scan(paths: ChunkPaths) -> tuple[list[tuple[ChunkHash, int]], dict[str, int]]:
+    """Every chunk file under ``paths.dir`` as ``(key, size)``, oldest first; removes everything else there.
 
     Costs a directory listing and one stat per file: no file is opened (measured: reading each header made
     a cold re-index of 100,000 chunks 5x slower). A file only becomes a chunk name by an atomic rename after
@@ -224,7 +225,7 @@ def scan(layout: Layout) -> tuple[list[tuple[ChunkHash, int]], dict[str, int]]:
     found: list[tuple[int, ChunkHash, int]] = []
     removed = {"temp": 0, "torn": 0, "stray": 0}
     try:
-        subdirs = [e for e in os.scandir(layout.dir) if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        subdirs = [e for e in os.scandir(paths.dir) if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
     except FileNotFoundError:
         return [], removed
     for sub in subdirs:
