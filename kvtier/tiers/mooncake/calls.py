@@ -1,0 +1,100 @@
+"""Blocking engine calls that a caller waits on only until its deadline.
+
+Mooncake's Python calls block in C++ (with the GIL released), and its own timeouts are coarse: an RPC to a hung
+master or a transfer to a frozen peer gives up after 30 s, and joining a pool whose master is down takes
+90 s. So each call runs on one of a few daemon worker threads and the caller waits for a worker and for the
+result only until its deadline. A call that misses the deadline keeps running on its worker until the engine
+gives up; its ``on_late`` callback then receives the outcome, which is where the caller's buffers are released,
+never while the engine may still write them. Daemon threads: a call stuck in the engine never holds up the
+interpreter's exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from time import monotonic
+from typing import Any, Generic, TypeVar
+
+from kvtier.errors import TierError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CallTimedOut(TierError):
+    """The deadline passed before a worker was free or before the call returned."""
+
+
+class _Call(Generic[T]):
+    __slots__ = ("args", "done", "error", "fn", "late", "lock", "on_late", "result")
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], on_late: Callable[[T | None], None] | None):
+        self.fn, self.args, self.on_late = fn, args, on_late
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.late = False
+        self.result: T | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as exc:  # handed to the caller, or to on_late as a None result
+            self.error = exc
+        with self.lock:
+            self.done.set()
+            late = self.late
+        if late and self.on_late is not None:
+            try:
+                self.on_late(None if self.error is not None else self.result)
+            except Exception:  # a callback bug must not kill the worker thread; it is logged with its traceback
+                log.exception("callback of a late %s failed", getattr(self.fn, "__name__", "call"))
+
+    def give_up(self) -> bool:
+        """Mark the call late unless it finished meanwhile; True if it is now late."""
+        with self.lock:
+            if not self.done.is_set():
+                self.late = True
+            return self.late
+
+
+class DeadlineCalls:
+    """``workers`` daemon threads that run blocking calls for callers with deadlines. Thread-safe."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(workers)
+        self._threads = [threading.Thread(target=self._work, name=f"kvtier-{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def run(self, fn: Callable[..., T], *args: Any, deadline: float,
+            on_late: Callable[[T | None], None] | None = None) -> T:
+        """``fn(*args)`` on a worker: its result or its exception, or CallTimedOut once ``deadline`` (a
+        ``time.monotonic()`` value) passes. After a CallTimedOut the call still ends on its worker, and then
+        ``on_late`` gets its result (None if it raised); it is not called when ``run`` returned or raised."""
+        if not self._idle.acquire(timeout=max(0.0, deadline - monotonic())):
+            raise CallTimedOut("every worker is busy with calls that have not returned")
+        call = _Call(fn, args, on_late)
+        self._jobs.put(call)
+        if not call.done.wait(max(0.0, deadline - monotonic())) and call.give_up():
+            raise CallTimedOut(f"{getattr(fn, '__name__', 'call')} did not return before its deadline")
+        if call.error is not None:
+            raise call.error
+        return call.result  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop the workers once the calls queued so far have ended (does not wait for them)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (call := self._jobs.get()) is not None:
+            try:
+                call.run()
+            finally:
+                self._idle.release()
