@@ -1,0 +1,209 @@
+"""The Mooncake tier against a real mooncake_master: keys and namespaces, value safety, a full pool, transfer
+buffers, the pool's figures in metrics, and configuration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import CacheConfig, ConfigError
+from kvtier.blob import blob_bytes, encode_blob
+from kvtier.codecs import BytesPayload, get_codec
+from kvtier.tiers import MooncakeTierConfig
+from kvtier.tiers.mooncake.client import advertised_hostname
+from kvtier.tiers.mooncake.config import TransferProtocol, segment_size
+from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, make_tier, prompt
+
+
+@pytest.fixture
+def master(mooncake_master):
+    yield mooncake_master
+    assert mooncake_master.keys() == [], "a test left values in the pool (a tier was not closed)"
+
+
+def chunk_blob(keys, tokens: list[int], kv: torch.Tensor, i: int, codec: str = "raw") -> bytes:
+    """The sealed blob of chunk ``i``, as the tier stores it."""
+    ids = np.array(tokens[i * CHUNK : (i + 1) * CHUNK], dtype="<u4")
+    return bytes(blob_bytes(encode_blob(keys[i], ids, get_codec(codec), kv[:, :, i * CHUNK : (i + 1) * CHUNK])))
+
+
+# -- keys and namespaces ---------------------------------------------------------------------------------------
+def test_keys_are_prefix_codec_and_chunk_hash(master):
+    tokens, kv = prompt(2)
+    with make_cache(master, key_prefix="team-a:") as cache:
+        assert cache.store(tokens, kv) == len(tokens)
+        assert master.keys() == sorted(f"team-a:raw:{key.hex()}" for key in cache.keys(tokens))
+
+
+def test_models_and_tenants_never_read_each_other(master):
+    tokens, kv = prompt(3)
+    with make_cache(master) as a, make_cache(master, model="other@1", segment_bytes=0) as b:
+        a.store(tokens, kv, salt=b"tenant-1")
+        assert a.lookup(tokens, salt=b"tenant-2") == 0
+        assert a.lookup(tokens) == 0
+        assert b.lookup(tokens, salt=b"tenant-1") == 0  # another model
+        assert a.lookup(tokens, salt=b"tenant-1") == len(tokens)
+
+
+# -- value safety ----------------------------------------------------------------------------------------------
+KINDS = ("garbage", "truncated", "flipped_bit", "other_key", "other_codec")
+
+
+def test_planted_truncated_or_foreign_values_are_misses(master):
+    """One prompt per kind of bad value, planted at its chunk 1 through the tier itself."""
+    with make_cache(master) as cache:
+        prompts = [prompt(3, seed=seed) for seed in range(len(KINDS))]
+        for kind, (tokens, kv) in zip(KINDS, prompts):
+            keys = cache.keys(tokens)
+            good = chunk_blob(keys, tokens, kv, 1)
+            planted = {
+                "garbage": b"not a kvtier value at all" * 10,
+                "truncated": good[: len(good) // 2],
+                "flipped_bit": good[:-1] + bytes([good[-1] ^ 1]),
+                "other_key": chunk_blob(keys, tokens, kv, 0),  # a valid blob of chunk 0 under chunk 1's key
+                "other_codec": chunk_blob(keys, tokens, kv, 1, "int8"),  # the right chunk, another codec's bytes
+            }[kind]
+            assert cache.store(tokens[:CHUNK], kv[:, :, :CHUNK]) == CHUNK
+            assert cache.tiers[0].put([(keys[1], BytesPayload(planted))]) == [True]
+        for kind, (tokens, kv) in zip(KINDS, prompts):
+            out, n = cache.retrieve(tokens)
+            assert n == CHUNK, kind  # the prefix ends at the bad chunk
+            assert torch.equal(out[:, :, :CHUNK], kv[:, :, :CHUNK]), kind
+            assert cache.lookup(tokens) == CHUNK, kind  # the bad value was removed from the pool
+            assert cache.store(tokens, kv) == 2 * CHUNK, kind  # stored again, whole again
+            out, n = cache.retrieve(tokens)
+            assert n == len(tokens) and torch.equal(out, kv), kind
+        assert cache.metrics.total("kvtier_corrupt_chunks_total") == len(KINDS)
+
+
+def test_value_larger_than_a_replica_accepts_is_skipped_and_a_miss_left_in_place(master):
+    tokens, kv = prompt(2)
+    with make_cache(master) as writer:
+        blob_size = len(chunk_blob(writer.keys(tokens), tokens, kv, 0))
+        with make_cache(master, segment_bytes=0, max_value_bytes=blob_size - 1) as small:
+            assert small.store(tokens, kv) == 0  # too large for it: skipped, never sent
+            assert small.metrics.get("kvtier_skipped_stores_total", tier="mooncake", reason="too_large") == 2
+            assert writer.store(tokens, kv) == len(tokens)
+            assert small.retrieve(tokens)[1] == 0  # a miss for it ...
+            assert writer.retrieve(tokens)[1] == len(tokens)  # ... that it did not delete
+
+
+# -- capacity --------------------------------------------------------------------------------------------------
+def test_full_pool_skips_stores_and_evicts_to_make_room(master):
+    """16 MiB of pool and 1 MiB values: a put that finds no room is skipped (counted); Mooncake's eviction
+    thread then frees the least recently used values and puts fit again. Nothing raises."""
+    value = BytesPayload(bytes(MiB))
+    tier = make_tier(master, buffer_bytes=16 * MiB)
+    try:
+        keys = [i.to_bytes(32, "little") for i in range(200)]
+        stored = [tier.put([(key, value)])[0] for key in keys[:20]]
+        assert stored[:8] == [True] * 8 and not all(stored)  # the first ones fit, then the pool is full
+        assert tier._metrics.get("kvtier_skipped_stores_total", tier="mooncake", reason="pool_full") > 0
+        assert wait_for(lambda: tier.put([(keys[len(stored)], value)])[0] or bool(stored.append(False)))
+        stats = tier.stats()
+        assert stats.capacity_bytes == 16 * MiB and stats.used_bytes <= stats.capacity_bytes
+        assert tier.contains(keys[:1]) == [False]  # the least recently used went first
+    finally:
+        tier.close()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_batch_beyond_the_transfer_buffer(master):
+    """The registered transfer buffer grows by regions up to buffer_bytes; what does not fit in it is a
+    skipped store or a miss, not an error."""
+    values = [bytes([i]) * (600 << 10) for i in range(5)]  # 3 MiB in all
+    keys = [bytes([i]) * 32 for i in range(5)]
+    small = make_tier(master, segment_bytes=32 * MiB, buffer_bytes=2 * MiB)
+    large = make_tier(master, segment_bytes=0, buffer_bytes=8 * MiB)
+    try:
+        assert small.put([(k, BytesPayload(v)) for k, v in zip(keys, values)]) == [True] * 3 + [False] * 2
+        assert small._metrics.get("kvtier_skipped_stores_total", tier="mooncake", reason="no_buffer") == 2
+        assert large.put([(k, BytesPayload(v)) for k, v in zip(keys, values)]) == [True] * 5
+        with small.get(keys) as got:
+            assert [bytes(v) if v is not None else None for v in got] == values[:3] + [None, None]
+        assert small._metrics.get("kvtier_mooncake_no_buffer_total", tier="mooncake") == 2
+        with large.get(keys) as got:
+            assert [bytes(v) for v in got] == values
+        assert small._buffers.registered_bytes == 2 * MiB and large._buffers.registered_bytes == 8 * MiB
+    finally:
+        large.close()
+        small.close()
+
+
+def test_pool_figures_in_stats_and_metrics(master):
+    tokens, kv = prompt(4)
+    with make_cache(master, segment_bytes=32 * MiB) as a, make_cache(master, segment_bytes=48 * MiB) as b:
+        a.store(tokens, kv)
+        stats = b.tiers[0].stats()  # the whole pool, seen from either replica
+        assert stats.capacity_bytes == 80 * MiB
+        assert stats.entries == 4
+        assert stats.used_bytes == 4 * len(chunk_blob(a.keys(tokens), tokens, kv, 0))
+        text = b.metrics.render_prometheus()
+        assert f'kvtier_tier_capacity_bytes{{tier="mooncake"}} {float(80 * MiB)}' in text
+        assert f'kvtier_mooncake_segment_bytes{{tier="mooncake"}} {float(48 * MiB)}' in text
+        assert 'kvtier_mooncake_joined{tier="mooncake"} 1.0' in text
+
+
+# -- configuration ---------------------------------------------------------------------------------------------
+def test_config_from_env_and_yaml(tmp_path):
+    env = {"KVTIER_TIERS": "memory,mooncake", "KVTIER_MOONCAKE_MASTER_ADDRESS": "mc-master:50051",
+           "KVTIER_MOONCAKE_METADATA_SERVER": "http://mc-master:8080/metadata",
+           "KVTIER_MOONCAKE_SEGMENT_BYTES": "8GiB", "KVTIER_MOONCAKE_PROTOCOL": "rdma",
+           "KVTIER_MOONCAKE_TIMEOUT_S": "0.25"}
+    cfg = CacheConfig.from_env(env).tiers[1]
+    assert isinstance(cfg, MooncakeTierConfig)
+    assert (cfg.master_address, cfg.segment_bytes, cfg.protocol, cfg.timeout_s) == (
+        "mc-master:50051", 8 << 30, TransferProtocol.RDMA, 0.25)
+    assert cfg.master_metrics_url == "http://mc-master:9003/metrics"
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("tiers:\n  - kind: mooncake\n    master_address: 10.0.0.5:50051\n"
+                    "    metadata_server: P2PHANDSHAKE\n    segment_share: 0.25\n    local_hostname: 10.0.0.7\n")
+    cfg = CacheConfig.from_yaml(path).tiers[0]
+    assert (cfg.segment_share, advertised_hostname(cfg), cfg.metadata_server) == (0.25, "10.0.0.7", "P2PHANDSHAKE")
+
+
+def test_segment_size_from_bytes_or_share():
+    assert segment_size(MooncakeTierConfig(segment_bytes=64 * MiB), 0) == 64 * MiB
+    assert segment_size(MooncakeTierConfig(segment_share=0.25), 1 << 30) == 256 * MiB
+    assert segment_size(MooncakeTierConfig(segment_share=0.01), 1 << 30) == 0  # under Mooncake's 16 MiB
+    assert segment_size(MooncakeTierConfig(), 0) == 1 << 30
+    assert advertised_hostname(MooncakeTierConfig(master_address="127.0.0.1:1")) == "127.0.0.1"
+
+
+@pytest.mark.parametrize("bad", [
+    {"master_address": "no-port"}, {"segment_bytes": 8 * MiB}, {"segment_bytes": MiB, "segment_share": 0.5},
+    {"segment_share": 1.5}, {"segment_device": "gpu0"}, {"key_prefix": "a b"}, {"timeout_s": 0},
+    {"buffer_bytes": 1024}, {"codec": "nope"}, {"metadata_server": " "},
+])
+def test_bad_config_is_rejected(bad):
+    with pytest.raises(ConfigError):
+        MooncakeTierConfig(**bad)
+
+
+def test_import_kvtier_without_mooncake():
+    code = (
+        "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.store'] = None\n"
+        "from kvtier import CacheConfig, ConfigError, KVCache, KVSpec\n"
+        "cfg = CacheConfig(tiers=({'kind': 'mooncake', 'master_address': '127.0.0.1:1'},))\n"
+        "try:\n"
+        "    KVCache(KVSpec(1, 1, 8, 'float16'), 'm', cfg)\n"
+        "except ConfigError as exc:\n"
+        "    assert 'pip install' in str(exc) and 'libibverbs1' in str(exc), exc\n"
+        "else:\n"
+        "    raise SystemExit('expected ConfigError')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
