@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.redis_server import free_port
+from kvtier.net.ports import free_port
 
 
 def master_binary() -> str:
