@@ -1,10 +1,11 @@
 """A real ``mooncake_master`` (Mooncake Store's metadata and placement service) for tests and benchmarks.
 
 It runs on loopback with free ports: the master RPC port, its embedded HTTP metadata server (the transfer
-engine's metadata, instead of etcd) and its admin/metrics port (``/health``, Prometheus ``/metrics``). Ready
-means ``/health`` says ``service_ready`` and the metadata server answers. A port taken between choosing it and
-binding it (other jobs on the machine start servers too) makes the master exit: it is started again on fresh
-ports. ``kill`` / ``restart`` keep the ports, so clients configured with them reconnect by themselves.
+engine's metadata, instead of etcd; in 0.3.13 it listens on every interface whatever its host flag says) and
+its admin/metrics port (``/health``, Prometheus ``/metrics``). Ready means ``/health`` says ``service_ready``
+and the metadata server answers. A port taken between choosing it and binding it (other jobs on the machine
+start servers too) makes the master exit: it is started again on fresh ports. ``kill`` / ``restart`` keep the
+ports, so clients configured with them reconnect by themselves.
 
 ``scripts/setup.sh test`` installs the engine (``mooncake-transfer-engine-non-cuda``, which puts
 ``mooncake_master`` beside the Python executable) and Debian's ``libibverbs1``; ``MOONCAKE_MASTER`` points

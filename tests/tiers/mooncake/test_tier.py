@@ -17,6 +17,8 @@ from kvtier.codecs import BytesPayload, get_codec
 from kvtier.tiers import MooncakeTierConfig
 from kvtier.tiers.mooncake.client import advertised_hostname
 from kvtier.tiers.mooncake.config import TransferProtocol, segment_size
+from tests.mooncake_master import master_binary
+from tests.tiers.mooncake.conftest import require_mooncake
 from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, make_tier, prompt
 
 
@@ -207,3 +209,25 @@ def test_import_kvtier_without_mooncake():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_readme_examples_parse():
+    """The README's Mooncake YAML and environment examples are valid configurations."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = text[text.index("## Pooling the replicas' memory") :]
+    section = section[: section.index("\n## ")]
+    block = re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1)
+    config = CacheConfig.from_dict(yaml.safe_load(block))
+    assert [t.kind for t in config.tiers] == ["memory", "mooncake"] and config.tiers[1].segment_bytes == 64 << 30
+    config = CacheConfig.from_env(dict(re.findall(r"export (KVTIER_\w+)=(\S+)", section)))
+    assert config.tiers[1].segment_share == 0.5 and config.tiers[1].master_address == "mc-master:50051"
+    require_mooncake()
+    flags = re.search(r"mooncake_master (.*?)\n```", section, re.DOTALL).group(1)
+    master = subprocess.run([master_binary(), "--help"], capture_output=True, text=True, timeout=60).stdout
+    for flag in re.findall(r"--(\w+)=", flags):  # every flag shown exists in the installed master
+        assert f"-{flag} (" in master, flag
