@@ -195,12 +195,13 @@ def run_redis(args, prefix: Prefix) -> dict:
 
 
 def interleaved(runs, reps: int) -> dict[str, list[float]]:
-    """Every run once per round, rounds repeated, so all of them see the same machine load."""
+    """Every run once per round, rounds repeated (every other one in reverse order), so all of them see the
+    same machine load and none always runs right after the same neighbour."""
     from tqdm import tqdm
 
     times: dict[str, list[float]] = {key: [] for _, key, _, _ in runs}
-    for _ in tqdm(range(reps), desc="rounds", leave=False):
-        for _label, key, fn, setup in runs:
+    for rep in tqdm(range(reps), desc="rounds", leave=False):
+        for _label, key, fn, setup in (runs if rep % 2 == 0 else runs[::-1]):
             times[key] += timed(fn, 1, setup=setup)
     return times
 

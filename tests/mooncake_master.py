@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from kvtier.net.ports import free_port
+from tests.harness import Signalled
 
 
 def master_binary() -> str:
@@ -58,9 +58,10 @@ def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
         return exc.code, b""
 
 
-class MooncakeMaster:
+class MooncakeMaster(Signalled):
     """One ``mooncake_master`` with its HTTP metadata server. ``args`` are extra master flags, e.g.
-    ``("--client_ttl=2",)``: seconds after a client's last heartbeat before its segment leaves the pool."""
+    ``("--client_ttl=2",)``: seconds after a client's last heartbeat before its segment leaves the pool.
+    ``kill`` crashes it: every value's metadata goes with it."""
 
     def __init__(self, *, args: tuple[str, ...] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvmc"))
@@ -152,23 +153,6 @@ class MooncakeMaster:
         """Every key the master holds (its admin endpoint), sorted."""
         _, body = _get(self.metrics_url.rsplit("/", 1)[0] + "/get_all_keys", timeout=5.0)
         return sorted(body.decode().split())
-
-    def pause(self) -> None:
-        """Freeze the master (connections are accepted, nothing is answered): a hung master."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        """Crash it (SIGKILL): every object's metadata goes with it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self.proc = None
 
     def stop(self) -> None:
         self.kill()

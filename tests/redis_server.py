@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from kvtier.net.ports import free_port
+from tests.harness import Signalled
 
 REDIS_SERVER = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = os.environ.get("REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -33,7 +33,7 @@ def _ping(args: list[str], timeout: float = 0.5) -> bool:
     return out.stdout.strip() == "PONG"
 
 
-class RedisServer:
+class RedisServer(Signalled):
     """One redis-server. ``url`` is its unix socket; ``tcp_url`` its loopback port when ``port`` is used."""
 
     def __init__(self, *, port: int | None = None, maxmemory: str = "512mb", args: tuple[str, ...] = (),
@@ -93,23 +93,6 @@ class RedisServer:
 
     def flush(self) -> None:
         self.cli("FLUSHALL")
-
-    def pause(self) -> None:
-        """Freeze the server (it accepts connections but never answers): a hung store."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        """Crash it (SIGKILL)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
 
     def stop(self) -> None:
         self.kill()

@@ -3,8 +3,7 @@ opens and closes again by itself, and hits return after a restart without restar
 
 from __future__ import annotations
 
-import time
-
+from tests.harness import timed, wait_for
 from tests.tiers.mooncake.helpers import make_cache, prompt
 
 TIMEOUT = 0.5
@@ -12,20 +11,6 @@ TIMEOUT = 0.5
 BOUND = TIMEOUT + 0.6
 FAST = {"timeout_s": TIMEOUT, "breaker_failures": 2, "breaker_cooldown_s": 0.3}
 
-
-def timed(fn, *args):
-    start = time.monotonic()
-    result = fn(*args)
-    return result, time.monotonic() - start
-
-
-def wait_for(predicate, timeout: float = 15.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def misses_within_bound(cache, tokens, kv) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.tiers.mooncake.conftest import CLIENT_TTL_S
+from tests.harness import wait_for
 from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, prompt
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -101,7 +102,7 @@ def test_chunks_held_by_a_replica_that_exits_are_misses(own_master, replicas):
         assert reader.retrieve(tokens)[1] == 0
         assert time.monotonic() - start < 2.0
         # the master drops the silent replica after its client TTL: then lookups say miss too
-        assert _wait_for(lambda: reader.lookup(tokens) == 0, CLIENT_TTL_S + 10)
+        assert wait_for(lambda: reader.lookup(tokens) == 0, CLIENT_TTL_S + 10)
         assert own_master.metrics()["master_total_capacity_bytes"] == 0
 
         leaving = replicas(own_master, segment_bytes=32 * MiB)
@@ -116,11 +117,3 @@ def test_chunks_held_by_a_replica_that_exits_are_misses(own_master, replicas):
         assert reader.metrics.get("kvtier_skipped_stores_total", tier="mooncake", reason="pool_full") == 4
         assert reader.metrics.total("kvtier_tier_errors_total") == 0
 
-
-def _wait_for(predicate, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False

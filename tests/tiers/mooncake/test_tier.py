@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from kvtier.tiers.mooncake.client import advertised_hostname
 from kvtier.tiers.mooncake.config import TransferProtocol, segment_size
 from tests.mooncake_master import master_binary
 from tests.tiers.mooncake.conftest import require_mooncake
+from tests.harness import wait_for
 from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, make_tier, prompt
 
 
@@ -113,14 +113,6 @@ def test_full_pool_skips_stores_and_evicts_to_make_room(master):
     finally:
         tier.close()
 
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_batch_beyond_the_transfer_buffer(master):
