@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Self
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05) -> bool:
@@ -26,10 +27,27 @@ def timed(fn: Callable[..., object], *args: object, **kwargs: object) -> tuple[o
     return result, time.monotonic() - start
 
 
-class Signalled:
-    """Mixin for a server whose process is ``self.proc`` (None when not running)."""
+class ServerProcess:
+    """Base of a test server whose process is ``self.proc`` (None when not running): subclasses start it in
+    ``start`` (returning self) and clean up in ``stop``; ``with`` does both."""
 
     proc: subprocess.Popen[bytes] | None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def pause(self) -> None:
         """Freeze the server (it accepts connections but never answers): a hung store."""

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from kvtier.net.ports import free_port
-from tests.harness import Signalled
+from tests.harness import ServerProcess
 
 
 def master_binary() -> str:
@@ -58,7 +58,7 @@ def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
         return exc.code, b""
 
 
-class MooncakeMaster(Signalled):
+class MooncakeMaster(ServerProcess):
     """One ``mooncake_master`` with its HTTP metadata server. ``args`` are extra master flags, e.g.
     ``("--client_ttl=2",)``: seconds after a client's last heartbeat before its segment leaves the pool.
     ``kill`` crashes it: every value's metadata goes with it."""
@@ -163,16 +163,6 @@ class MooncakeMaster(Signalled):
             return (self.dir / f"master-{self.starts}.log").read_text(errors="replace")[-3000:]
         except OSError:
             return "(no log)"
-
-    def __enter__(self) -> MooncakeMaster:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 _SEGMENT_HOST = """

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from kvtier.net.ports import free_port
-from tests.harness import Signalled
+from tests.harness import ServerProcess
 
 REDIS_SERVER = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = os.environ.get("REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -33,7 +33,7 @@ def _ping(args: list[str], timeout: float = 0.5) -> bool:
     return out.stdout.strip() == "PONG"
 
 
-class RedisServer(Signalled):
+class RedisServer(ServerProcess):
     """One redis-server. ``url`` is its unix socket; ``tcp_url`` its loopback port when ``port`` is used."""
 
     def __init__(self, *, port: int | None = None, maxmemory: str = "512mb", args: tuple[str, ...] = (),
@@ -104,16 +104,6 @@ class RedisServer(Signalled):
             return (self.dir / "redis.log").read_text()[-2000:]
         except OSError:
             return "(no log)"
-
-    def __enter__(self) -> RedisServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class RedisCluster:
