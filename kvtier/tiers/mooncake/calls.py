@@ -67,6 +67,9 @@ class DeadlineCalls:
     def __init__(self, workers: int, name: str) -> None:
         self._jobs: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
         self._idle = threading.Semaphore(workers)
+        self._busy = 0  # calls queued or running
+        self._changed = threading.Condition()
+        self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"kvtier-{name}-{i}", daemon=True)
                          for i in range(workers)]
         for thread in self._threads:
@@ -80,17 +83,26 @@ class DeadlineCalls:
         if not self._idle.acquire(timeout=max(0.0, deadline - monotonic())):
             raise CallTimedOut("every worker is busy with calls that have not returned")
         call = _Call(fn, args, on_late)
-        self._jobs.put(call)
+        with self._changed:
+            if self._closed:
+                self._idle.release()
+                raise CallTimedOut("closed")
+            self._busy += 1
+            self._jobs.put(call)
         if not call.done.wait(max(0.0, deadline - monotonic())) and call.give_up():
             raise CallTimedOut(f"{getattr(fn, '__name__', 'call')} did not return before its deadline")
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]
 
-    def close(self) -> None:
-        """Stop the workers once the calls queued so far have ended (does not wait for them)."""
-        for _ in self._threads:
-            self._jobs.put(None)
+    def close(self, wait_s: float) -> bool:
+        """Refuse new calls, stop the workers once the calls under way have ended, and wait up to ``wait_s`` for
+        that; True if none is still running (the engine they use may then be torn down)."""
+        with self._changed:
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.put(None)
+            return self._changed.wait_for(lambda: self._busy == 0, timeout=wait_s)
 
     def _work(self) -> None:
         while (call := self._jobs.get()) is not None:
@@ -98,3 +110,6 @@ class DeadlineCalls:
                 call.run()
             finally:
                 self._idle.release()
+                with self._changed:
+                    self._busy -= 1
+                    self._changed.notify_all()

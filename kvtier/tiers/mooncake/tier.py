@@ -162,7 +162,10 @@ class MooncakeTier:
         for line in text.splitlines():
             name, _, value = line.partition(" ")
             if name in _POOL_GAUGES:
-                figures[_POOL_GAUGES[name]] = int(float(value))
+                try:
+                    figures[_POOL_GAUGES[name]] = int(float(value))
+                except ValueError:
+                    return self._last_stats
         self._last_stats = TierStats(*figures)
         return self._last_stats
 
@@ -172,8 +175,11 @@ class MooncakeTier:
                 return
             self._closed = True
         self._wake.set()
-        self._client.close()  # ends the engine's transfers, so the buffers may go with this tier
-        self._calls.close()
+        if self._calls.close(wait_s=self.config.connect_timeout_s):
+            self._client.close()  # nothing is using the engine any more: leave the pool
+        else:  # tearing the engine down under a call still inside it would crash the process
+            log.warning("mooncake tier %s: calls still stuck in the engine at close; leaving this replica's "
+                        "segment to the master's client TTL", self.name)
 
     # -- get and put ---------------------------------------------------------------------------------------
     def _get(self, keys: Sequence[ChunkHash], views: list[memoryview | None]) -> Lease | None:
