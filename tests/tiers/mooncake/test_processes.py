@@ -1,5 +1,6 @@
 """Replicas in separate processes share one Mooncake pool: each contributes what it can spare, every chunk
-stored by one is a hit for the others, and the chunks a replica holds go when it leaves."""
+stored by one is a hit for the others, and the chunks a replica holds are misses once it hangs, crashes or
+leaves (within the deadline, never errors)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import json
 import os
 import subprocess
 import sys
-import time
+import signal
 from pathlib import Path
 
 import pytest
 
 from tests.tiers.mooncake.conftest import CLIENT_TTL_S
-from tests.harness import wait_for
+from tests.harness import timed, wait_for
 from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, prompt
 
 ROOT = Path(__file__).resolve().parents[3]
+TIMEOUT = 1.0
 REPLICA = Path(__file__).with_name("replica.py")
 
 
@@ -88,19 +90,25 @@ def test_three_replicas_with_different_segments_share_chunks(own_master, replica
     assert own_master.metrics()["master_key_count"] == 3 * 4
 
 
-def test_chunks_held_by_a_replica_that_exits_are_misses(own_master, replicas):
+def test_chunks_of_a_frozen_crashed_or_departed_replica_are_misses(own_master, replicas):
     # the holders are the only replicas contributing memory: every chunk lands in one of their segments
     killed = replicas(own_master, segment_bytes=32 * MiB)
     killed.wait_ready()
-    with make_cache(own_master, segment_bytes=0, timeout_s=2.0) as reader:
+    with make_cache(own_master, segment_bytes=0, timeout_s=TIMEOUT) as reader:
         assert killed.ask("store", 1, 4) == {"stored": 4 * CHUNK}
         tokens, _ = prompt(4, seed=1)
         assert reader.retrieve(tokens)[1] == 4 * CHUNK
+        os.kill(killed.proc.pid, signal.SIGSTOP)  # frozen: transfers from it never complete
+        try:
+            result, seconds = timed(reader.retrieve, tokens)
+            assert result[1] == 0 and seconds < TIMEOUT + 1.0  # a miss at the deadline, not a hang
+        finally:
+            os.kill(killed.proc.pid, signal.SIGCONT)
+        assert reader.metrics.get("kvtier_tier_errors_total", tier="mooncake", op="get") == 1
         killed.kill()
         # its segment is unreachable at once: reads fail fast and are misses, never errors or wrong bytes
-        start = time.monotonic()
-        assert reader.retrieve(tokens)[1] == 0
-        assert time.monotonic() - start < 2.0
+        result, seconds = timed(reader.retrieve, tokens)
+        assert result[1] == 0 and seconds < TIMEOUT
         # the master drops the silent replica after its client TTL: then lookups say miss too
         assert wait_for(lambda: reader.lookup(tokens) == 0, CLIENT_TTL_S + 10)
         assert own_master.metrics()["master_total_capacity_bytes"] == 0
@@ -115,5 +123,5 @@ def test_chunks_held_by_a_replica_that_exits_are_misses(own_master, replicas):
         # no segment left in the pool: stores are skipped, not errors
         assert reader.store(tokens, prompt(4, seed=1)[1]) == 0
         assert reader.metrics.get("kvtier_skipped_stores_total", tier="mooncake", reason="pool_full") == 4
-        assert reader.metrics.total("kvtier_tier_errors_total") == 0
+        assert reader.metrics.total("kvtier_tier_errors_total") == 1  # the frozen read, nothing since
 
