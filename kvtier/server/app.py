@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvtier.metrics import CONTENT_TYPE
 from kvtier.server.backend import Backend, tenant_salt
 from kvtier.server.engine import Event, EventKind, Job, Overloaded
 from kvtier.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body, parse
@@ -57,7 +58,7 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(backend.metrics.render_prometheus(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(backend.metrics.render_prometheus(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -121,7 +122,7 @@ async def _prepare(backend: Backend, request: Request, route: Route):
         raise RequestError(f"model {req.model!r} is not served here; this server serves {backend.name!r}", 404,
                            param="model")
     max_tokens = backend.budget(prompt_ids, limit)
-    job = Job(prompt_ids, max_tokens, salt, backend.stop_ids, asyncio.get_running_loop())
+    job = Job(prompt_ids, max_tokens, salt, backend.stop_ids, asyncio.get_running_loop(), req.sampling())
     return req, job
 
 

@@ -127,7 +127,6 @@ class RedisTier:
             "username": config.username, "password": config.password,
             "ssl_ca_certs": config.tls_ca_file, "ssl_certfile": config.tls_cert_file,
             "ssl_keyfile": config.tls_key_file,
-            "protocol": 2, "health_check_interval": 0,
         })
         self._servers = Servers(endpoint, config, self._metrics, self.name)
         self._last_stats = TierStats(0, 0, 0)
