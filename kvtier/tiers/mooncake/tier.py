@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 #: Engine calls in flight at once per tier (requests beyond it wait for a worker, within their deadline).
 WORKERS = 8
+#: The pool's figures in the gauges are at most this old: each refresh is an HTTP request to the master, and
+#: gauges are read on every scrape (and by vLLM's stats channel every second, in every worker).
+GAUGE_STATS_MAX_AGE_S = 5.0
 _POOL_GAUGES = {"master_allocated_bytes": 0, "master_total_capacity_bytes": 1, "master_key_count": 2}
 
 
@@ -72,6 +75,7 @@ class MooncakeTier:
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s,
                                        on_change=self._breaker_changed)
         self._last_stats = TierStats(0, 0, 0)
+        self._stats_read_at = float("-inf")
         self._closed = False
         self._health: threading.Thread | None = None
         self._wake = threading.Event()
@@ -167,6 +171,7 @@ class MooncakeTier:
                 except ValueError:
                     return self._last_stats
         self._last_stats = TierStats(*figures)
+        self._stats_read_at = monotonic()
         return self._last_stats
 
     def close(self) -> None:
@@ -333,7 +338,8 @@ class MooncakeTier:
 
     def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         labels = {"tier": self.name}
-        yield from stats_gauges(self)
+        recent = monotonic() - self._stats_read_at < GAUGE_STATS_MAX_AGE_S
+        yield from stats_gauges(self, self._last_stats if recent else self.stats())
         yield "kvtier_breaker_open", {**labels, "node": self.config.master_address}, float(self._breaker.state)
         yield "kvtier_mooncake_joined", labels, float(self._client.joined)
         yield "kvtier_mooncake_segment_bytes", labels, float(self._client.segment_bytes if self._client.joined else 0)

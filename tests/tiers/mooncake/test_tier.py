@@ -145,10 +145,11 @@ def test_pool_figures_in_stats_and_metrics(master):
         assert stats.capacity_bytes == 80 * MiB
         assert stats.entries == 4
         assert stats.used_bytes == 4 * len(chunk_blob(a.keys(tokens), tokens, kv, 0))
-        text = b.metrics.render_prometheus()
-        assert f'kvtier_tier_capacity_bytes{{tier="mooncake"}} {float(80 * MiB)}' in text
-        assert f'kvtier_mooncake_segment_bytes{{tier="mooncake"}} {float(48 * MiB)}' in text
-        assert 'kvtier_mooncake_joined{tier="mooncake"} 1.0' in text
+        gauges = b.metrics.snapshot()
+        assert gauges['kvtier_tier_capacity_bytes{tier="mooncake"}'] == 80 * MiB
+        assert gauges['kvtier_tier_entries{tier="mooncake"}'] == 4
+        assert gauges['kvtier_mooncake_segment_bytes{tier="mooncake"}'] == 48 * MiB
+        assert gauges['kvtier_mooncake_joined{tier="mooncake"}'] == 1
 
 
 # -- configuration ---------------------------------------------------------------------------------------------
