@@ -2,9 +2,8 @@
 
 Mooncake's zero-copy calls (``batch_put_from`` / ``batch_get_into``) need memory registered with the transfer
 engine (RDMA pins and maps it; registering costs milliseconds, so it is done once, never per call). The tier
-keeps regions of registered memory, each carved by the first-fit allocator the memory tier uses. It starts
-with one region and adds another when a batch does not fit in what is free, up to ``max_bytes`` in all;
-regions stay registered until the tier closes. A value that finds no room is a miss or a skipped store.
+keeps one arena of ``buffer_bytes``, allocated, faulted in and registered on first use, carved by the first-fit
+allocator the memory tier uses. A value that finds no room in it is a miss or a skipped store.
 """
 
 from __future__ import annotations
@@ -19,34 +18,16 @@ from kvtier.tiers.allocator import Allocator
 
 #: Registers (address, bytes, owner, deadline) with the transfer engine; 0 on success; may raise TierError.
 Register = Callable[[int, int, object, float], int]
-#: A new region is at least this large, so growing happens a few times, not per batch.
-MIN_REGION_BYTES = 64 << 20
 _ALIGN = 64  # blob payloads start 64-byte aligned within a value
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-class _Region:
-    __slots__ = ("alloc", "base", "buf", "view")
-
-    def __init__(self, nbytes: int) -> None:
-        self.alloc = Allocator(nbytes, align=_ALIGN)
-        self.buf = np.zeros(self.alloc.capacity, dtype=np.uint8)  # zeros: faulted in now, not mid-request
-        self.base = self.buf.ctypes.data
-        self.view = memoryview(self.buf)
 
 
 class Slot:
     """Room for one value: ``view`` (exactly ``nbytes``) at address ``ptr``."""
 
-    __slots__ = ("nbytes", "offset", "ptr", "region", "view")
+    __slots__ = ("nbytes", "offset", "ptr", "view")
 
-    def __init__(self, region: _Region, offset: int, nbytes: int) -> None:
-        self.region, self.offset, self.nbytes = region, offset, nbytes
-        self.view = region.view[offset : offset + nbytes]
-        self.ptr = region.base + offset
+    def __init__(self, view: memoryview, ptr: int, offset: int, nbytes: int) -> None:
+        self.view, self.ptr, self.offset, self.nbytes = view, ptr, offset, nbytes
 
 
 class Lease:
@@ -64,66 +45,48 @@ class Lease:
 
 
 class RegisteredBuffers:
-    """Thread-safe. ``register`` is called for each new region (see ``Register``)."""
+    """Thread-safe. ``register`` is called once for the arena (again after a failed attempt)."""
 
-    def __init__(self, max_bytes: int, register: Register) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, arena_bytes: int, register: Register) -> None:
         self._register = register
+        self._alloc = Allocator(arena_bytes, align=_ALIGN)
         self._lock = threading.Lock()
-        self._regions: list[_Region] = []
-        self._reserved = 0  # bytes of regions registered or being registered
+        self._creating = threading.Lock()  # one arena, registered once, however many first takes race
+        self._arena: np.ndarray | None = None
+        self._view = memoryview(b"")
+        self._base = 0
 
     def take(self, sizes: Sequence[int], deadline: float) -> Lease:
-        """A slot for each size (None where nothing is left), adding one region if needed and allowed."""
+        """A slot for each size that fits in what is free (None for the others)."""
+        if self._arena is None:
+            with self._creating:
+                if self._arena is None:
+                    self._create(deadline)
         slots: list[Slot | None] = [None] * len(sizes)
         with self._lock:
-            rest = self._place(sizes, range(len(sizes)), slots)
-            grow = 0
-            if rest:
-                need = sum(_aligned(sizes[i]) for i in rest)
-                grow = min(max(need, MIN_REGION_BYTES), (self.max_bytes - self._reserved) // _ALIGN * _ALIGN)
-                grow = grow if grow >= _aligned(min(sizes[i] for i in rest)) else 0
-                self._reserved += grow
-        if grow:
-            region = self._grow(grow, deadline)
-            if region is not None:
-                with self._lock:
-                    self._regions.append(region)
-                    self._place(sizes, rest, slots)
+            if self._arena is not None:
+                for i, n in enumerate(sizes):
+                    offset = self._alloc.alloc(n)
+                    if offset is not None:
+                        slots[i] = Slot(self._view[offset : offset + n], self._base + offset, offset, n)
         return Lease(self, slots)
 
-    def _place(self, sizes: Sequence[int], todo: Sequence[int], slots: list[Slot | None]) -> list[int]:
-        """First fit over the regions; the indices left without room. Caller holds the lock."""
-        rest = []
-        for i in todo:
-            for region in self._regions:
-                offset = region.alloc.alloc(sizes[i])
-                if offset is not None:
-                    slots[i] = Slot(region, offset, sizes[i])
-                    break
-            else:
-                rest.append(i)
-        return rest
-
-    def _grow(self, nbytes: int, deadline: float) -> _Region | None:
-        region = _Region(nbytes)
+    def _create(self, deadline: float) -> None:
+        arena = np.zeros(self._alloc.capacity, dtype=np.uint8)  # zeros: faulted in now, not mid-transfer
         try:
-            ok = self._register(region.base, region.buf.nbytes, region, deadline) == 0
+            registered = self._register(arena.ctypes.data, arena.nbytes, arena, deadline) == 0
         except TierError:
-            ok = False
-        if not ok:
+            registered = False
+        if registered:
             with self._lock:
-                self._reserved -= nbytes
-            return None
-        return region
+                self._arena, self._view, self._base = arena, memoryview(arena), arena.ctypes.data
 
     def _release(self, slots: list[Slot | None]) -> None:
         with self._lock:
             for slot in slots:
                 if slot is not None:
-                    slot.region.alloc.free(slot.offset, slot.nbytes)
+                    self._alloc.free(slot.offset, slot.nbytes)
 
     @property
     def registered_bytes(self) -> int:
-        with self._lock:
-            return sum(region.buf.nbytes for region in self._regions)
+        return 0 if self._arena is None else self._arena.nbytes

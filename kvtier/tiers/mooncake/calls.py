@@ -28,7 +28,9 @@ class CallTimedOut(TierError):
     """The deadline passed before a worker was free or before the call returned."""
 
 
-class _Call(Generic[T]):
+class Pending(Generic[T]):
+    """A submitted call; ``wait`` gives its outcome (see ``DeadlineCalls.run``)."""
+
     __slots__ = ("args", "done", "error", "fn", "late", "lock", "on_late", "result")
 
     def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], on_late: Callable[[T | None], None] | None):
@@ -53,19 +55,23 @@ class _Call(Generic[T]):
             except Exception:  # a callback bug must not kill the worker thread; it is logged with its traceback
                 log.exception("callback of a late %s failed", getattr(self.fn, "__name__", "call"))
 
-    def give_up(self) -> bool:
-        """Mark the call late unless it finished meanwhile; True if it is now late."""
-        with self.lock:
-            if not self.done.is_set():
-                self.late = True
-            return self.late
+    def wait(self, deadline: float) -> T:
+        """The call's result or exception, or CallTimedOut once ``deadline`` passes (the call is then late)."""
+        if not self.done.wait(max(0.0, deadline - monotonic())):
+            with self.lock:
+                if not self.done.is_set():
+                    self.late = True
+                    raise CallTimedOut(f"{getattr(self.fn, '__name__', 'call')} did not return before its deadline")
+        if self.error is not None:
+            raise self.error
+        return self.result  # type: ignore[return-value]
 
 
 class DeadlineCalls:
     """``workers`` daemon threads that run blocking calls for callers with deadlines. Thread-safe."""
 
     def __init__(self, workers: int, name: str) -> None:
-        self._jobs: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Pending[Any] | None] = queue.SimpleQueue()
         self._idle = threading.Semaphore(workers)
         self._busy = 0  # calls queued or running
         self._changed = threading.Condition()
@@ -80,20 +86,22 @@ class DeadlineCalls:
         """``fn(*args)`` on a worker: its result or its exception, or CallTimedOut once ``deadline`` (a
         ``time.monotonic()`` value) passes. After a CallTimedOut the call still ends on its worker, and then
         ``on_late`` gets its result (None if it raised); it is not called when ``run`` returned or raised."""
+        return self.submit(fn, *args, deadline=deadline, on_late=on_late).wait(deadline)
+
+    def submit(self, fn: Callable[..., T], *args: Any, deadline: float,
+               on_late: Callable[[T | None], None] | None = None) -> Pending[T]:
+        """Start ``fn(*args)`` on a worker (waiting for a free one until ``deadline``) and return at once; the
+        caller collects it with ``wait``. CallTimedOut if no worker was free in time."""
         if not self._idle.acquire(timeout=max(0.0, deadline - monotonic())):
             raise CallTimedOut("every worker is busy with calls that have not returned")
-        call = _Call(fn, args, on_late)
+        call = Pending(fn, args, on_late)
         with self._changed:
             if self._closed:
                 self._idle.release()
                 raise CallTimedOut("closed")
             self._busy += 1
             self._jobs.put(call)
-        if not call.done.wait(max(0.0, deadline - monotonic())) and call.give_up():
-            raise CallTimedOut(f"{getattr(fn, '__name__', 'call')} did not return before its deadline")
-        if call.error is not None:
-            raise call.error
-        return call.result  # type: ignore[return-value]
+        return call
 
     def close(self, wait_s: float) -> bool:
         """Refuse new calls, stop the workers once the calls under way have ended, and wait up to ``wait_s`` for

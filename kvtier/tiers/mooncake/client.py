@@ -57,6 +57,18 @@ def _engine_env(config: MooncakeTierConfig) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 
+def _guarded(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` with the errors the engine's bindings raise turned into TierError (a miss, never a crash)."""
+    def call(*args: Any) -> T:
+        try:
+            return fn(*args)
+        except (RuntimeError, ValueError, MemoryError) as exc:
+            raise TierError(f"mooncake {fn.__name__}: {exc}") from exc
+
+    call.__name__ = fn.__name__
+    return call
+
+
 def advertised_hostname(config: MooncakeTierConfig) -> str:
     """``local_hostname``, or the local address of this host's route to the master (no packet is sent)."""
     if config.local_hostname:
@@ -163,10 +175,7 @@ class MooncakeClient:
     # -- the calls -----------------------------------------------------------------------------------------
     def _run(self, fn: Callable[..., T], *args: Any, deadline: float,
              on_late: Callable[[Any], None] | None = None) -> T:
-        try:
-            return self._calls.run(fn, *args, deadline=deadline, on_late=on_late)
-        except (RuntimeError, ValueError, MemoryError) as exc:  # raised by the engine's bindings
-            raise TierError(f"mooncake {fn.__name__}: {exc}") from exc
+        return self._calls.run(_guarded(fn), *args, deadline=deadline, on_late=on_late)
 
     def exists(self, keys: list[str], deadline: float) -> list[int]:
         """Per key: 1 present, 0 absent, negative an error code."""

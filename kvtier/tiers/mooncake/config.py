@@ -38,8 +38,8 @@ class MooncakeTierConfig(TierConfig):
     ``segment_bytes`` / ``segment_share``: what this replica contributes to the pool, in bytes or as a share
     of the memory free at start (at most one of them; neither: 1 GiB; 0: nothing). Mooncake's smallest
     segment is 16 MiB; a share that comes to less contributes nothing. ``segment_device``: ``cpu``, or
-    ``cuda:N`` for spare GPU memory (needs a Mooncake build with VRAM segments). ``buffer_bytes``: the most
-    registered memory values are moved through (see buffers.py). ``metrics_url``: the master's Prometheus
+    ``cuda:N`` for spare GPU memory (needs a Mooncake build with VRAM segments). ``buffer_bytes``: the
+    registered memory values move through (see buffers.py). ``metrics_url``: the master's Prometheus
     endpoint, read for the pool's used bytes and capacity (default: the master's host, port 9003).
     """
 

@@ -116,7 +116,7 @@ def test_full_pool_skips_stores_and_evicts_to_make_room(master):
 
 
 def test_batch_beyond_the_transfer_buffer(master):
-    """The registered transfer buffer grows by regions up to buffer_bytes; what does not fit in it is a
+    """Values move through one registered buffer of buffer_bytes; what does not fit in what is free of it is a
     skipped store or a miss, not an error."""
     values = [bytes([i]) * (600 << 10) for i in range(5)]  # 3 MiB in all
     keys = [bytes([i]) * 32 for i in range(5)]
