@@ -11,10 +11,10 @@ Redis tier on the same machine alongside.
 * The tier alone (``tier.put`` / ``tier.get``, no encoding, verification or copy-out) is reported too, and the
   same KVCache store/retrieve through a Redis tier (a redis-server on a unix socket, started here).
 
-The pool's memory is a second process's (tests/mooncake_master.SegmentHost) unless ``--local``: every byte
-crosses the transfer engine over TCP, as between replicas. Ratios are kvtier throughput / raw throughput (the
-target is >= 0.8) from the best of interleaved repetitions on both sides (interference only adds time);
-medians are printed too. A bar chart goes to results/mooncake_tier.png. The fleet hit-ratio comparison the
+The pool's memory is a second process's (tests/mooncake_master.SegmentHost), and neither the tier nor the raw
+client contributes any: every byte of both crosses the transfer engine over TCP, as between replicas. Ratios
+are kvtier throughput / raw throughput (the target is >= 0.8) from the best of interleaved repetitions on both
+sides (interference only adds time); medians are printed too. A bar chart goes to results/mooncake_tier.png. The fleet hit-ratio comparison the
 issue asks for (4 replicas pooling vs 4 private memory tiers) needs ``kvtier sim``, which is not on main yet:
 it is reported as not run. Last line: ``RESULT {json}``.
 """
@@ -49,7 +49,6 @@ def main() -> int:
     ap.add_argument("--prefix-mib", type=int, default=512)
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--local", action="store_true", help="this process holds the pool (local copies)")
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
@@ -58,13 +57,8 @@ def main() -> int:
 
     prefix = Prefix(args.prefix_mib, args.chunk_size)
     pool_bytes = 2 * prefix.kv_bytes + 256 * MiB  # the tier's values and the raw ones, headers, slack
-    with MooncakeMaster() as master:
-        host = None if args.local else SegmentHost(master, pool_bytes)
-        try:
-            figures = run_mooncake(args, master, prefix, pool_bytes if args.local else 0)
-        finally:
-            if host is not None:
-                host.stop()
+    with MooncakeMaster() as master, SegmentHost(master, pool_bytes):
+        figures = run_mooncake(args, master, prefix)
     if not args.no_redis:
         figures.update(run_redis(args, prefix))
     figures["fleet_hit_ratio"] = "not run: kvtier sim (issue 11) is not on main"
@@ -99,11 +93,11 @@ class Prefix:
         return out
 
 
-def run_mooncake(args, master, prefix: Prefix, own_segment: int) -> dict:
+def run_mooncake(args, master, prefix: Prefix) -> dict:
     from mooncake.store import MooncakeDistributedStore
 
     tier_cfg = MooncakeTierConfig(master_address=master.master_address, metadata_server=master.metadata_url,
-                                  metrics_url=master.metrics_url, segment_bytes=own_segment, timeout_s=5.0,
+                                  metrics_url=master.metrics_url, segment_bytes=0, timeout_s=5.0,
                                   buffer_bytes=prefix.kv_bytes + 64 * MiB)
     cache = KVCache(SPEC, "bench-model", CacheConfig(chunk_size=prefix.chunk, tiers=(tier_cfg,)))
     tier = cache.tiers[0]
@@ -168,7 +162,7 @@ def run_mooncake(args, master, prefix: Prefix, own_segment: int) -> dict:
         "retrieve_median_vs_raw": median(times["raw_get"]) / median(times["kv_retrieve"]),
         "store_median_vs_raw": median(times["raw_put"]) / median(times["kv_store"]),
         "prefix_mib": prefix.total / MiB, "chunk_mib": sizes[0] / MiB, "reps": args.reps,
-        "pool": "this process" if own_segment else "another process (TCP)",
+        "pool": "another process (TCP)",
     }
 
 
@@ -223,7 +217,7 @@ def plot(figures: dict, path: Path) -> None:
             ("KVCache store\n(Mooncake)", "store_gbps"), ("KVCache store\n(Redis)", "redis_store_gbps")]
     bars = [(label, figures[key]) for label, key in bars if key in figures]
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     ax.bar([b[0] for b in bars], [b[1] for b in bars], color=["#999", "#2a7", "#c52"] * 2)
     ax.set_ylabel("GB/s (best of rounds)")
     ax.set_title(f"{figures['prefix_mib']:.0f} MiB prefix: Mooncake tier vs raw Mooncake calls, Redis tier")
