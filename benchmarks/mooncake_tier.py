@@ -14,9 +14,9 @@ Redis tier on the same machine alongside.
 The pool's memory is a second process's (tests/mooncake_master.SegmentHost), and neither the tier nor the raw
 client contributes any: every byte of both crosses the transfer engine over TCP, as between replicas. Ratios
 are kvtier throughput / raw throughput (the target is >= 0.8) from the best of interleaved repetitions on both
-sides (interference only adds time); medians are printed too. A bar chart goes to results/mooncake_tier.png. The fleet hit-ratio comparison the
-issue asks for (4 replicas pooling vs 4 private memory tiers) needs ``kvtier sim``, which is not on main yet:
-it is reported as not run. Last line: ``RESULT {json}``.
+sides (interference only adds time); medians are printed too. A bar chart goes to results/mooncake_tier.png.
+The fleet hit-ratio comparison the issue asks for (4 replicas pooling vs 4 private memory tiers) needs
+``kvtier sim``, which is not on main yet: it is reported as not run. Last line: ``RESULT {json}``.
 """
 
 from __future__ import annotations
