@@ -60,11 +60,17 @@ class _Common(BaseModel):
             top_k=self.top_k if self.top_k and self.top_k > 0 else None, seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0)
 
-    def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > 4 or any(not s for s in stops):
-            raise RequestError("stop takes up to 4 non-empty strings", param="stop")
-        return stops
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stop
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings, already checked by ``parse`` (at most 4, none empty)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -123,11 +129,15 @@ class ChatRequest(_Common):
 
 
 def parse(model: type[_Common], body: Any) -> Any:
-    """Validate a decoded JSON body; raise RequestError (400) with every problem spelled out."""
+    """Validate a decoded JSON body; raise RequestError (400) with every problem spelled out.
+
+    Types are strict, as in OpenAI's API: ``"max_tokens": "3"``, ``"prompt": [1.0, 2.0]`` or ``[true]`` are
+    refused rather than coerced to integers.
+    """
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     try:
-        request = model.model_validate(body)
+        request = model.model_validate(body, strict=True)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():

@@ -5,7 +5,8 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
 
 * ``model_id`` names the weights in every chunk key. Default: vLLM's model path plus ``@revision``. Set it
   when several servers load the same weights from different paths and should share a disk or Redis tier.
-* ``socket_dir`` is where each worker listens for the scheduler's lookups (a Unix socket per TP rank).
+* ``socket_dir`` is where each worker listens for the scheduler's lookups (a Unix socket per TP rank, in a
+  folder ``kvtier-<uid>`` inside it that only this user can enter).
 * ``metrics_port``: if set, tensor-parallel rank ``r`` serves its cache's full metrics (histograms included,
   kvtier's exact names) at ``http://<metrics_host>:<metrics_port + r>/metrics``; ``metrics_host`` defaults
   to loopback. vLLM's own ``/metrics`` carries the counters and gauges either way (prom.py).

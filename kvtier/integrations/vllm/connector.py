@@ -91,7 +91,9 @@ class KVTierConnector(KVConnectorBase_V1):
         paged = PagedKV(layers, self.block_size, rows_split=current_platform.is_cpu())
         rank = get_tensor_model_parallel_rank()
         cache = KVCache(paged.spec, self.model_id, self.config.cache, tp_rank=rank, tp_size=self.tp_size)
-        self._worker = WorkerSide(paged, cache, socket_path(self.config.socket_dir, self.engine_id, rank))
+        path = socket_path(self.config.socket_dir, self.engine_id, rank)
+        # a lookup never covers more than a whole request: a longer one is not the scheduler asking
+        self._worker = WorkerSide(paged, cache, path, self._vllm_config.model_config.max_model_len)
         self._feed = MetricsFeed(cache.metrics)
         if self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(cache.metrics, self.config.metrics_port + rank,
