@@ -21,10 +21,10 @@ from kvtier.errors import ConfigError
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
-def check_device(device: str) -> None:
-    """ConfigError unless ``device`` is ``cpu`` or ``cuda:N``."""
+def check_device(device: str, what: str = "device") -> None:
+    """ConfigError (naming ``what``) unless ``device`` is ``cpu`` or ``cuda:N``."""
     if not _DEVICE.match(device):
-        raise ConfigError(f"device must be cpu or cuda:N, not {device!r}")
+        raise ConfigError(f"{what} must be cpu or cuda:N, not {device!r}")
 
 
 class HostSlab:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import TierConfig, TierContext, register_tier
+from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
+from kvtier.tiers.slab import check_device
 
 MiB = 1 << 20
 #: Mooncake refuses smaller segments (its allocator works in 16 MiB slabs); 0 contributes nothing.
@@ -17,7 +17,6 @@ DEFAULT_SEGMENT_BYTES = 1 << 30
 ENGINE_LOCAL_BUFFER_BYTES = 16 * MiB
 #: The master's admin/metrics port unless it was started with another ``--metrics_port``.
 DEFAULT_METRICS_PORT = 9003
-_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
 class TransferProtocol(enum.Enum):
@@ -72,8 +71,7 @@ class MooncakeTierConfig(TierConfig):
             raise ConfigError("mooncake segment_bytes must be 0 (contribute nothing) or at least 16 MiB")
         if self.segment_share is not None and not 0 < self.segment_share < 1:
             raise ConfigError("mooncake segment_share must lie between 0 and 1 (a share of free memory)")
-        if not _DEVICE.match(self.segment_device):
-            raise ConfigError(f"mooncake segment_device must be cpu or cuda:N, not {self.segment_device!r}")
+        check_device(self.segment_device, "mooncake segment_device")
         if any(c in self.key_prefix for c in " \t\r\n") or len(self.key_prefix) > 128:
             raise ConfigError(f"mooncake key_prefix {self.key_prefix!r} must be short and free of spaces")
         if not (self.timeout_s > 0 and self.connect_timeout_s > 0 and self.breaker_cooldown_s > 0):
@@ -87,8 +85,8 @@ class MooncakeTierConfig(TierConfig):
     def master_metrics_url(self) -> str:
         return self.metrics_url or f"http://{master_host_port(self)[0]}:{DEFAULT_METRICS_PORT}/metrics"
 
-    def build(self, ctx: TierContext):  # -> MooncakeTier (imported here: the engine loads only when used)
-        from kvtier.tiers.mooncake.tier import MooncakeTier
+    def build(self, ctx: TierContext) -> Tier:
+        from kvtier.tiers.mooncake.tier import MooncakeTier  # imported here: the tier's module imports this one
 
         return MooncakeTier(self, ctx)
 
