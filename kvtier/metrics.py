@@ -55,6 +55,7 @@ HELP = {
     "kvtier_mooncake_segment_bytes": "Memory this replica contributes to the Mooncake pool.",
     "kvtier_mooncake_buffer_bytes": "Registered memory the Mooncake tier moves values through.",
     "kvtier_mooncake_no_buffer_total": "Values not read because the Mooncake tier's transfer buffer was full.",
+    "kvtier_mooncake_busy_total": "Mooncake reads given up because other transfers held every turn until the deadline.",
     "kvtier_mooncake_transfer_failures_total": "Mooncake calls in which a peer holding a value did not answer.",
     "kvtier_lookup_seconds": "Latency of lookup().",
     "kvtier_retrieve_seconds": "Latency of retrieve().",

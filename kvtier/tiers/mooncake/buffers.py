@@ -88,5 +88,11 @@ class RegisteredBuffers:
                     self._alloc.free(slot.offset, slot.nbytes)
 
     @property
+    def largest_free(self) -> int:
+        """The largest value a take could place now (the whole arena when nothing is leased)."""
+        with self._lock:
+            return self._alloc.largest_free() if self._arena is not None else 0
+
+    @property
     def registered_bytes(self) -> int:
         return 0 if self._arena is None else self._arena.nbytes

@@ -25,7 +25,12 @@ T = TypeVar("T")
 
 
 class CallTimedOut(TierError):
-    """The deadline passed before a worker was free or before the call returned."""
+    """The deadline passed before the call returned; the call goes on and ends on its worker (``on_late``)."""
+
+
+class CallNotStarted(TierError):
+    """The call never started (no worker or turn was free before the deadline, or the calls are closed): no
+    engine call holds the caller's buffers, so the caller releases them itself."""
 
 
 class Pending(Generic[T]):
@@ -83,22 +88,23 @@ class DeadlineCalls:
 
     def run(self, fn: Callable[..., T], *args: Any, deadline: float,
             on_late: Callable[[T | None], None] | None = None) -> T:
-        """``fn(*args)`` on a worker: its result or its exception, or CallTimedOut once ``deadline`` (a
-        ``time.monotonic()`` value) passes. After a CallTimedOut the call still ends on its worker, and then
-        ``on_late`` gets its result (None if it raised); it is not called when ``run`` returned or raised."""
+        """``fn(*args)`` on a worker: its result or its exception, CallNotStarted (see ``submit``), or
+        CallTimedOut once ``deadline`` (a ``time.monotonic()`` value) passes. After a CallTimedOut the call
+        still ends on its worker, and then ``on_late`` gets its result (None if it raised); it is not called
+        when ``run`` returned or raised otherwise."""
         return self.submit(fn, *args, deadline=deadline, on_late=on_late).wait(deadline)
 
     def submit(self, fn: Callable[..., T], *args: Any, deadline: float,
                on_late: Callable[[T | None], None] | None = None) -> Pending[T]:
         """Start ``fn(*args)`` on a worker (waiting for a free one until ``deadline``) and return at once; the
-        caller collects it with ``wait``. CallTimedOut if no worker was free in time."""
+        caller collects it with ``wait``. CallNotStarted if no worker was free in time or the calls are closed."""
         if not self._idle.acquire(timeout=max(0.0, deadline - monotonic())):
-            raise CallTimedOut("every worker is busy with calls that have not returned")
+            raise CallNotStarted("every worker is busy with calls that have not returned")
         call = Pending(fn, args, on_late)
         with self._changed:
             if self._closed:
                 self._idle.release()
-                raise CallTimedOut("closed")
+                raise CallNotStarted("closed")
             self._busy += 1
             self._jobs.put(call)
         return call

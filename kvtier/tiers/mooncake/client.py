@@ -18,7 +18,7 @@ from time import monotonic
 from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError, TierError
-from kvtier.tiers.mooncake.calls import DeadlineCalls
+from kvtier.tiers.mooncake.calls import CallNotStarted, DeadlineCalls
 from kvtier.tiers.mooncake.config import (
     ENGINE_LOCAL_BUFFER_BYTES,
     MooncakeTierConfig,
@@ -115,6 +115,7 @@ class MooncakeClient:
         self.segment_bytes = segment_size(config, _free_memory(config.segment_device))
         self.joined = False
         self._joining = threading.Lock()  # one join attempt at a time
+        self._transfers = threading.BoundedSemaphore(config.max_transfers)
 
     # -- joining the pool ----------------------------------------------------------------------------------
     def join(self, deadline: float) -> bool:
@@ -197,12 +198,24 @@ class MooncakeClient:
     def get_into(self, keys: list[str], ptrs: list[int], sizes: list[int], deadline: float,
                  on_late: Callable[[Any], None]) -> list[int]:
         """Per key: the bytes written at its address, or a negative error code."""
-        return self._run(self._store.batch_get_into, keys, ptrs, sizes, deadline=deadline, on_late=on_late)
+        return self._transfer(self._store.batch_get_into, keys, ptrs, sizes, deadline, on_late)
 
     def put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], deadline: float,
                  on_late: Callable[[Any], None]) -> list[int]:
         """Per key: 0 stored (or already there), or a negative error code."""
-        return self._run(self._store.batch_put_from, keys, ptrs, sizes, deadline=deadline, on_late=on_late)
+        return self._transfer(self._store.batch_put_from, keys, ptrs, sizes, deadline, on_late)
+
+    def _transfer(self, fn: Callable[..., list[int]], keys: list[str], ptrs: list[int], sizes: list[int],
+                  deadline: float, on_late: Callable[[Any], None]) -> list[int]:
+        """A batch that moves bytes, once one of ``max_transfers`` turns is free (CallNotStarted if none is
+        before ``deadline``). The turn ends when the caller stops waiting, so a call stuck on a frozen peer
+        holds it up to its deadline, not for as long as the engine takes to give up."""
+        if not self._transfers.acquire(timeout=max(0.0, deadline - monotonic())):
+            raise CallNotStarted(f"{fn.__name__}: other transfers of this tier held every turn until the deadline")
+        try:
+            return self._run(fn, keys, ptrs, sizes, deadline=deadline, on_late=on_late)
+        finally:
+            self._transfers.release()
 
     def remove(self, keys: Sequence[str], deadline: float) -> list[int]:
         # force: a read's lease (10 s by default) would refuse the removal of a value that just failed its

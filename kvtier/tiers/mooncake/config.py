@@ -38,8 +38,11 @@ class MooncakeTierConfig(TierConfig):
     of the memory free at start (at most one of them; neither: 1 GiB; 0: nothing). Mooncake's smallest
     segment is 16 MiB; a share that comes to less contributes nothing. ``segment_device``: ``cpu``, or
     ``cuda:N`` for spare GPU memory (needs a Mooncake build with VRAM segments). ``buffer_bytes``: the
-    registered memory values move through (see buffers.py). ``metrics_url``: the master's Prometheus
-    endpoint, read for the pool's used bytes and capacity (default: the master's host, port 9003).
+    registered memory values move through (see buffers.py). ``max_transfers``: batches this replica moves at
+    once; the others wait their turn within their deadline (over TCP on 2 cores, one at a time beat three at
+    once: benchmarks/mooncake_tier.py; more may pay with RDMA and cores to spare). ``metrics_url``: the
+    master's Prometheus endpoint, read for the pool's used bytes and capacity (default: the master's host,
+    port 9003).
     """
 
     kind = "mooncake"
@@ -58,6 +61,7 @@ class MooncakeTierConfig(TierConfig):
     max_value_bytes: int = 1024 * MiB
     breaker_failures: int = 3
     breaker_cooldown_s: float = 2.0
+    max_transfers: int = 1
     metrics_url: str | None = None
 
     def __post_init__(self) -> None:
@@ -76,8 +80,9 @@ class MooncakeTierConfig(TierConfig):
             raise ConfigError(f"mooncake key_prefix {self.key_prefix!r} must be short and free of spaces")
         if not (self.timeout_s > 0 and self.connect_timeout_s > 0 and self.breaker_cooldown_s > 0):
             raise ConfigError("mooncake timeouts and breaker_cooldown_s must be positive")
-        if self.breaker_failures < 1 or self.min_rate_bytes < 1 or self.max_value_bytes < 1:
-            raise ConfigError("mooncake breaker_failures, min_rate_bytes and max_value_bytes must be >= 1")
+        if min(self.breaker_failures, self.min_rate_bytes, self.max_value_bytes, self.max_transfers) < 1:
+            raise ConfigError("mooncake breaker_failures, min_rate_bytes, max_value_bytes and max_transfers "
+                              "must be >= 1")
         if self.buffer_bytes < MiB:
             raise ConfigError("mooncake buffer_bytes must be at least 1 MiB")
 

@@ -47,7 +47,7 @@ from kvtier.keys import ChunkHash
 from kvtier.tiers.base import TierContext, TierStats, stats_gauges
 from kvtier.net.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.mooncake.buffers import Lease, RegisteredBuffers
-from kvtier.tiers.mooncake.calls import CallTimedOut, DeadlineCalls
+from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
 from kvtier.tiers.mooncake.client import MASTER_DOWN, Code, MooncakeClient
 from kvtier.tiers.mooncake.config import MooncakeTierConfig
 
@@ -217,6 +217,9 @@ class MooncakeTier:
             return None  # the call goes on: it releases the lease when it ends
         except BaseException as exc:
             lease.release()
+            if isinstance(exc, CallNotStarted):  # this replica is busy, the pool is not at fault
+                self._metrics.inc("kvtier_mooncake_busy_total", tier=self.name, op="get")
+                return None
             if not isinstance(exc, TierError):
                 raise
             self._failed("get", exc)
@@ -235,6 +238,9 @@ class MooncakeTier:
         except BaseException as exc:
             if not isinstance(exc, CallTimedOut):  # a call that timed out releases the lease when it ends
                 lease.release()
+            if isinstance(exc, CallNotStarted):  # this replica is busy, the pool is not at fault
+                self._skipped("busy", len(staged))
+                return
             if not isinstance(exc, TierError):
                 raise
             self._failed("put", exc)

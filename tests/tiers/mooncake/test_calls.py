@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvtier.tiers.mooncake.calls import CallTimedOut, DeadlineCalls
+from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
 
 
 def test_result_exception_and_deadline():
@@ -32,11 +32,14 @@ def test_busy_workers_fail_fast_and_close_refuses_new_calls():
     with pytest.raises(CallTimedOut):
         calls.run(release.wait, 10, deadline=time.monotonic() + 0.1)
     start = time.monotonic()
-    with pytest.raises(CallTimedOut):  # the only worker is still stuck: no waiting beyond the deadline
-        calls.run(lambda: 1, deadline=start + 0.2)
+    ran: list[int] = []
+    # the only worker is still stuck: no waiting beyond the deadline, and the call never runs (so it is not a
+    # CallTimedOut, after which the caller would leave its buffers to a call that never comes)
+    with pytest.raises(CallNotStarted):
+        calls.run(ran.append, 1, deadline=start + 0.2)
     assert time.monotonic() - start < 1.0
     assert not calls.close(wait_s=0.1)  # a call is still inside
     release.set()
-    with pytest.raises(CallTimedOut):
-        calls.run(lambda: 1, deadline=time.monotonic() + 5)
-    assert calls.close(wait_s=5)
+    with pytest.raises(CallNotStarted):
+        calls.run(ran.append, 2, deadline=time.monotonic() + 5)
+    assert calls.close(wait_s=5) and ran == []

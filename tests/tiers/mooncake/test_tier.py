@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -137,6 +138,40 @@ def test_batch_beyond_the_transfer_buffer(master):
         small.close()
 
 
+def test_transfers_take_turns_and_one_without_a_turn_keeps_no_buffer(master):
+    """Batches of one tier move max_transfers at a time; one that gets no turn before its deadline is a skipped
+    store or a miss (not a failure of the pool), and its share of the registered buffer is free again at once."""
+    keys = [bytes([i]) * 32 for i in range(4)]
+    values = [bytes([i + 1]) * (256 << 10) for i in range(4)]
+    tier = make_tier(master, timeout_s=0.3, max_transfers=1)
+    try:
+        assert tier.put([(keys[0], BytesPayload(values[0]))]) == [True]
+        turns = tier._client._transfers
+        assert turns.acquire(timeout=5)  # another request's transfer holds the only turn
+        try:
+            assert tier.put([(keys[1], BytesPayload(values[1]))]) == [False]
+            with tier.get(keys[:1]) as got:
+                assert got == [None]
+        finally:
+            turns.release()
+        assert tier._metrics.get("kvtier_skipped_stores_total", tier="mooncake", reason="busy") == 1
+        assert tier._metrics.get("kvtier_mooncake_busy_total", tier="mooncake", op="get") == 1
+        assert tier._metrics.total("kvtier_tier_errors_total") == 0
+        assert tier._buffers.largest_free == tier._buffers.registered_bytes == 16 * MiB
+
+        def read(i: int) -> bytes | None:
+            with tier.get([keys[i]]) as got:
+                return None if got[0] is None else bytes(got[0])
+
+        with ThreadPoolExecutor(4) as pool:  # batches from four threads queue for the turn and all arrive intact
+            stored = list(pool.map(lambda i: tier.put([(keys[i], BytesPayload(values[i]))]), range(4)))
+            assert stored == [[True]] * 4
+            assert list(pool.map(read, range(4))) == values
+        tier.delete(keys)
+    finally:
+        tier.close()
+
+
 def test_pool_figures_in_stats_and_metrics(master):
     tokens, kv = prompt(4)
     with make_cache(master, segment_bytes=32 * MiB) as a, make_cache(master, segment_bytes=48 * MiB) as b:
@@ -181,7 +216,7 @@ def test_segment_size_from_bytes_or_share():
 @pytest.mark.parametrize("bad", [
     {"master_address": "no-port"}, {"segment_bytes": 8 * MiB}, {"segment_bytes": MiB, "segment_share": 0.5},
     {"segment_share": 1.5}, {"segment_device": "gpu0"}, {"key_prefix": "a b"}, {"timeout_s": 0},
-    {"buffer_bytes": 1024}, {"codec": "nope"}, {"metadata_server": " "},
+    {"buffer_bytes": 1024}, {"codec": "nope"}, {"metadata_server": " "}, {"max_transfers": 0},
 ])
 def test_bad_config_is_rejected(bad):
     with pytest.raises(ConfigError):
