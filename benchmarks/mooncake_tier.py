@@ -8,6 +8,11 @@ Redis tier on the same machine alongside.
 * retrieve: ``KVCache.retrieve`` of that prefix into a reused output tensor: the existence check, the size
   lookup, ``batch_get_into``, checksum verification of every chunk and the copy into the output. Compared with
   raw ``batch_get_into`` of the same blobs into a registered buffer, sizes known in advance.
+* Raw calls of one value each, one after another: KVCache's pipeline moves one window (here one chunk) per
+  call, so raw calls of that shape are a peer too, and ratios against the faster raw shape are printed.
+* The same retrieve through a tier allowed three transfers at once (``max_transfers: 3``; the default is one):
+  KVCache reads a prefix in windows on a few threads, and this shows what running their transfers in
+  parallel costs or gains here.
 * The tier alone (``tier.put`` / ``tier.get``, no encoding, verification or copy-out) is reported too, and the
   same KVCache store/retrieve through a Redis tier (a redis-server on a unix socket, started here).
 
@@ -22,6 +27,7 @@ The fleet hit-ratio comparison the issue asks for (4 replicas pooling vs 4 priva
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -100,6 +106,9 @@ def run_mooncake(args, master, prefix: Prefix) -> dict:
                                   metrics_url=master.metrics_url, segment_bytes=0, timeout_s=5.0,
                                   buffer_bytes=prefix.kv_bytes + 64 * MiB)
     cache = KVCache(SPEC, "bench-model", CacheConfig(chunk_size=prefix.chunk, tiers=(tier_cfg,)))
+    # the same pool and values, read with three transfers at once (the pipeline's windows in parallel)
+    wide_cfg = dataclasses.replace(tier_cfg, max_transfers=3)
+    wide = KVCache(SPEC, "bench-model", CacheConfig(chunk_size=prefix.chunk, tiers=(wide_cfg,)))
     tier = cache.tiers[0]
     keys = cache.keys(prefix.tokens)
     blobs = prefix.blobs(cache, tier)
@@ -122,11 +131,22 @@ def run_mooncake(args, master, prefix: Prefix) -> dict:
     def raw_get() -> None:
         assert raw.batch_get_into(raw_keys, [dst.ctypes.data + o for o in offsets], sizes) == sizes
 
+    def raw_put_each() -> None:
+        for key, offset, size in zip(raw_keys, offsets, sizes):
+            assert raw.batch_put_from([key], [src.ctypes.data + offset], [size]) == [0]
+
+    def raw_get_each() -> None:
+        for key, offset, size in zip(raw_keys, offsets, sizes):
+            assert raw.batch_get_into([key], [dst.ctypes.data + offset], [size]) == [size]
+
     def kv_store() -> None:
         assert cache.store(prefix.tokens, prefix.kv) == prefix.n_tokens
 
     def kv_retrieve() -> None:
         assert cache.retrieve(prefix.tokens, out)[1] == prefix.n_tokens
+
+    def kv_retrieve_wide() -> None:
+        assert wide.retrieve(prefix.tokens, out)[1] == prefix.n_tokens
 
     def tier_put() -> None:
         assert tier.put(payloads) == [True] * len(payloads)
@@ -135,9 +155,13 @@ def run_mooncake(args, master, prefix: Prefix) -> dict:
         with tier.get(keys) as got:
             assert all(v is not None for v in got)
 
-    runs = [("raw batch_get_into", "raw_get", raw_get, None), ("retrieve (KVCache)", "kv_retrieve", kv_retrieve, None),
+    runs = [("raw batch_get_into", "raw_get", raw_get, None),
+            ("raw, one value per call", "raw_get_each", raw_get_each, None),
+            ("retrieve (KVCache)", "kv_retrieve", kv_retrieve, None),
+            ("retrieve, 3 transfers", "kv_retrieve_wide", kv_retrieve_wide, None),
             ("get (tier alone)", "tier_get", tier_get, None),
             ("raw batch_put_from", "raw_put", raw_put, lambda: raw.batch_remove(raw_keys, True)),
+            ("raw, one value per call", "raw_put_each", raw_put_each, lambda: raw.batch_remove(raw_keys, True)),
             ("store (KVCache)", "kv_store", kv_store, lambda: tier.delete(keys)),
             ("put (tier alone)", "tier_put", tier_put, lambda: tier.delete(keys))]
     try:
@@ -146,19 +170,29 @@ def run_mooncake(args, master, prefix: Prefix) -> dict:
         raw_get()
         kv_retrieve()
         assert torch.equal(out, prefix.kv) and np.array_equal(src, dst)
+        out.zero_()
+        kv_retrieve_wide()
+        assert torch.equal(out, prefix.kv)
         times = interleaved(runs, args.reps)
     finally:
         raw.close()
+        wide.close()
         cache.close()
     gbps = {k: prefix.total / best(v) / 1e9 for k, v in times.items()}
     report(runs, times, gbps)
     return {
         "retrieve_vs_raw": gbps["kv_retrieve"] / gbps["raw_get"],
         "store_vs_raw": gbps["kv_store"] / gbps["raw_put"],
+        "retrieve_vs_raw_each": gbps["kv_retrieve"] / gbps["raw_get_each"],
+        "store_vs_raw_each": gbps["kv_store"] / gbps["raw_put_each"],
+        "retrieve_3_transfers_vs_raw": gbps["kv_retrieve_wide"] / gbps["raw_get"],
         "tier_get_vs_raw": gbps["tier_get"] / gbps["raw_get"],
         "tier_put_vs_raw": gbps["tier_put"] / gbps["raw_put"],
+        "retrieve_vs_best_raw": gbps["kv_retrieve"] / max(gbps["raw_get"], gbps["raw_get_each"]),
+        "store_vs_best_raw": gbps["kv_store"] / max(gbps["raw_put"], gbps["raw_put_each"]),
         "retrieve_gbps": gbps["kv_retrieve"], "raw_get_gbps": gbps["raw_get"],
         "store_gbps": gbps["kv_store"], "raw_put_gbps": gbps["raw_put"],
+        "raw_get_each_gbps": gbps["raw_get_each"], "raw_put_each_gbps": gbps["raw_put_each"],
         "retrieve_median_vs_raw": median(times["raw_get"]) / median(times["kv_retrieve"]),
         "store_median_vs_raw": median(times["raw_put"]) / median(times["kv_store"]),
         "prefix_mib": prefix.total / MiB, "chunk_mib": sizes[0] / MiB, "reps": args.reps,
@@ -212,13 +246,15 @@ def plot(figures: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = [("raw get", "raw_get_gbps"), ("KVCache retrieve\n(Mooncake)", "retrieve_gbps"),
+    bars = [("raw get", "raw_get_gbps"), ("raw get,\none per call", "raw_get_each_gbps"),
+            ("KVCache retrieve\n(Mooncake)", "retrieve_gbps"),
             ("KVCache retrieve\n(Redis)", "redis_retrieve_gbps"), ("raw put", "raw_put_gbps"),
+            ("raw put,\none per call", "raw_put_each_gbps"),
             ("KVCache store\n(Mooncake)", "store_gbps"), ("KVCache store\n(Redis)", "redis_store_gbps")]
     bars = [(label, figures[key]) for label, key in bars if key in figures]
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.bar([b[0] for b in bars], [b[1] for b in bars], color=["#999", "#2a7", "#c52"] * 2)
+    fig, ax = plt.subplots(figsize=(12, 4))
+    ax.bar([b[0] for b in bars], [b[1] for b in bars], color=["#999", "#bbb", "#2a7", "#c52"] * 2)
     ax.set_ylabel("GB/s (best of rounds)")
     ax.set_title(f"{figures['prefix_mib']:.0f} MiB prefix: Mooncake tier vs raw Mooncake calls, Redis tier")
     fig.tight_layout()
