@@ -2,7 +2,8 @@
 
 Every failure a client can cause is a 4xx with OpenAI's error envelope; a full queue is a 429 with
 ``Retry-After`` (answered at once, never by waiting). Responses carry ``usage.prompt_tokens_details.
-cached_tokens``: the prompt tokens whose KV came from kvtier instead of being recomputed.
+cached_tokens``: the prompt tokens whose KV came from kvtier instead of being recomputed (as a prefix), and
+``blended_tokens``: those that came from cached segments elsewhere in the prompt (``--blend``).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ async def _prepare(backend: Backend, request: Request, route: Route):
         raise RequestError(f"model {req.model!r} is not served here; this server serves {backend.name!r}", 404,
                            param="model")
     max_tokens = backend.budget(prompt_ids, limit)
-    job = Job(prompt_ids, max_tokens, salt, backend.stop_ids, asyncio.get_running_loop())
+    job = Job(prompt_ids, max_tokens, salt, backend.stop_ids, asyncio.get_running_loop(),
+              segments=backend.segmenter.spans(req, prompt_ids))
     return req, job
 
 
@@ -171,7 +173,7 @@ def _usage(job: Job) -> dict[str, Any]:
     completion = len(stats.output_ids)
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
             "total_tokens": stats.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens, "blended_tokens": stats.blended_tokens}}
 
 
 def _account(backend: Backend, route: Route, job: Job, status: str) -> None:
@@ -179,6 +181,7 @@ def _account(backend: Backend, route: Route, job: Job, status: str) -> None:
     m.inc("kvtier_server_requests_total", endpoint=route.endpoint, status=status)
     m.inc("kvtier_server_prompt_tokens_total", stats.prompt_tokens)
     m.inc("kvtier_server_cached_prompt_tokens_total", stats.cached_tokens)
+    m.inc("kvtier_server_blended_prompt_tokens_total", stats.blended_tokens)
     m.inc("kvtier_server_generation_tokens_total", len(stats.output_ids))
     m.observe("kvtier_server_ttft_seconds", stats.ttft_s)
 
