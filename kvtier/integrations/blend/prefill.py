@@ -163,14 +163,15 @@ def blended_prefill(model, prompt: list[int], prefix: DynamicCache | None, n_pre
     selector = _Selector(kv, check, reused, config)
     kv.observe = selector if selecting else None
     cos, sin = decoder.rotary_emb(hidden, active[None])
+    mask = _causal_mask(active, n, hidden.dtype)
     deviation, gated = 0.0, False
     for index, layer in enumerate(layers):
         kv.positions = active
-        hidden = layer(hidden, attention_mask=_causal_mask(active, n, hidden.dtype), position_ids=active[None],
-                       past_key_values=kv, use_cache=True, position_embeddings=(cos, sin))
+        hidden = layer(hidden, attention_mask=mask, position_ids=active[None], past_key_values=kv, use_cache=True,
+                       position_embeddings=(cos, sin))
         if selecting and index == check:
             keep, recomputed, deviation, gated = selector.keep(active)
-            active, hidden, cos, sin = active[keep], hidden[:, keep], cos[:, keep], sin[:, keep]
+            active, hidden, cos, sin, mask = active[keep], hidden[:, keep], cos[:, keep], sin[:, keep], mask[:, :, keep]
             kv.observe = None
     logits = model.get_output_embeddings()(decoder.norm(hidden[:, -1:]))[0, -1]
     return BlendResult(kv.to_dynamic_cache(model.config), logits, n_reused, recomputed, deviation, gated)
