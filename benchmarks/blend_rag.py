@@ -113,11 +113,12 @@ def make_case(tokenizer, segmenter: Segmenter, passages: list[str], question: st
 
 
 def make_methods(model, cache: KVCache) -> list[Method]:
-    methods = [Method("full", PrefixCachedLM(model, None), False), Method("prefix", PrefixCachedLM(model, cache), False),
+    methods = [Method("full", PrefixCachedLM(model, None), False),
+               Method("prefix", PrefixCachedLM(model, cache), False),
                Method("naive", BlendedLM(model, cache, BlendConfig(recompute_ratio=0.0)), True)]
     for ratio in RATIOS:
-        methods.append(Method(f"blend-{round(ratio * 100)}", BlendedLM(model, cache, BlendConfig(recompute_ratio=ratio)),
-                              True))
+        lm = BlendedLM(model, cache, BlendConfig(recompute_ratio=ratio))
+        methods.append(Method(f"blend-{round(ratio * 100)}", lm, True))
     return methods
 
 
@@ -207,7 +208,8 @@ def print_table(summary: dict[str, dict[str, float]], n_prompts: int) -> None:
           f"{'prefix hit':>10} {'blended':>8}")
     for name, s in summary.items():
         print(f"{name:<10} {s['ttft_median_s']:8.3f} {s['speedup_vs_prefix']:9.2f}x {s['speedup_vs_full']:7.2f}x "
-              f"{s['top1']:7.3f} {s['kl']:8.4f} {s['identical']:10.2f} {s['cached_share']:10.1%} {s['blended_share']:8.1%}")
+              f"{s['top1']:7.3f} {s['kl']:8.4f} {s['identical']:10.2f} {s['cached_share']:10.1%} "
+              f"{s['blended_share']:8.1%}")
 
 
 def plot(summary: dict[str, dict[str, float]], path: Path) -> None:

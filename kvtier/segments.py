@@ -96,7 +96,8 @@ class SegmentCache:
         return present
 
     def retrieve(self, segments: Sequence[Tokens], *, salt: bytes = b"") -> list[torch.Tensor | None]:
-        """The canonical KV of each segment (a new tensor), or None where no tier holds a verified copy."""
+        """The canonical KV of each segment (a new tensor of its own, the caller's to modify), or None where no
+        tier holds a verified copy."""
         metrics = self.cache.metrics
         with metrics.timer("kvtier_segment_retrieve_seconds"):
             arrays = [token_array(seg) for seg in segments]
@@ -110,7 +111,13 @@ class SegmentCache:
                 found.update(self._load(t, tier, todo, tokens))
             missed = sum(len(ids) for key, ids in tokens.items() if key not in found)
             metrics.inc("kvtier_segment_miss_tokens_total", missed)
-        return [found.get(key) for key in keys]
+        seen: set[ChunkHash] = set()
+        out = []
+        for key in keys:  # a segment asked for twice gets a copy of its own the second time
+            kv = found.get(key)
+            out.append(kv.clone() if kv is not None and key in seen else kv)
+            seen.add(key)
+        return out
 
     def store(self, tokens: Tokens, kv: torch.Tensor, *, salt: bytes = b"") -> bool:
         """Store the KV of one segment (canonical, computed at ``base_position``); True if a tier took it."""

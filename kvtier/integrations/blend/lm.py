@@ -103,8 +103,9 @@ class BlendedLM(PrefixCachedLM):
                 missing.append((s, e))
                 continue
             first = max(s, n_prefix)  # a segment partly inside the cached prefix reuses only its tail
-            kv = kv[:, :, first - s :].to(self.device)
-            reused.append(ReusedSpan(first, e, self.rerotator.shift(kv, s - self.config.base_position)))
+            tail = kv[:, :, first - s :].to(self.device)  # ours to modify (see SegmentCache.retrieve)
+            delta = s - self.config.base_position
+            reused.append(ReusedSpan(first, e, self.rerotator.shift(tail, delta, inplace=True)))
         return reused, missing
 
     def _account(self, result: BlendResult, stats: GenerationStats) -> None:

@@ -57,13 +57,14 @@ class ScatterKV:
 
     Holds, per layer, K and V for every prompt position (``[1, kv_heads, tokens, head_dim]``). The attention
     layers call ``update`` with the fresh K/V of the tokens being computed; they are written at
-    ``positions`` (set before each layer) and the whole prompt's K/V is returned to attend over.
-    ``observe`` (when set) sees the fresh K/V before they overwrite the cached ones.
+    ``positions`` (set before each call) and the K/V of positions ``[0, length)`` are returned to attend
+    over. ``observe`` (when set) sees the fresh K/V before they overwrite the cached ones.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.keys, self.values = keys, values
-        self.positions: torch.Tensor | None = None
+        self.positions = torch.empty(0, dtype=torch.long)
+        self.length = 0
         self.observe = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -72,7 +73,7 @@ class ScatterKV:
             self.observe(layer_idx, key_states, value_states)
         keys.index_copy_(2, self.positions, key_states)
         values.index_copy_(2, self.positions, value_states)
-        return keys, values
+        return keys[:, :, : self.length], values[:, :, : self.length]
 
     def to_dynamic_cache(self, config) -> DynamicCache:
         return DynamicCache(list(zip(self.keys, self.values)), config=config)
@@ -105,12 +106,49 @@ def _causal_mask(queries: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Ten
     return mask[None, None]
 
 
+#: Active tokens are computed in up to this many blocks of consecutive positions, each attending only to the
+#: keys up to its last position: what a causal kernel skips, a masked one would compute and throw away.
+MAX_BLOCKS, MIN_BLOCK = 8, 32
+
+
+@dataclass
+class _Active:
+    """The tokens a layer computes: positions (sorted), hidden states, rotary cos/sin, and query blocks."""
+
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __post_init__(self) -> None:
+        count = max(1, min(MAX_BLOCKS, len(self.positions) // MIN_BLOCK))
+        bounds = [int(b) for b in torch.linspace(0, len(self.positions), count + 1)]
+        self.blocks = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            end = int(self.positions[hi - 1]) + 1
+            self.blocks.append((slice(lo, hi), end, _causal_mask(self.positions[lo:hi], end, self.hidden.dtype)))
+
+    def keep(self, index: torch.Tensor) -> _Active:
+        return _Active(self.positions[index], self.hidden[:, index], self.cos[:, index], self.sin[:, index])
+
+
+def _run_layer(layer, kv: ScatterKV, active: _Active) -> torch.Tensor:
+    """The layer's output for the active tokens, block by block (a block sees the fresh K/V of those before)."""
+    out = []
+    for part, end, mask in active.blocks:
+        kv.positions, kv.length = active.positions[part], end
+        out.append(layer(active.hidden[:, part], attention_mask=mask, position_ids=kv.positions[None],
+                         past_key_values=kv, use_cache=True, position_embeddings=(active.cos[:, part],
+                                                                                   active.sin[:, part])))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
 class _Selector:
     """Observes the check layer's fresh K/V and picks the reused tokens to keep recomputing."""
 
     def __init__(self, kv: ScatterKV, check_layer: int, reused: torch.Tensor, config: BlendConfig) -> None:
         self.kv, self.check_layer, self.reused, self.config = kv, check_layer, reused, config
-        self.deviation: torch.Tensor | None = None  # per active token (reused ones only meaningful)
+        self.parts: list[torch.Tensor] = []  # relative deviation of each active token, block by block
 
     def __call__(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if layer != self.check_layer:
@@ -120,16 +158,17 @@ class _Selector:
         old_v = self.kv.values[layer].index_select(2, at)
         change = (keys - old_k).float().square().sum((1, 3)) + (values - old_v).float().square().sum((1, 3))
         size = keys.float().square().sum((1, 3)) + values.float().square().sum((1, 3))
-        self.deviation = (change / size.clamp_min(1e-12))[0]
+        self.parts.append((change / size.clamp_min(1e-12))[0])
 
     def keep(self, active: torch.Tensor) -> tuple[torch.Tensor, int, float, bool]:
         """Indices (into ``active``) to keep computing, tokens recomputed, deviation left, gate tripped."""
+        deviations = torch.cat(self.parts)
         is_reused = self.reused[active]
         reused_idx = is_reused.nonzero().squeeze(1)
         n_pick = math.ceil(self.config.recompute_ratio * len(reused_idx))
-        order = self.deviation[reused_idx].argsort(descending=True)
+        order = deviations[reused_idx].argsort(descending=True)
         picked, left = reused_idx[order[:n_pick]], reused_idx[order[n_pick:]]
-        deviation = float(self.deviation[left].mean()) if len(left) else 0.0
+        deviation = float(deviations[left].mean()) if len(left) else 0.0
         if deviation > self.config.max_deviation:
             return torch.arange(len(active), device=active.device), len(reused_idx), deviation, True
         keep = torch.cat((picked, (~is_reused).nonzero().squeeze(1))).sort().values
@@ -155,23 +194,20 @@ def blended_prefill(model, prompt: list[int], prefix: DynamicCache | None, n_pre
     selecting = 0.0 < config.recompute_ratio < 1.0 and check < len(layers) - 1
     recomputed = 0 if selecting or config.recompute_ratio == 0.0 else n_reused
     ids = torch.tensor(prompt, device=device)
-    active = torch.arange(n_prefix, n, device=device)
+    positions = torch.arange(n_prefix, n, device=device)
     if config.recompute_ratio == 0.0:  # naive concatenation: reused tokens are never computed
-        active = active[~reused[active]]
-    hidden = decoder.embed_tokens(ids[active])[None]
+        positions = positions[~reused[positions]]
+    hidden = decoder.embed_tokens(ids[positions])[None]
+    active = _Active(positions, hidden, *decoder.rotary_emb(hidden, positions[None]))
     kv = _scatter_kv(prefix, n_prefix, spans, n, kv_spec(model), device)
     selector = _Selector(kv, check, reused, config)
     kv.observe = selector if selecting else None
-    cos, sin = decoder.rotary_emb(hidden, active[None])
-    mask = _causal_mask(active, n, hidden.dtype)
     deviation, gated = 0.0, False
     for index, layer in enumerate(layers):
-        kv.positions = active
-        hidden = layer(hidden, attention_mask=mask, position_ids=active[None], past_key_values=kv, use_cache=True,
-                       position_embeddings=(cos, sin))
+        active.hidden = _run_layer(layer, kv, active)
         if selecting and index == check:
-            keep, recomputed, deviation, gated = selector.keep(active)
-            active, hidden, cos, sin, mask = active[keep], hidden[:, keep], cos[:, keep], sin[:, keep], mask[:, :, keep]
-            kv.observe = None
+            keep, recomputed, deviation, gated = selector.keep(active.positions)
+            active, kv.observe = active.keep(keep), None
+    hidden = active.hidden
     logits = model.get_output_embeddings()(decoder.norm(hidden[:, -1:]))[0, -1]
     return BlendResult(kv.to_dynamic_cache(model.config), logits, n_reused, recomputed, deviation, gated)

@@ -66,9 +66,10 @@ class Rerotator:
         scale = float(getattr(self.rotary, "attention_scaling", 1.0))
         return cos / scale, sin / scale
 
-    def shift(self, kv: torch.Tensor, delta: int) -> torch.Tensor:
-        """A copy of canonical ``kv`` whose keys sit ``delta`` positions later (earlier if negative)."""
-        out = kv.clone()
+    def shift(self, kv: torch.Tensor, delta: int, *, inplace: bool = False) -> torch.Tensor:
+        """Canonical ``kv`` with its keys ``delta`` positions later (earlier if negative): a copy, or ``kv``
+        itself rotated in place."""
+        out = kv if inplace else kv.clone()
         if delta == 0:
             return out
         cos, sin = self.rotation(delta, kv.device)
