@@ -38,11 +38,18 @@ from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
 from kvtier.blob import blob_bytes, encode_blob  # noqa: E402
 from kvtier.codecs import BytesPayload, get_codec  # noqa: E402
 from kvtier.keys import Namespace  # noqa: E402
-from kvtier.tiers import DiskTier, DiskTierConfig, MemoryTierConfig  # noqa: E402
+from kvtier.metrics import Metrics  # noqa: E402
+from kvtier.tiers import DiskTier, DiskTierConfig, MemoryTierConfig, TierContext  # noqa: E402
 
 SPEC = KVSpec(num_layers=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)  # Llama-3.2-1B-like
 CHUNK_TOKENS = 256
 READ_BATCH = 16
+
+
+def disk_tier(root: Path, capacity_bytes: int, **options) -> DiskTier:
+    """A disk tier on ``root`` built as a KVCache builds it; ``options`` are DiskTierConfig's."""
+    config = DiskTierConfig(path=root, capacity_bytes=capacity_bytes, **options)
+    return DiskTier(config, TierContext(SPEC, Metrics(), "disk"))
 
 
 def make_blobs(total_bytes: int) -> tuple[list[bytes], list[bytes]]:
@@ -97,7 +104,7 @@ def throughput(base: Path, total: int, rounds: int) -> dict:
     modes = ("plain", "direct", "buffered")
     for r in range(rounds):
         order = modes if r % 2 == 0 else modes[::-1]
-        tiers = {m: DiskTier(base / f"tier-{m}", 2 * nbytes, o_direct=m == "direct") for m in modes[1:]}
+        tiers = {m: disk_tier(base / f"tier-{m}", 2 * nbytes, o_direct=m == "direct") for m in modes[1:]}
         took = {}
         for mode in order:
             os.sync()
@@ -138,7 +145,7 @@ def reindex(base: Path, n: int) -> dict:
     ns = Namespace("reindex-model@1", SPEC, 4)
     keys = ns.chunk_hashes(np.arange(4 * n, dtype=np.uint32))
     start = time.perf_counter()
-    tier = DiskTier(root, 1 << 40, write_queue_depth=4096, o_direct=False, fsync=False)
+    tier = disk_tier(root, 1 << 40, write_queue_depth=4096, o_direct=False, fsync=False)
     for key in keys:
         payload = encode_blob(key, tokens, codec, chunk, seal=True)
         while not tier.put([(key, payload)])[0]:
@@ -152,7 +159,7 @@ def reindex(base: Path, n: int) -> dict:
             if label == "cold":
                 dropped = drop_caches() and dropped
             start = time.perf_counter()
-            tier = DiskTier(root, 1 << 40)
+            tier = disk_tier(root, 1 << 40)
             timings[label].append(time.perf_counter() - start)
             assert tier.stats().entries == n, tier.stats()
             tier.close()

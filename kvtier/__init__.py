@@ -2,7 +2,7 @@
 
 from kvtier.cache import KVCache, KVSink, KVSource, TensorSink, TensorSource
 from kvtier.config import CacheConfig
-from kvtier.errors import BlobError, CodecError, ConfigError, KVTierError, TierError
+from kvtier.errors import BlobError, CodecError, ConfigError, InvalidArgument, KVTierError, TierError
 from kvtier.keys import ChunkHash, Namespace
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
@@ -10,6 +10,6 @@ from kvtier.metrics import Metrics
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlobError", "CacheConfig", "ChunkHash", "CodecError", "ConfigError", "KVCache", "KVSink", "KVSource",
-    "KVSpec", "KVTierError", "Metrics", "Namespace", "TensorSink", "TensorSource", "TierError",
+    "BlobError", "CacheConfig", "ChunkHash", "CodecError", "ConfigError", "InvalidArgument", "KVCache", "KVSink",
+    "KVSource", "KVSpec", "KVTierError", "Metrics", "Namespace", "TensorSink", "TensorSource", "TierError",
 ]

@@ -20,14 +20,15 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvtier.blob import decode_blob, encode_blob, parse_blob
+from kvtier.blob import encode_blob, parse_blob
 from kvtier.codecs import codec_by_id
 from kvtier.config import CacheConfig
-from kvtier.errors import BlobError, ConfigError, KVTierError
+from kvtier.errors import ConfigError, InvalidArgument, KVTierError
 from kvtier.keys import ChunkHash, Namespace, Tokens, token_array
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
-from kvtier.tiers import Tier, TierContext, WriteMode
+from kvtier.pipeline import Pipeline
+from kvtier.tiers import EvictionReporter, Tier, TierContext, WriteMode
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class TensorSource:
 
 class TensorSink:
     """A canonical ``[L, 2, T, H, D]`` tensor as a KVSink."""
+
+    #: writes of disjoint token ranges may run in parallel (the retrieve pipeline's workers)
+    concurrent_writes = True
 
     def __init__(self, out: torch.Tensor) -> None:
         self.out = out
@@ -98,6 +102,7 @@ class KVCache:
         self.chunk_size = self.config.chunk_size
         self.namespace = Namespace(model, spec, self.chunk_size, tp_rank, tp_size, adapter)
         self.metrics = metrics if metrics is not None else Metrics()
+        self._pipeline = Pipeline(spec.bytes_per_token * self.chunk_size, self.chunk_size, self.metrics)
         names = _tier_names([cfg.kind for cfg in self.config.tiers])
         self.tiers: list[Tier] = []
         try:
@@ -132,7 +137,7 @@ class KVCache:
             keys = self.keys(token_ids, salt=salt)
             if isinstance(kv, torch.Tensor):
                 if kv.dim() != 5 or kv.shape[2] < len(keys) * self.chunk_size:
-                    raise ConfigError(f"kv {tuple(kv.shape)} does not cover {len(keys)} chunks")
+                    raise InvalidArgument(f"kv {tuple(kv.shape)} does not cover {len(keys)} chunks")
                 self.spec.check(kv[:, :, :0], 0)
                 source: KVSource = TensorSource(kv)
             else:
@@ -174,7 +179,7 @@ class KVCache:
                 sink: KVSink = TensorSink(tensor)
             elif isinstance(out, torch.Tensor):
                 if out.dim() != 5 or out.shape[2] < n * self.chunk_size:
-                    raise ConfigError(f"out {tuple(out.shape)} has no room for {n * self.chunk_size} tokens")
+                    raise InvalidArgument(f"out {tuple(out.shape)} has no room for {n * self.chunk_size} tokens")
                 self.spec.check(out[:, :, :0], 0)
                 tensor, sink = out, TensorSink(out)
             else:
@@ -184,6 +189,7 @@ class KVCache:
         return tensor, good * self.chunk_size
 
     def close(self) -> None:
+        self._pipeline.close()
         for tier in self.tiers:
             try:
                 tier.close()
@@ -202,11 +208,10 @@ class KVCache:
             if cfg.write is not WriteMode.BACK:
                 continue
             upper = self.tiers[i - 1]
-            setter = getattr(upper, "set_eviction_listener", None)
-            if setter is None:
+            if not isinstance(upper, EvictionReporter):
                 raise ConfigError(f"tier {upper.name} cannot feed a write-back tier (it reports no evictions)")
             target = self.tiers[i]
-            setter(lambda key, blob, target=target: self._demote(key, blob, target))
+            upper.set_eviction_listener(lambda key, blob, target=target: self._demote(key, blob, target))
 
     def _locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
         """For each key, the index of the fastest tier holding it, up to the first key no tier holds."""
@@ -236,37 +241,12 @@ class KVCache:
         return len(where)
 
     def _load(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray, sink: KVSink) -> int:
-        """Copy chunks into ``sink`` tier by tier; return how many leading chunks arrived intact."""
+        """Copy chunks into ``sink`` (pipeline.py: windows overlapped on a pool); return how many leading
+        chunks arrived intact."""
         size = self.chunk_size
-        ok = [False] * len(keys)
-        for t, tier in enumerate(self.tiers):
-            idx = [i for i, w in enumerate(where) if w == t]
-            if not idx:
-                continue
-            bad: list[ChunkHash] = []
-            try:
-                with tier.get([keys[i] for i in idx]) as blobs:
-                    for i, blob in zip(idx, blobs):
-                        if blob is None:
-                            continue
-                        start, end = i * size, (i + 1) * size
-                        try:
-                            chunk = decode_blob(blob, keys[i], token_ids[start:end], codec=tier.codec,
-                                                verify=tier.verifies)
-                        except BlobError as exc:
-                            self.metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
-                            log.warning("tier %s: chunk %s is a miss: %s", tier.name, keys[i].hex()[:16], exc)
-                            bad.append(keys[i])
-                            continue
-                        sink.write(start, end, chunk)
-                        ok[i] = True
-                        self.metrics.inc("kvtier_read_bytes_total", blob.nbytes, tier=tier.name)
-                        if t > 0:
-                            self._promote(keys[i], token_ids[start:end], chunk, t)
-            except KVTierError as exc:
-                self._tier_failed(tier, "get", exc)
-            if bad:
-                self._delete(tier, bad)
+        ok = self._pipeline.load(self.tiers, keys, where, token_ids, sink,
+                                 lambda i, tokens, chunk, t: self._promote(keys[i], tokens, chunk, t),
+                                 self._tier_failed)
         good = self._prefix([t if hit else None for t, hit in zip(where, ok)])
         for t, tier in enumerate(self.tiers):
             hits = sum(1 for i in range(good) if where[i] == t)
@@ -279,50 +259,46 @@ class KVCache:
         size = self.chunk_size
         try:
             present = tier.contains(keys)
-            missing = [i for i, p in enumerate(present) if not p]
-            if not missing:
-                return []
-            items = [
-                (keys[i], encode_blob(keys[i], token_ids[i * size : (i + 1) * size], tier.codec,
-                                      source.chunk(i * size, (i + 1) * size), seal=tier.verifies))
-                for i in missing
-            ]
-            stored = tier.put(items)
         except KVTierError as exc:
             self._tier_failed(tier, "put", exc)
             return []
-        done = [i for i, s in zip(missing, stored) if s]
+        missing = [i for i, p in enumerate(present) if not p]
+        if not missing:
+            return []
+        done = self._pipeline.encode_and_put(tier, missing, keys, token_ids, source, self._tier_failed)
         self.metrics.inc("kvtier_stored_tokens_total", len(done) * size, tier=tier.name)
         return done
 
     def _promote(self, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, found_in: int) -> None:
+        """Copy a chunk found in tier ``found_in`` into every faster tier.
+
+        Called inside the slower tier's ``get`` block: ``chunk`` may view that tier's buffer (the raw codec
+        decodes without copying), which is valid only until the block ends."""
         for tier in self.tiers[:found_in]:
-            try:
-                stored = tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])
-            except KVTierError as exc:
-                self._tier_failed(tier, "promote", exc)
-                continue
-            if stored[0]:
+            if self._copy_into(tier, key, tokens, chunk, "promote"):
                 self.metrics.inc("kvtier_promotions_total", tier=tier.name)
 
     def _demote(self, key: ChunkHash, blob: memoryview, target: Tier) -> None:
-        """Write-back: re-encode an entry the upper tier is evicting into ``target``."""
+        """Write-back: re-encode an entry the upper tier is evicting into ``target``.
+
+        Runs as the upper tier's eviction listener, while ``blob`` is still valid (see EvictionReporter)."""
         try:
             header, payload = parse_blob(blob, key, verify=False)
             chunk = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
-            tokens = header.tokens(blob)
-            stored = target.put([(key, encode_blob(key, tokens, target.codec, chunk, seal=target.verifies))])
         except KVTierError as exc:
             self._tier_failed(target, "demote", exc)
             return
-        if stored[0]:
+        if self._copy_into(target, key, header.tokens(blob), chunk, "demote"):
             self.metrics.inc("kvtier_demotions_total", tier=target.name)
 
-    def _delete(self, tier: Tier, keys: list[ChunkHash]) -> None:
+    def _copy_into(self, tier: Tier, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, op: str) -> bool:
+        """Encode ``chunk`` for ``tier`` (its codec, sealed where it verifies) and store it; True if stored.
+        A failure of the tier is counted under ``op`` and is a False, never an exception."""
         try:
-            tier.delete(keys)
+            return tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])[0]
         except KVTierError as exc:
-            self._tier_failed(tier, "delete", exc)
+            self._tier_failed(tier, op, exc)
+            return False
 
     def _tier_failed(self, tier: Tier, op: str, exc: KVTierError) -> None:
         self.metrics.inc("kvtier_tier_errors_total", tier=tier.name, op=op)

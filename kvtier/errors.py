@@ -13,6 +13,14 @@ class ConfigError(KVTierError, ValueError):
     """A configuration value is missing, malformed or inconsistent."""
 
 
+class InvalidArgument(ConfigError):
+    """A call got an argument it cannot use (a tensor of the wrong shape or dtype, token ids out of range).
+
+    A ConfigError subclass only so that callers written against the earlier contract, which raised
+    ConfigError for these, keep catching them; catch InvalidArgument to tell a bad call from a bad config.
+    """
+
+
 class BlobError(KVTierError):
     """Stored bytes do not decode: truncated, corrupt, of another key or tokens, or of an unknown format."""
 

@@ -36,7 +36,7 @@ from typing import NewType
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvalidArgument
 from kvtier.layout import KVSpec, dtype_name
 
 ChunkHash = NewType("ChunkHash", bytes)
@@ -138,7 +138,7 @@ class Namespace:
 
 
 def token_array(tokens: Tokens) -> np.ndarray:
-    """Tokens as a contiguous little-endian uint32 array; raises ConfigError for ids outside [0, 2**32)."""
+    """Tokens as a contiguous little-endian uint32 array; raises InvalidArgument for ids outside [0, 2**32)."""
     if isinstance(tokens, torch.Tensor):
         arr = tokens.detach().cpu().reshape(-1).numpy()
     elif isinstance(tokens, np.ndarray):
@@ -147,16 +147,16 @@ def token_array(tokens: Tokens) -> np.ndarray:
         try:  # array('I') is the fastest exact conversion of a Python list, and rejects negatives itself
             packed = array.array("I", tokens)
         except (OverflowError, TypeError) as exc:
-            raise ConfigError(f"token ids must be integers in [0, 2**32): {exc}") from None
+            raise InvalidArgument(f"token ids must be integers in [0, 2**32): {exc}") from None
         if sys.byteorder != "little":
             packed.byteswap()
         return np.frombuffer(packed, dtype="<u4")
     if arr.dtype == np.dtype("<u4"):
         return np.ascontiguousarray(arr)
     if arr.dtype.kind not in "iu":
-        raise ConfigError(f"token ids must be integers, got dtype {arr.dtype}")
+        raise InvalidArgument(f"token ids must be integers, got dtype {arr.dtype}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
-        raise ConfigError("token ids must lie in [0, 2**32)")
+        raise InvalidArgument("token ids must lie in [0, 2**32)")
     return np.ascontiguousarray(arr, dtype="<u4")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InvalidArgument
 
 #: Stable one-byte codes for the dtypes a stored chunk may have. Never renumber: they are on disk.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -72,10 +72,10 @@ class KVSpec:
         return torch.empty(self.chunk_shape(n_tokens), dtype=self.dtype, device=device)
 
     def check(self, kv: torch.Tensor, n_tokens: int | None = None) -> None:
-        """Raise ConfigError unless ``kv`` is a canonical tensor of this spec (with ``n_tokens`` tokens)."""
+        """Raise InvalidArgument unless ``kv`` is a canonical tensor of this spec (with ``n_tokens`` tokens)."""
         want = self.chunk_shape(kv.shape[2] if n_tokens is None and kv.dim() == 5 else (n_tokens or 0))
         if kv.dim() != 5 or tuple(kv.shape) != want or kv.dtype != self.dtype:
-            raise ConfigError(f"expected KV {want} {self.dtype}, got {tuple(kv.shape)} {kv.dtype}")
+            raise InvalidArgument(f"expected KV {want} {self.dtype}, got {tuple(kv.shape)} {kv.dtype}")
 
 
 def tensor_view(buffer: memoryview | bytes | bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.blob import decode_blob, encode_blob
+from kvtier.blob import decode_blob
 from kvtier.cache import KVCache
 from kvtier.errors import BlobError, ConfigError, KVTierError
 from kvtier.keys import ChunkHash, Tokens, token_array
@@ -131,11 +131,10 @@ class SegmentCache:
             try:
                 if tier.contains([key])[0]:
                     continue
-                ok = tier.put([(key, encode_blob(key, ids, tier.codec, kv, seal=tier.verifies))])[0]
             except KVTierError as exc:
-                self.cache._tier_failed(tier, "put", exc)
+                self.cache._tier_failed(tier, "contains", exc)
                 continue
-            if ok:
+            if self.cache._copy_into(tier, key, ids, kv, "put"):
                 stored = True
                 self.cache.metrics.inc("kvtier_segment_stored_tokens_total", len(ids), tier=tier.name)
         return stored
@@ -165,7 +164,10 @@ class SegmentCache:
         except KVTierError as exc:
             self.cache._tier_failed(tier, "get", exc)
         if bad:
-            self.cache._delete(tier, bad)
+            try:
+                tier.delete(bad)
+            except KVTierError as exc:
+                self.cache._tier_failed(tier, "delete", exc)
         for key, kv in found.items():
             self.cache.metrics.inc("kvtier_segment_hit_tokens_total", len(tokens[key]), tier=tier.name)
             if t > 0:

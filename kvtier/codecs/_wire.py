@@ -1,7 +1,7 @@
 """Shared pieces of the compressed codecs: a payload built from parts, and a bounds-checked payload reader.
 
-Payloads are untrusted: every read goes through ``Reader``, which raises CodecError instead of slicing past
-the end, and decoders compute every length from the declared shape before they allocate anything.
+Payloads are untrusted: every read goes through ``PayloadReader``, which raises CodecError instead of slicing
+past the end, and decoders compute every length from the declared shape before they allocate anything.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class PartsPayload:
             at += part.nbytes
 
 
-class Reader:
+class PayloadReader:
     """Sequential reads over a payload; any read past the end, or bytes left over, is a CodecError."""
 
     __slots__ = ("_at", "_view", "_what")
@@ -95,16 +95,6 @@ def check_canonical(shape: Sequence[int], what: str) -> tuple[int, int, int, int
         raise CodecError(f"{what} needs a canonical [layers, 2, tokens, kv_heads, head_dim] chunk, got {tuple(shape)}")
     numel_of(shape, what)
     return tuple(int(d) for d in shape)  # type: ignore[return-value]
-
-
-def float_chunk(chunk: torch.Tensor, what: str) -> torch.Tensor:
-    """``chunk`` on CPU as float32; CodecError unless it is a finite floating-point tensor."""
-    if not chunk.is_floating_point():
-        raise CodecError(f"{what} encodes floating-point KV only, got {chunk.dtype}")
-    x = chunk.detach().to("cpu", torch.float32)
-    if not bool(torch.isfinite(x).all()):
-        raise CodecError(f"{what} cannot encode non-finite values")
-    return x
 
 
 def fp16_scale(scale: torch.Tensor, what: str) -> torch.Tensor:

@@ -6,7 +6,8 @@
   the engine needs the last position's logits) and handed to the model as a ``DynamicCache``;
 * only the remaining tokens are prefilled;
 * the first token is yielded before the prompt's KV is stored, so storing never delays time to first token;
-* decoding is greedy, so outputs with and without the cache are comparable token for token.
+* decoding is greedy by default, so outputs with and without the cache are comparable token for token;
+  ``sampling=SamplingParams(...)`` samples instead (sampling.py), which never changes what is cached.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
+from kvtier.integrations.sampling import GREEDY, Sampler, SamplingParams
 from kvtier.layout import KVSpec
 
 
@@ -99,7 +101,8 @@ class Prefill:
 
 
 class PrefixCachedLM:
-    """Greedy generation for one causal LM, reusing prompt prefixes through a KVCache (or none)."""
+    """Generation (greedy unless sampling is asked for) for one causal LM, reusing prompt prefixes through a
+    KVCache (or none)."""
 
     def __init__(self, model: PreTrainedModel, cache: KVCache | None) -> None:
         self.model = model
@@ -111,28 +114,32 @@ class PrefixCachedLM:
         return cls(model, KVCache(kv_spec(model), model_identity(model), config, **kwargs))
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
-                 stop_ids: Sequence[int] = (), segments: Sequence[Span] = ()) -> GenerationStats:
+                 stop_ids: Sequence[int] = (), sampling: SamplingParams = GREEDY,
+                 segments: Sequence[Span] = ()) -> GenerationStats:
         stats = GenerationStats()
         for _ in self.stream(prompt_ids, max_new_tokens, salt=salt, stop_ids=stop_ids, stats=stats,
-                             segments=segments):
+                             sampling=sampling, segments=segments):
             pass
         return stats
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
                stop_ids: Sequence[int] = (), stats: GenerationStats | None = None,
-               segments: Sequence[Span] = ()) -> Iterator[int]:
+               sampling: SamplingParams = GREEDY, segments: Sequence[Span] = ()) -> Iterator[int]:
         """Yield generated token ids one by one; ``stats`` (if given) is filled in as generation proceeds.
 
-        Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``. ``segments`` are
-        the prompt's reusable passages as token spans; only a blending subclass (BlendedLM) uses them.
+        Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``. Tokens are chosen
+        by ``sampling`` (greedy by default); the prompt's KV stored in the cache is the same either way.
+        ``segments`` are the prompt's reusable passages as token spans; only a blending subclass (BlendedLM)
+        uses them.
         """
+        sampler = Sampler(sampling)
         stats = stats if stats is not None else GenerationStats()
         prompt = list(prompt_ids)
         begin = time.perf_counter()
         prefill = self.prefill(prompt, salt=salt, segments=segments, stats=stats)
         past = prefill.past
-        token = int(prefill.logits.argmax())
+        token = sampler.choose(prefill.logits)
         stats.ttft_s = time.perf_counter() - begin
         for step in range(max_new_tokens):
             stats.output_ids.append(token)
@@ -143,7 +150,7 @@ class PrefixCachedLM:
                 break
             logits = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=past,
                                 use_cache=True).logits
-            token = int(logits[0, -1].argmax())
+            token = sampler.choose(logits[0, -1])
         stats.total_s = time.perf_counter() - begin
 
     @torch.inference_mode()

@@ -1,14 +1,16 @@
-"""Storage tiers. Each kind registers its config class in ``TIER_KINDS`` on import."""
+"""Storage tiers: the protocol (base.py) and one module or folder per tier. Importing a tier registers its
+config class in ``TIER_KINDS``."""
 
 from kvtier.tiers.base import (
     TIER_KINDS,
     EvictionListener,
+    EvictionReporter,
+    Flushable,
     Tier,
     TierConfig,
     TierContext,
     TierStats,
     WriteMode,
-    contains_prefix,
     register_tier,
     stats_gauges,
 )
@@ -17,7 +19,7 @@ from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
 from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is imported only when a tier is built
 
 __all__ = [
-    "TIER_KINDS", "DiskTier", "DiskTierConfig", "EvictionListener", "MemoryTier", "MemoryTierConfig", "RedisTier",
-    "RedisTierConfig", "Tier",
-    "TierConfig", "TierContext", "TierStats", "WriteMode", "contains_prefix", "register_tier",
+    "TIER_KINDS", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter", "Flushable", "MemoryTier",
+    "MemoryTierConfig", "RedisTier", "RedisTierConfig", "Tier", "TierConfig", "TierContext", "TierStats",
+    "WriteMode", "register_tier", "stats_gauges",
 ]

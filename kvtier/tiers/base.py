@@ -1,4 +1,4 @@
-"""The Tier protocol, tier configs and the registry of tier kinds.
+"""The Tier protocol, its optional capabilities, tier configs and the registry of tier kinds.
 
 A tier stores opaque blobs (see blob.py) under chunk keys. Every method is batched: it takes a list of keys
 so a tier can pipeline (Redis), overlap (disk) or amortise Python overhead. Contracts every tier keeps (the
@@ -12,6 +12,8 @@ conformance suite in tests/conformance checks them):
   error) is skipped: ``put`` returns False for it and raises nothing.
 * Backend failures surface as misses / skipped stores, counted in metrics; a tier never raises into the
   cache except ``KVTierError`` subclasses from programming errors.
+* Every tier is built as ``XTier(config, ctx)``: its ``TierConfig`` subclass and the ``TierContext`` of the
+  cache that owns it. Optional capabilities are the protocols ``EvictionReporter`` and ``Flushable``.
 """
 
 from __future__ import annotations
@@ -20,16 +22,13 @@ import enum
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
 from kvtier.codecs import Codec, Payload, get_codec
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkHash
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
-
-#: Called with (key, blob) while an evicted entry's bytes are still valid; must not call back into the tier.
-EvictionListener = Callable[[ChunkHash, memoryview], None]
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,36 @@ class Tier(Protocol):
         """Release resources; flush pending writes where the tier has them."""
 
 
+#: Receives an entry its tier evicts: (key, blob), the blob valid only during the call (see EvictionReporter).
+EvictionListener = Callable[[ChunkHash, memoryview], None]
+
+
+@runtime_checkable
+class EvictionReporter(Protocol):
+    """Optional capability: a tier that evicts by itself and reports each eviction, so it can feed a write-back
+    tier below it (KVCache checks for it with isinstance).
+
+    Contract: the listener is called synchronously, once per entry the tier evicts to make room, before the
+    entry's bytes are reused and while the tier holds its own lock; the blob is valid only during the call.
+    The listener must not call back into this tier, and must not raise: it handles its own failures.
+    Entries removed by ``delete`` or ``close`` are not evictions and are not reported. Setting a listener
+    replaces the previous one; None removes it.
+    """
+
+    def set_eviction_listener(self, listener: EvictionListener | None) -> None: ...
+
+
+@runtime_checkable
+class Flushable(Protocol):
+    """Optional capability: a tier that writes in the background.
+
+    ``flush`` returns once every store accepted by ``put`` before the call is visible (or has failed and
+    been counted). Tiers without it make stores visible before ``put`` returns.
+    """
+
+    def flush(self) -> None: ...
+
+
 def stats_gauges(tier: Tier) -> Iterator[tuple[str, dict[str, str], float]]:
     """The gauges every tier exports from its ``stats()``: used bytes, capacity and entries."""
     stats = tier.stats()
@@ -70,14 +99,6 @@ def stats_gauges(tier: Tier) -> Iterator[tuple[str, dict[str, str], float]]:
     yield "kvtier_tier_used_bytes", labels, stats.used_bytes
     yield "kvtier_tier_capacity_bytes", labels, stats.capacity_bytes
     yield "kvtier_tier_entries", labels, stats.entries
-
-
-def contains_prefix(tier: Tier, keys: Sequence[ChunkHash]) -> int:
-    """How many leading keys the tier holds."""
-    for i, present in enumerate(tier.contains(keys)):
-        if not present:
-            return i
-    return len(keys)
 
 
 class WriteMode(enum.Enum):
@@ -111,6 +132,7 @@ class TierConfig:
         get_codec(self.codec)  # raises ConfigError for an unknown codec
 
     def build(self, ctx: TierContext) -> Tier:
+        """The tier this config describes: every tier is built as ``XTier(config, ctx)``."""
         raise NotImplementedError
 
 
@@ -125,22 +147,3 @@ def register_tier(cls: C) -> C:
         raise ConfigError(f"tier kind {cls.kind!r} registered twice")
     TIER_KINDS[cls.kind] = cls
     return cls
-
-
-class NullContext(AbstractContextManager[list[memoryview | None]]):
-    """``get`` result for tiers whose values are plain bytes owned by the caller (nothing to unpin)."""
-
-    def __init__(self, values: list[memoryview | None]) -> None:
-        self._values = values
-
-    def __enter__(self) -> list[memoryview | None]:
-        return self._values
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def iter_present(keys: Sequence[ChunkHash], values: Sequence[memoryview | None]) -> Iterator[tuple[int, ChunkHash, memoryview]]:
-    for i, (key, value) in enumerate(zip(keys, values)):
-        if value is not None:
-            yield i, key, value

@@ -19,8 +19,7 @@ import torch
 
 from kvtier.codecs import Payload, get_codec
 from kvtier.keys import ChunkHash
-from kvtier.metrics import Metrics
-from kvtier.policy import EvictionPolicy, make_policy
+from kvtier.policy import make_policy
 from kvtier.tiers.allocator import Allocator
 from kvtier.tiers.base import (
     EvictionListener,
@@ -40,27 +39,19 @@ class _Entry:
 
 
 class MemoryTier:
+    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter``."""
+
     verifies = False
 
-    def __init__(
-        self,
-        capacity_bytes: int,
-        *,
-        codec: str = "raw",
-        policy: EvictionPolicy | None = None,
-        metrics: Metrics | None = None,
-        name: str = "memory",
-        pin_memory: bool | None = None,
-        prefault: bool = True,
-    ) -> None:
-        self.name = name
-        self.codec = get_codec(codec)
-        self._policy = policy if policy is not None else make_policy("lru")
-        self._metrics = metrics if metrics is not None else Metrics()
-        self._alloc = Allocator(capacity_bytes, align=64)  # blob payloads start 64-byte aligned
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, pin_memory=pin)
-        if prefault:
+    def __init__(self, config: MemoryTierConfig, ctx: TierContext) -> None:
+        self.name = ctx.name
+        self.codec = get_codec(config.codec)
+        self._policy = make_policy(config.policy)
+        self._metrics = ctx.metrics
+        self._alloc = Allocator(config.capacity_bytes, align=64)  # blob payloads start 64-byte aligned
+        # pinned host memory lets host<->GPU copies run asynchronously; it needs CUDA to exist
+        self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        if config.prefault:
             self._buffer.zero_()  # fault the pages in now, not on the first stores
         self._view = memoryview(self._buffer.numpy()) if self._alloc.capacity else memoryview(b"")
         self._entries: dict[ChunkHash, _Entry] = {}
@@ -113,9 +104,9 @@ class MemoryTier:
         with self._lock:
             self._entries.clear()
 
-    # -- extras --------------------------------------------------------------------------------------------
+    # -- EvictionReporter ----------------------------------------------------------------------------------
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
-        """Called for every evicted entry while its bytes are still valid (write-back demotion)."""
+        """See ``EvictionReporter``: called from ``put`` for each entry evicted to make room."""
         self._on_evict = listener
 
     # -- internals -----------------------------------------------------------------------------------------
@@ -174,7 +165,8 @@ class MemoryTier:
 @register_tier
 @dataclass(frozen=True)
 class MemoryTierConfig(TierConfig):
-    """``capacity_bytes``: hard limit of the host buffer; ``policy``: eviction policy name."""
+    """``capacity_bytes``: hard limit of the host buffer; ``policy``: eviction policy name; ``prefault``: touch
+    every page of the buffer at start (off only where start-up time matters more, as in tests)."""
 
     kind = "memory"
     capacity_bytes: int = 1 << 30
@@ -182,7 +174,4 @@ class MemoryTierConfig(TierConfig):
     prefault: bool = True
 
     def build(self, ctx: TierContext) -> MemoryTier:
-        return MemoryTier(
-            self.capacity_bytes, codec=self.codec, policy=make_policy(self.policy), metrics=ctx.metrics,
-            name=ctx.name, prefault=self.prefault,
-        )
+        return MemoryTier(self, ctx)

@@ -19,10 +19,18 @@ import torch
 from kvtier.blob import blob_bytes, encode_blob
 from kvtier.codecs import BytesPayload, get_codec
 from kvtier.keys import ChunkHash
-from kvtier.tiers import Tier
+from kvtier.layout import KVSpec
+from kvtier.metrics import Metrics
+from kvtier.tiers import Flushable, Tier, TierContext
 
 TOKENS = 16
 SHAPE = (2, 2, TOKENS, 2, 32)  # 4 KiB of float32 payload per chunk
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)  # the KV spec of SHAPE
+
+
+def tier_context(name: str) -> TierContext:
+    """What a KVCache hands the tiers it builds, for tests that build a tier themselves."""
+    return TierContext(SPEC, Metrics(), name)
 
 
 def key(i: int) -> ChunkHash:
@@ -49,7 +57,9 @@ class TierConformance:
         raise NotImplementedError
 
     def settle(self, tier: Tier) -> None:
-        """Wait until writes accepted by ``put`` are visible (tiers that write in the background override)."""
+        """Wait until writes accepted by ``put`` are visible (tiers that write in the background are Flushable)."""
+        if isinstance(tier, Flushable):
+            tier.flush()
 
     # -- fixtures ------------------------------------------------------------------------------------------
     @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvtier.net.ports import free_port
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -44,12 +45,6 @@ def build_tiny_model(folder: Path) -> Path:
                          initializer_range=0.5)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from kvtier.codecs import BytesPayload
-from kvtier.tiers import DiskTier
-from tests.conformance.tier_suite import blob, key
+from kvtier.tiers import DiskTier, DiskTierConfig
+from tests.conformance.tier_suite import blob, key, tier_context
+
+
+def disk_tier(path: str | os.PathLike[str], capacity_bytes: int, **options) -> DiskTier:
+    """A disk tier named ``disk`` on ``path``, built as a KVCache builds it; ``options`` are DiskTierConfig's."""
+    return DiskTier(DiskTierConfig(path=Path(path), capacity_bytes=capacity_bytes, **options), tier_context("disk"))
 
 
 def put(tier: DiskTier, ids) -> list[bool]:

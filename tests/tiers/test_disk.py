@@ -13,7 +13,7 @@ from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers import DiskTier, DiskTierConfig
 from tests.conformance.tier_suite import BLOB_BYTES, EvictingTierConformance, blob, key
-from tests.tiers.disk_helpers import put, read
+from tests.tiers.disk_helpers import disk_tier, put, read
 
 
 class TestDiskTierConformance(EvictingTierConformance):
@@ -24,10 +24,7 @@ class TestDiskTierConformance(EvictingTierConformance):
 
     def make_tier(self, capacity_bytes: int) -> DiskTier:
         self.n += 1  # one directory per tier: a directory belongs to one tier at a time
-        return DiskTier(self.root / f"t{self.n}", capacity_bytes, fsync=False)
-
-    def settle(self, tier: DiskTier) -> None:
-        tier.flush()
+        return disk_tier(self.root / f"t{self.n}", capacity_bytes, fsync=False)
 
 
 def hold_writers(tier: DiskTier) -> threading.Event:
@@ -41,16 +38,16 @@ def hold_writers(tier: DiskTier) -> threading.Event:
 
 
 def test_files_live_under_the_codec_and_key(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     put(tier, [1])
     path = tmp_path / "raw" / key(1).hex()[:2] / key(1).hex()
     assert path.read_bytes() == blob(1)
-    assert tier.layout.path(key(1)) == str(path)
+    assert tier.paths.path(key(1)) == str(path)
     tier.close()
 
 
 def test_restart_reindexes_and_removes_leftovers(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     put(tier, [1, 2, 3])
     tier.close()
     sub = tmp_path / "raw" / "ab"
@@ -61,7 +58,7 @@ def test_restart_reindexes_and_removes_leftovers(tmp_path):
     torn.parent.mkdir(exist_ok=True)
     torn.write_bytes(blob(4)[:40])  # too short for any blob (only a machine crash with fsync off leaves this)
 
-    again = DiskTier(tmp_path, 1 << 20)
+    again = disk_tier(tmp_path, 1 << 20)
     assert again.contains([key(i) for i in (1, 2, 3, 4)]) == [True, True, True, False]
     assert read(again, [1, 2, 3]) == [blob(1), blob(2), blob(3)]
     assert sorted(p.name for p in sub.iterdir()) == []
@@ -74,13 +71,13 @@ def test_restart_reindexes_and_removes_leftovers(tmp_path):
 
 
 def test_restart_keeps_write_order_for_eviction_and_obeys_a_smaller_capacity(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     for i in range(5):
         put(tier, [i])
-        path = tier.layout.path(key(i))
+        path = tier.paths.path(key(i))
         os.utime(path, ns=(i * 10**9, i * 10**9))  # distinct mtimes, oldest first
     tier.close()
-    small = DiskTier(tmp_path, 3 * BLOB_BYTES)
+    small = disk_tier(tmp_path, 3 * BLOB_BYTES)
     assert small.contains([key(i) for i in range(5)]) == [False, False, True, True, True]
     put(small, [9])
     assert small.contains([key(2), key(9)]) == [False, True]
@@ -88,17 +85,17 @@ def test_restart_keeps_write_order_for_eviction_and_obeys_a_smaller_capacity(tmp
 
 
 def test_a_directory_belongs_to_one_tier(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     with pytest.raises(ConfigError, match="in use by process"):
-        DiskTier(tmp_path, 1 << 20)
+        disk_tier(tmp_path, 1 << 20)
     other_codec = tmp_path / "raw"  # the lock is per codec directory: another root is free
     assert other_codec.is_dir()
     tier.close()
-    DiskTier(tmp_path, 1 << 20).close()  # released on close
+    disk_tier(tmp_path, 1 << 20).close()  # released on close
 
 
 def test_full_queue_drops_and_counts(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20, write_queue_depth=2)
+    tier = disk_tier(tmp_path, 1 << 20, write_queue_depth=2)
     gate = hold_writers(tier)
     try:
         assert tier.put([(key(i), BytesPayload(blob(i))) for i in range(4)]) == [True, True, False, False]
@@ -112,7 +109,7 @@ def test_full_queue_drops_and_counts(tmp_path):
 
 
 def test_put_copies_the_payload_before_returning(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     gate = hold_writers(tier)
     data = bytearray(blob(1))
     tier.put([(key(1), BytesPayload(data))])
@@ -124,22 +121,22 @@ def test_put_copies_the_payload_before_returning(tmp_path):
 
 
 def test_delete_of_a_queued_store_wins(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     gate = hold_writers(tier)
     tier.put([(key(1), BytesPayload(blob(1)))])
     tier.delete([key(1)])
     gate.set()
     tier.flush()
     assert tier.contains([key(1)]) == [False]
-    assert not os.path.exists(tier.layout.path(key(1)))
+    assert not os.path.exists(tier.paths.path(key(1)))
     assert tier.stats().used_bytes == 0
     tier.close()
 
 
 def test_vanished_file_is_a_miss_and_leaves_the_index(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     put(tier, [1, 2])
-    os.unlink(tier.layout.path(key(1)))
+    os.unlink(tier.paths.path(key(1)))
     assert read(tier, [1, 2]) == [None, blob(2)]
     assert tier.contains([key(1), key(2)]) == [False, True]
     assert tier._metrics.get("kvtier_disk_io_errors_total", tier="disk", op="read", errno="ENOENT") == 1
@@ -150,7 +147,7 @@ def test_directory_removed_underneath_then_back(tmp_path):
     import shutil
 
     root = tmp_path / "cache"
-    tier = DiskTier(root, 1 << 20)
+    tier = disk_tier(root, 1 << 20)
     put(tier, [1, 2])
     shutil.rmtree(root)
     assert read(tier, [1, 2]) == [None, None]  # misses, no exception
@@ -165,21 +162,21 @@ def test_directory_removed_underneath_then_back(tmp_path):
     assert tier.stats().entries == 1
     assert DiskTier  # the lock was taken again: a second tier on the directory is refused
     with pytest.raises(ConfigError):
-        DiskTier(root, 1 << 20)
+        disk_tier(root, 1 << 20)
     tier.close()
 
 
 @pytest.mark.parametrize("o_direct", [True, False])
 def test_direct_and_buffered_io_store_the_same_bytes(tmp_path, o_direct):
-    tier = DiskTier(tmp_path, 1 << 20, o_direct=o_direct)
+    tier = disk_tier(tmp_path, 1 << 20, o_direct=o_direct)
     put(tier, [1, 2, 3])
     assert read(tier, [3, 1, 2]) == [blob(3), blob(1), blob(2)]
-    assert all(os.path.getsize(tier.layout.path(key(i))) == len(blob(i)) for i in (1, 2, 3))
+    assert all(os.path.getsize(tier.paths.path(key(i))) == len(blob(i)) for i in (1, 2, 3))
     tier.close()
 
 
 def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch):
-    tier = DiskTier(tmp_path, 1 << 20, o_direct=True)
+    tier = disk_tier(tmp_path, 1 << 20, o_direct=True)
     real_open = os.open
 
     def no_direct(path, flags, *args):
@@ -213,6 +210,6 @@ def test_config_from_yaml_and_env(tmp_path):
 
 
 def test_errno_names():
-    from kvtier.tiers.disk_files import DiskIOError
+    from kvtier.tiers.disk.files import DiskIOError
 
     assert DiskIOError("write", OSError(errno.ENOSPC, "full")).errno_name == "ENOSPC"

@@ -108,7 +108,7 @@ def test_corrupt_chunks_are_counted_misses_and_removed(tmp_path, damage):
         flush(c)
         disk = c.tiers[0]
         keys = c.keys(toks)
-        p1, p2 = disk.layout.path(keys[1]), disk.layout.path(keys[2])
+        p1, p2 = disk.paths.path(keys[1]), disk.paths.path(keys[2])
         if damage == "truncate":
             _truncate(p1)
         elif damage == "bit_flip":
@@ -133,7 +133,7 @@ def test_tensor_parallel_ranks_get_their_own_directories(tmp_path):
     config = CacheConfig(chunk_size=CHUNK, tiers=(DiskTierConfig(path=tmp_path, capacity_bytes=1 << 20),))
     ranks = [KVCache(SPEC, MODEL, config, tp_rank=r, tp_size=2) for r in range(2)]  # one process per rank
     try:
-        assert [c.tiers[0].layout.dir for c in ranks] == [str(tmp_path / f"rank{r}" / "raw") for r in range(2)]
+        assert [c.tiers[0].paths.dir for c in ranks] == [str(tmp_path / f"rank{r}" / "raw") for r in range(2)]
     finally:
         for c in ranks:
             c.close()

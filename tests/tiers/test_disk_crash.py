@@ -21,8 +21,8 @@ import torch
 
 from kvtier.blob import blob_bytes, encode_blob
 from kvtier.codecs import BytesPayload, get_codec
-from kvtier.tiers import DiskTier
 from tests.conformance.tier_suite import key
+from tests.tiers.disk_helpers import disk_tier
 
 N_KEYS = 40
 KILLS = 120
@@ -38,7 +38,7 @@ def _blob(i: int) -> bytes:
 def _child(root: Path, blobs: list[bytes], seed: int) -> None:
     """Store, delete and read at random until killed. Capacity for half the keys, so it evicts too."""
     rng = random.Random(seed)
-    tier = DiskTier(root, N_KEYS // 2 * len(blobs[0]), write_queue_depth=4)
+    tier = disk_tier(root, N_KEYS // 2 * len(blobs[0]), write_queue_depth=4)
     while True:
         i = rng.randrange(N_KEYS)
         action = rng.random()
@@ -53,7 +53,7 @@ def _child(root: Path, blobs: list[bytes], seed: int) -> None:
 
 
 def _check(root: Path, blobs: list[bytes]) -> int:
-    tier = DiskTier(root, N_KEYS * len(blobs[0]))
+    tier = disk_tier(root, N_KEYS * len(blobs[0]))
     try:
         assert not list(root.rglob("*.tmp")), "temp files survived the start-up"
         with tier.get([key(i) for i in range(N_KEYS)]) as views:

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.tiers import DiskTier
 from tests.conformance.tier_suite import blob, key
-from tests.tiers.disk_helpers import put, read
+from tests.tiers.disk_helpers import disk_tier, put, read
 
 
 def leftovers(root: Path) -> list[str]:
@@ -27,7 +26,7 @@ def in_writer() -> bool:
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
 def test_write_error_skips_the_store_and_removes_the_partial_file(tmp_path, monkeypatch, err):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     put(tier, [1])
     real_write = os.write
 
@@ -42,7 +41,7 @@ def test_write_error_skips_the_store_and_removes_the_partial_file(tmp_path, monk
     monkeypatch.setattr(os, "write", real_write)
     assert tier.contains([key(1), key(2), key(3)]) == [True, False, False]
     assert read(tier, [1, 2]) == [blob(1), None]  # reads keep working
-    assert leftovers(tmp_path) == [] and not os.path.exists(tier.layout.path(key(2)))
+    assert leftovers(tmp_path) == [] and not os.path.exists(tier.paths.path(key(2)))
     name = errno.errorcode[err]
     assert tier._metrics.get("kvtier_disk_io_errors_total", tier="disk", op="write", errno=name) == 2
     assert tier._metrics.get("kvtier_skipped_stores_total", tier="disk", reason="io_error") == 2
@@ -53,7 +52,7 @@ def test_write_error_skips_the_store_and_removes_the_partial_file(tmp_path, monk
 
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
 def test_fsync_error_skips_the_store_and_removes_the_file(tmp_path, monkeypatch, err):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     real_fsync = os.fsync
 
     def failing_fsync(fd):
@@ -65,7 +64,7 @@ def test_fsync_error_skips_the_store_and_removes_the_file(tmp_path, monkeypatch,
     assert put(tier, [1]) == [True]
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert tier.contains([key(1)]) == [False]
-    assert leftovers(tmp_path) == [] and not os.path.exists(tier.layout.path(key(1)))
+    assert leftovers(tmp_path) == [] and not os.path.exists(tier.paths.path(key(1)))
     name = errno.errorcode[err]
     assert tier._metrics.get("kvtier_disk_io_errors_total", tier="disk", op="fsync", errno=name) == 1
     assert put(tier, [1]) == [True] and read(tier, [1]) == [blob(1)]
@@ -88,7 +87,7 @@ def small_fs(tmp_path):
 
 
 def test_enospc_on_a_full_filesystem(small_fs):
-    tier = DiskTier(small_fs, 64 << 20)  # the tier allows far more than the filesystem holds
+    tier = disk_tier(small_fs, 64 << 20)  # the tier allows far more than the filesystem holds
     results = [put(tier, [i])[0] for i in range(100)]
     assert all(results)  # every store was accepted and none raised
     stored = [i for i in range(100) if tier.contains([key(i)])[0]]
@@ -104,11 +103,11 @@ def test_enospc_on_a_full_filesystem(small_fs):
 
 
 def test_a_second_process_is_refused(tmp_path):
-    tier = DiskTier(tmp_path, 1 << 20)
+    tier = disk_tier(tmp_path, 1 << 20)
     pid = os.fork()
     if pid == 0:  # the child: a second process opening the same directory
         try:
-            DiskTier(tmp_path, 1 << 20)
+            disk_tier(tmp_path, 1 << 20)
             code = 1
         except ConfigError as exc:
             code = 0 if str(os.getppid()) in str(exc) else 2

@@ -1,18 +1,22 @@
 import pytest
 
-from kvtier.tiers import MemoryTier
-from tests.conformance.tier_suite import EvictingTierConformance, EvictionListenerConformance
+from kvtier.tiers import MemoryTier, MemoryTierConfig
+from tests.conformance.tier_suite import EvictingTierConformance, EvictionListenerConformance, tier_context
+
+
+def memory_tier(capacity_bytes: int) -> MemoryTier:
+    return MemoryTier(MemoryTierConfig(capacity_bytes=capacity_bytes), tier_context("memory"))
 
 
 class TestMemoryTierConformance(EvictingTierConformance, EvictionListenerConformance):
     def make_tier(self, capacity_bytes: int) -> MemoryTier:
-        return MemoryTier(capacity_bytes)
+        return memory_tier(capacity_bytes)
 
 
 def test_views_point_into_one_preallocated_buffer():
     from tests.conformance.tier_suite import BytesPayload, blob, key
 
-    tier = MemoryTier(1 << 20)
+    tier = memory_tier(1 << 20)
     tier.put([(key(i), BytesPayload(blob(i, seal=False))) for i in range(3)])
     with tier.get([key(0), key(2)]) as (a, b):
         base = tier._buffer.data_ptr()
@@ -24,7 +28,7 @@ def test_views_point_into_one_preallocated_buffer():
 def test_zero_capacity_tier_stores_nothing():
     from tests.conformance.tier_suite import BytesPayload, blob, key
 
-    tier = MemoryTier(0)
+    tier = memory_tier(0)
     assert tier.put([(key(1), BytesPayload(blob(1)))]) == [False]
     assert tier.contains([key(1)]) == [False]
 

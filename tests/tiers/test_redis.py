@@ -16,9 +16,10 @@ import torch
 from kvtier import CacheConfig, ConfigError, KVCache, KVSpec
 from kvtier.blob import blob_bytes, encode_blob
 from kvtier.codecs import BytesPayload, get_codec
+from kvtier.net.ports import free_port
 from kvtier.tiers import RedisTier, RedisTierConfig
-from tests.conformance.tier_suite import BLOB_BYTES, TierConformance, blob, key
-from tests.redis_server import RedisServer, free_port
+from tests.conformance.tier_suite import BLOB_BYTES, TierConformance, blob, key, tier_context
+from tests.redis_server import RedisServer
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 CHUNK = 16
@@ -48,7 +49,8 @@ class TestRedisTierConformance(TierConformance):
         self.server = redis_server
 
     def make_tier(self, capacity_bytes: int) -> RedisTier:
-        return RedisTier(RedisTierConfig(url=self.server.url, max_value_bytes=capacity_bytes, **self.tier_options))
+        config = RedisTierConfig(url=self.server.url, max_value_bytes=capacity_bytes, **self.tier_options)
+        return RedisTier(config, tier_context("redis"))
 
 
 class TestRedisTierConformanceSplitValues(TestRedisTierConformance):
@@ -145,15 +147,15 @@ def test_planted_or_damaged_value_is_a_miss(redis_server, kind):
 
 
 def test_value_larger_than_this_replica_accepts_is_a_miss_left_in_place(redis_server):
-    """A header declaring 1 TiB: nothing of that size is allocated, and a replica configured for smaller
-    values does not delete what others may use."""
+    """A header declaring 16 MiB (4,096 parts, the most a head may have) to a replica that takes at most 1 MiB:
+    nothing of that size is allocated, and the replica does not delete what others may use."""
     import struct
 
     redis_server.flush()
     tokens, kv = prompt(1)
-    with make_cache(redis_server.url) as cache:
+    with make_cache(redis_server.url, max_value_bytes=1 << 20) as cache:
         head = f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}"
-        redis_server.set_bytes(head, struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 1 << 40, 4096, 1 << 28)
+        redis_server.set_bytes(head, struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 16 << 20, 4096, 4096)
                                + b"x" * 4096)
         assert cache.retrieve(tokens)[1] == 0
         assert redis_server.cli("EXISTS", head) == "1"
@@ -228,7 +230,7 @@ def test_missing_part_is_a_miss_and_is_cleaned_up(redis_server):
 
 def test_concurrent_writers_of_one_split_value(redis_server):
     redis_server.flush()
-    tier = RedisTier(RedisTierConfig(url=redis_server.url, max_part_bytes=4096))
+    tier = RedisTier(RedisTierConfig(url=redis_server.url, max_part_bytes=4096), tier_context("redis"))
     data = blob(1)
     barrier = threading.Barrier(4)
 
@@ -264,7 +266,10 @@ def test_big_split_values_with_buffer_reuse(redis_server):
     spec = KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16)  # 4 KiB per token
     tokens = list(range(4 * 512))
     kv = torch.randn(spec.chunk_shape(len(tokens))).to(torch.float16)
-    config = CacheConfig(chunk_size=512, tiers=(RedisTierConfig(url=redis_server.url, max_part_bytes=1 << 20),))
+    # a generous deadline: this test is about split values and buffer reuse, and on a loaded machine sealing
+    # 8 MiB can outlast the default 0.5 s
+    config = CacheConfig(chunk_size=512, tiers=(RedisTierConfig(url=redis_server.url, max_part_bytes=1 << 20,
+                                                                timeout_s=10.0),))
     with KVCache(spec, "big", config) as cache:
         assert cache.store(tokens, kv) == len(tokens)
         out = spec.empty(len(tokens))
@@ -326,7 +331,7 @@ def test_bad_config_is_rejected(bad):
 
 def test_unknown_url_option_is_rejected():
     with pytest.raises(ConfigError):
-        RedisTier(RedisTierConfig(url="redis://localhost:6379/0?bogus_option=1"))
+        RedisTier(RedisTierConfig(url="redis://localhost:6379/0?bogus_option=1"), tier_context("redis"))
 
 
 def test_import_kvtier_without_redis_py():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.tiers import RedisTier, RedisTierConfig
-from tests.conformance.tier_suite import TierConformance
+from tests.conformance.tier_suite import TierConformance, tier_context
 from tests.tiers.test_redis import CHUNK, make_cache, prompt
 
 
@@ -21,7 +21,8 @@ class TestRedisClusterConformance(TierConformance):
         self.cluster = redis_cluster
 
     def make_tier(self, capacity_bytes: int) -> RedisTier:
-        return RedisTier(RedisTierConfig(url=self.cluster.url, cluster=True, max_value_bytes=capacity_bytes))
+        config = RedisTierConfig(url=self.cluster.url, cluster=True, max_value_bytes=capacity_bytes)
+        return RedisTier(config, tier_context("redis"))
 
 
 def test_chunks_spread_over_every_shard_and_come_back(redis_cluster):

@@ -118,7 +118,7 @@ def test_no_server_at_all_is_misses_from_the_start(tmp_path):
 
 def test_unreachable_tcp_address_respects_connect_timeout():
     # 192.0.2.0/24 is TEST-NET-1 but must not be contacted; an unroutable loopback port is refused at once
-    from tests.redis_server import free_port
+    from kvtier.net.ports import free_port
 
     with make_cache(f"redis://127.0.0.1:{free_port()}/0", timeout_s=TIMEOUT) as cache:
         tokens, _ = prompt(1)
@@ -128,7 +128,7 @@ def test_unreachable_tcp_address_respects_connect_timeout():
 
 @pytest.mark.parametrize("threshold", [1, 3])
 def test_breaker_threshold_and_probe(threshold):
-    from kvtier.tiers.breaker import BreakerState, CircuitBreaker
+    from kvtier.net.breaker import BreakerState, CircuitBreaker
 
     now = [0.0]
     changes = []

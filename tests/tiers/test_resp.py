@@ -9,7 +9,16 @@ import time
 
 import pytest
 
-from kvtier.tiers.resp import BIG_ARG, Packer, Reader, RespError, WireClosed, WireProtocolError, WireTimeout, send_all
+from kvtier.tiers.redis.resp import (
+    BIG_ARG,
+    Packer,
+    RespError,
+    RespReader,
+    WireClosed,
+    WireProtocolError,
+    WireTimeout,
+    send_all,
+)
 
 
 @pytest.fixture
@@ -37,7 +46,7 @@ def test_packer_joins_small_args_and_keeps_big_ones_as_views():
 def test_reader_parses_every_reply_type(pair):
     a, b = pair
     b.sendall(b"+OK\r\n-ERR bad thing\r\n:42\r\n$-1\r\n$5\r\nhello\r\n*3\r\n:1\r\n$0\r\n\r\n*-1\r\n*0\r\n")
-    reader = Reader(a, size=16)  # tiny buffer: lines and values straddle refills
+    reader = RespReader(a, size=16)  # tiny buffer: lines and values straddle refills
     reader.arm(time.monotonic() + 5, 0)
     assert reader.read_reply() == b"OK"
     err = reader.read_reply()
@@ -63,7 +72,7 @@ def test_bulk_reply_lands_in_the_callers_buffer(pair):
 
     sender = threading.Thread(target=lambda: b.sendall(b"$%d\r\n%s\r\n:7\r\n" % (len(value), value)))
     sender.start()
-    reader = Reader(a)
+    reader = RespReader(a)
     reader.arm(time.monotonic() + 10, 0)
     assert reader.read_reply(into) == "done"
     assert reader.read_reply() == 7
@@ -74,7 +83,7 @@ def test_bulk_reply_lands_in_the_callers_buffer(pair):
 def test_stalled_reply_times_out_at_the_deadline(pair):
     a, b = pair
     b.sendall(b"$100\r\nonly part of it")
-    reader = Reader(a)
+    reader = RespReader(a)
     reader.arm(time.monotonic() + 0.2, 0)
     start = time.monotonic()
     with pytest.raises(WireTimeout):
@@ -85,7 +94,7 @@ def test_stalled_reply_times_out_at_the_deadline(pair):
 def test_big_reply_gets_a_transfer_allowance(pair):
     a, b = pair
     n = 1 << 20
-    reader = Reader(a)
+    reader = RespReader(a)
     reader.arm(time.monotonic() + 0.05, rate=n / 1.0)  # 1 s of allowance for this value
     b.sendall(b"$%d\r\n" % n)
 
@@ -104,7 +113,7 @@ def test_big_reply_gets_a_transfer_allowance(pair):
 def test_closed_connection_and_garbage(pair):
     a, b = pair
     b.sendall(b"?what\r\n")
-    reader = Reader(a)
+    reader = RespReader(a)
     reader.arm(time.monotonic() + 1, 0)
     with pytest.raises(WireProtocolError):
         reader.read_reply()
@@ -125,7 +134,7 @@ def test_send_respects_the_deadline(pair):
 def test_exists_replies_read_in_bulk_or_one_by_one(pair):
     a, b = pair
     b.sendall(b":1\r\n:0\r\n:1\r\n" + b":1\r\n-MOVED 12 127.0.0.1:7001\r\n:0\r\n" + b":1\r\n" * 6)
-    reader = Reader(a, size=40)  # the last batch (24 bytes) fits only after a compaction
+    reader = RespReader(a, size=40)  # the last batch (24 bytes) fits only after a compaction
     reader.arm(time.monotonic() + 5, 0)
     assert reader.read_ints(3) == [1, 0, 1]
     got = reader.read_ints(3)

@@ -1,6 +1,6 @@
 """RESP2 over a plain (or TLS) socket, for the hot paths of the Redis tier.
 
-redis-py sets connections up (URL, TLS, AUTH/HELLO, SELECT); after that the tier speaks RESP itself, because
+client.py sets connections up (URL parsed by redis-py, TLS, AUTH, SELECT); the tier speaks RESP itself, because
 redis-py's value path copies every value several times: hiredis packs a command into fresh bytes (after a
 ``bytes(memoryview)`` copy), and replies go socket -> read buffer -> hiredis buffer -> a fresh bytes object.
 Here a large argument goes to ``sendall`` as the caller's memoryview (no copy) and a bulk reply is received
@@ -28,7 +28,7 @@ BIG_ARG = 16 * 1024
 BIG_REPLY = 64 * 1024
 _MAX_LINE = 64 * 1024  # a status/error/length line longer than this is a protocol violation
 
-Into = Callable[[int, "Reader"], Any]
+Into = Callable[[int, "RespReader"], Any]
 """Receives a bulk reply: called with its length and the reader; must consume exactly that many bytes."""
 
 
@@ -129,7 +129,7 @@ def send_all(sock: socket.socket, pieces: list[bytes | bytearray | memoryview], 
         raise WireClosed(f"send failed: {exc}") from None
 
 
-class Reader:
+class RespReader:
     """Buffered RESP2 reader over one socket; bulk strings can land directly in caller-owned memory.
 
     ``deadline`` (time.monotonic) bounds every receive; a bulk reply of ``n`` bytes extends it by

@@ -1,7 +1,7 @@
 """Local-disk tier: one file per chunk under a directory, written in the background, read in parallel.
 
-* **Index in RAM, truth on disk.** The index (disk_index.py) is rebuilt at start from a listing of the
-  directory (disk_files.scan): leftovers of interrupted writes are removed, every complete file is an entry
+* **Index in RAM, truth on disk.** The index (index.py) is rebuilt at start from a listing of the
+  directory (files.scan): leftovers of interrupted writes are removed, every complete file is an entry
   again, oldest first in the eviction order (by mtime).
 * **Stores never wait on the disk.** ``put`` reserves room (evicting through the policy), copies the payload
   into a reused staging buffer and queues the write. Writer threads write a temp file, fsync it, rename it
@@ -14,12 +14,14 @@
   tier above is the cache, and a second copy in the page cache would only push other pages out. Filesystems
   that refuse it (tmpfs on older kernels) are detected on first use and served buffered.
 * **Faults are misses.** ENOSPC, EIO or any failure while writing skips that store (temp file removed,
-  counted); a failed or vanished read is a miss. If the directory disappears the index is dropped; the next
-  store recreates ``<root>/<codec>`` once ``<root>`` exists again and re-indexes whatever is there.
+  counted); a failed or vanished read is a miss, and so is anything but a regular file where a chunk file
+  should be (a FIFO, a symlink, ...): found without blocking, and removed. If the directory disappears the
+  index is dropped; the next store recreates ``<root>/<codec>`` once ``<root>`` exists again and re-indexes
+  whatever is there.
 * **One process per directory.** The index and the capacity live in this process: two processes on one
   directory would each fill it to the capacity and evict each other's files unseen. The tier holds an
-  exclusive flock on ``<root>/<codec>/.lock`` and a second one is refused (ConfigError); processes that want
-  one shared cache use a shared tier (Redis) instead.
+  exclusive flock on ``<root>/<codec>`` itself (so deleting a file cannot release it) and a second one is
+  refused (ConfigError); processes that want one shared cache use a shared tier (Redis) instead.
 
 Blobs here leave the process, so ``verifies = True``: KVCache seals them on store and checks every read.
 """
@@ -34,27 +36,25 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from time import perf_counter
 
 from kvtier.codecs import Payload, get_codec
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkHash
-from kvtier.metrics import Metrics
-from kvtier.policy import EvictionPolicy, make_policy
-from kvtier.tiers.base import TierConfig, TierContext, TierStats, register_tier, stats_gauges
-from kvtier.tiers.disk_files import (
-    BufferPool,
+from kvtier.policy import make_policy
+from kvtier.tiers.base import TierContext, TierStats, stats_gauges
+from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.files import (
+    AlignedBufferPool,
     DiskIOError,
-    Layout,
+    ChunkPaths,
     lock_directory,
     read_into,
     remove,
     scan,
     write_atomic,
 )
-from kvtier.tiers.disk_index import PRESENT, DiskIndex, Pending
+from kvtier.tiers.disk.index import Declined, DiskIndex, Pending
 
 log = logging.getLogger(__name__)
 
@@ -64,44 +64,33 @@ STAGING_POOL_RETAIN = 128 << 20
 
 
 class DiskTier:
+    """The Tier protocol over one directory of chunk files; ``Flushable`` (stores are written in the background)."""
+
     verifies = True
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        capacity_bytes: int,
-        *,
-        codec: str = "raw",
-        policy: EvictionPolicy | None = None,
-        metrics: Metrics | None = None,
-        name: str = "disk",
-        write_queue_depth: int = 16,
-        write_threads: int = 2,
-        read_threads: int = 4,
-        o_direct: bool = True,
-        fsync: bool = True,
-    ) -> None:
-        if min(write_queue_depth, write_threads, read_threads) < 1:
-            raise ConfigError("write_queue_depth, write_threads and read_threads must be at least 1")
-        self.name = name
-        self.codec = get_codec(codec)
-        self.layout = Layout(path, self.codec.name)
-        self._metrics = metrics if metrics is not None else Metrics()
-        self._read_direct = self._write_direct = o_direct
-        self._fsync = fsync
+    def __init__(self, config: DiskTierConfig, ctx: TierContext) -> None:
+        assert config.path is not None  # DiskTierConfig requires it
+        # with tensor parallelism each rank is its own process, and a directory belongs to one process
+        root = config.path / f"rank{ctx.tp_rank}" if ctx.tp_size > 1 else config.path
+        self.name = name = ctx.name
+        self.codec = get_codec(config.codec)
+        self.paths = ChunkPaths(root, self.codec.name)
+        self._metrics = ctx.metrics
+        self._read_direct = self._write_direct = config.o_direct
+        self._fsync = config.fsync
         self._lost = False  # the directory vanished; a writer takes it back on the next store
         self._recover_lock = threading.Lock()
         self._made: set[str] = set()  # subdirectories known to exist
-        self._lock_fd: int | None = lock_directory(self.layout)
-        self._staging = BufferPool(STAGING_POOL_RETAIN)
-        self._read_pool = BufferPool(READ_POOL_RETAIN)
+        self._lock_fd: int | None = lock_directory(self.paths)
+        self._staging = AlignedBufferPool(STAGING_POOL_RETAIN)
+        self._read_pool = AlignedBufferPool(READ_POOL_RETAIN)
         self._writers = [ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}-writer")
-                         for _ in range(write_threads)]
-        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix=f"kvtier-{name}-read")
+                         for _ in range(config.write_threads)]
+        self._readers = ThreadPoolExecutor(config.read_threads, thread_name_prefix=f"kvtier-{name}-read")
         self._index = DiskIndex(
-            capacity_bytes, policy if policy is not None else make_policy("lru"), queue_depth=write_queue_depth,
+            config.capacity_bytes, make_policy(config.policy), queue_depth=config.write_queue_depth,
             submit_write=lambda job: self._writer(job.key).submit(self._write, job),
-            submit_unlink=lambda key: self._writer(key).submit(self._unlink, self.layout.path(key)),
+            submit_unlink=lambda key: self._writer(key).submit(self._unlink, self.paths.path(key)),
             metrics=self._metrics, name=name,
         )
         self._reindex()
@@ -165,10 +154,11 @@ class DiskTier:
     def _put_one(self, key: ChunkHash, payload: Payload) -> bool:
         nbytes = payload.nbytes
         job = self._index.reserve(key, nbytes)
-        if not isinstance(job, Pending):
-            if job != PRESENT:
-                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason=job)
-            return job == PRESENT
+        if job is Declined.PRESENT:
+            return True
+        if isinstance(job, Declined):
+            self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason=job.value)
+            return False
         try:  # the writer waits for ``ready``; copying outside the index lock keeps lookups fast
             buf = self._staging.acquire(nbytes)
             payload.write_into(memoryview(buf)[:nbytes])
@@ -186,7 +176,7 @@ class DiskTier:
             if job.buf is None or job.cancelled:
                 self._index.abandon(job)
                 return
-            path = self.layout.path(job.key)
+            path = self.paths.path(job.key)
             try:
                 self._write_file(path, job.buf, job.nbytes)
             except DiskIOError as exc:
@@ -241,10 +231,10 @@ class DiskTier:
         with self._recover_lock:
             if not self._lost:
                 return  # another writer did it
-            if not os.path.isdir(self.layout.root):
-                raise DiskIOError("open", FileNotFoundError(errno.ENOENT, "directory is gone", self.layout.root))
+            if not os.path.isdir(self.paths.root):
+                raise DiskIOError("open", FileNotFoundError(errno.ENOENT, "directory is gone", self.paths.root))
             try:
-                fd = lock_directory(self.layout)
+                fd = lock_directory(self.paths)
             except (ConfigError, OSError) as exc:
                 raise DiskIOError("lock", OSError(errno.EBUSY, str(exc))) from exc
             if self._lock_fd is not None:
@@ -253,12 +243,12 @@ class DiskTier:
             self._made.clear()
             self._lost = False
             self._reindex()
-        log.warning("disk tier %s: directory %s is back, re-indexed", self.name, self.layout.dir)
+        log.warning("disk tier %s: directory %s is back, re-indexed", self.name, self.paths.dir)
 
     # -- reading -------------------------------------------------------------------------------------------
     def _read(self, key: ChunkHash, nbytes: int) -> tuple[mmap.mmap, int] | DiskIOError:
         buf = self._read_pool.acquire(nbytes)
-        path = self.layout.path(key)
+        path = self.paths.path(key)
         try:
             try:
                 return buf, read_into(path, memoryview(buf), nbytes, direct=self._read_direct)
@@ -282,9 +272,9 @@ class DiskTier:
     def _reindex(self) -> None:
         start = perf_counter()
         try:
-            found, removed = scan(self.layout)
+            found, removed = scan(self.paths)
         except OSError as exc:
-            log.warning("disk tier %s: cannot scan %s: %s", self.name, self.layout.dir, exc)
+            log.warning("disk tier %s: cannot scan %s: %s", self.name, self.paths.dir, exc)
             return
         self._index.load(found)
         for kind, n in removed.items():
@@ -293,11 +283,11 @@ class DiskTier:
         elapsed = perf_counter() - start
         self._metrics.observe("kvtier_disk_reindex_seconds", elapsed, tier=self.name)
         log.info("disk tier %s: indexed %d chunks in %s in %.2f s, removed %s", self.name, len(found),
-                 self.layout.dir, elapsed, removed)
+                 self.paths.dir, elapsed, removed)
 
     def _check_directory(self) -> bool:
         """True (and the index dropped) if the tier's directory is gone."""
-        if os.path.isdir(self.layout.dir):
+        if os.path.isdir(self.paths.dir):
             return False
         with self._recover_lock:
             if self._lost:
@@ -305,7 +295,7 @@ class DiskTier:
             self._lost = True
         self._index.forget_all()
         self._metrics.inc("kvtier_disk_directory_lost_total", tier=self.name)
-        log.error("disk tier %s: directory %s vanished; misses until it is back", self.name, self.layout.dir)
+        log.error("disk tier %s: directory %s vanished; misses until it is back", self.name, self.paths.dir)
         return True
 
     def _io_failed(self, op: str, exc: DiskIOError) -> None:
@@ -315,40 +305,3 @@ class DiskTier:
     def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         yield from stats_gauges(self)
         yield "kvtier_disk_write_queue", {"tier": self.name}, self._index.queued
-
-
-@register_tier
-@dataclass(frozen=True)
-class DiskTierConfig(TierConfig):
-    """``path``: root directory (chunks go to ``<path>/<codec>/``, or ``<path>/rank<r>/<codec>/`` for tensor
-    parallel rank ``r``; a directory belongs to one process);
-    ``capacity_bytes``: hard limit on stored blob bytes; ``policy``: eviction policy; ``write_queue_depth``:
-    stores queued for the writers before new ones are dropped; ``write_threads`` / ``read_threads``: parallel
-    file writes / reads; ``o_direct``: bypass the page cache; ``fsync``: make each chunk durable before it
-    is visible (off: a machine crash may lose recent chunks; the checksum turns any damage into misses)."""
-
-    kind = "disk"
-    path: Path | None = None
-    capacity_bytes: int = 64 << 30
-    policy: str = "lru"
-    write_queue_depth: int = 16
-    write_threads: int = 2
-    read_threads: int = 4
-    o_direct: bool = True
-    fsync: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.path is None:
-            raise ConfigError("tiers[disk]: path is required (YAML path: ..., or KVTIER_DISK_PATH)")
-        make_policy(self.policy)
-
-    def build(self, ctx: TierContext) -> DiskTier:
-        """With tensor parallelism each rank is its own process: it gets ``<path>/rank<r>``."""
-        assert self.path is not None
-        path = self.path / f"rank{ctx.tp_rank}" if ctx.tp_size > 1 else self.path
-        return DiskTier(
-            path, self.capacity_bytes, codec=self.codec, policy=make_policy(self.policy), metrics=ctx.metrics,
-            name=ctx.name, write_queue_depth=self.write_queue_depth, write_threads=self.write_threads,
-            read_threads=self.read_threads, o_direct=self.o_direct, fsync=self.fsync,
-        )

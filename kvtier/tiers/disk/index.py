@@ -12,6 +12,7 @@ chunk is visible only once its file is complete.
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -20,7 +21,15 @@ from kvtier.metrics import Metrics
 from kvtier.policy import EvictionPolicy
 from kvtier.tiers.base import TierStats
 
-PRESENT = "present"  #: ``reserve`` result: the key is already stored or queued
+class Declined(enum.Enum):
+    """Why ``reserve`` started no new store. PRESENT means nothing is needed (the key is stored or queued); the
+    others say why the store is skipped, their value being the ``reason`` label of kvtier_skipped_stores_total."""
+
+    PRESENT = "present"
+    CLOSED = "closed"
+    TOO_LARGE = "too_large"
+    QUEUE_FULL = "queue_full"
+    FULL_OF_PINNED = "full_of_pinned"
 
 
 class Pending:
@@ -95,25 +104,24 @@ class DiskIndex:
             return TierStats(self.used, self.capacity, len(self._entries))
 
     # -- stores --------------------------------------------------------------------------------------------
-    def reserve(self, key: ChunkHash, nbytes: int) -> Pending | str:
-        """Room for a new store, evicting in policy order, and its write submitted; else PRESENT or the reason
-        it is skipped (closed, too_large, queue_full, full_of_pinned)."""
+    def reserve(self, key: ChunkHash, nbytes: int) -> Pending | Declined:
+        """Room for a new store, evicting in policy order, and its write submitted; else why not."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 if entry.pending is None:
                     self._policy.on_access(key)
-                return PRESENT
+                return Declined.PRESENT
             if self.closed:
-                return "closed"
+                return Declined.CLOSED
             if nbytes > self.capacity:
-                return "too_large"
+                return Declined.TOO_LARGE
             if self.queued >= self._depth:
-                return "queue_full"
+                return Declined.QUEUE_FULL
             while self.used + nbytes > self.capacity:
                 victim = self._policy.victim(lambda k: self._entries[k].pins == 0)
                 if victim is None:
-                    return "full_of_pinned"
+                    return Declined.FULL_OF_PINNED
                 self._drop(victim, unlink=True)
                 self._metrics.inc("kvtier_evictions_total", tier=self._name)
             job = Pending(key, nbytes)

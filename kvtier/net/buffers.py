@@ -1,4 +1,4 @@
-"""Reusable byte buffers for tiers that move values over the network.
+"""Reusable transfer buffers for tiers that move values over the network.
 
 A fresh large allocation is slow (the kernel maps and zero-fills every page on first touch), so values are
 received into and staged from buffers that are handed back and reused. ``max_idle_bytes`` caps what the pool
@@ -21,8 +21,12 @@ def _rounded(n: int) -> int:
     return (n + _SMALL - 1) // _SMALL * _SMALL
 
 
-class BufferPool:
-    """Thread-safe. ``take(n)`` gives an uninitialised uint8 array of at least ``n`` bytes; ``give`` returns it."""
+class TransferBufferPool:
+    """Buffers that network values are received into and staged in before sending.
+
+    Thread-safe. ``acquire(n)`` gives an uninitialised uint8 array of at least ``n`` bytes; ``release`` hands it
+    back (it must not be used afterwards).
+    """
 
     def __init__(self, max_idle_bytes: int) -> None:
         self.max_idle_bytes = max_idle_bytes
@@ -31,7 +35,7 @@ class BufferPool:
         self._bufs: list[np.ndarray] = []  # idle buffers, in the order of _sizes
         self.idle_bytes = 0
 
-    def take(self, n: int) -> np.ndarray:
+    def acquire(self, n: int) -> np.ndarray:
         want = _rounded(n)
         with self._lock:
             i = bisect.bisect_left(self._sizes, want)
@@ -42,7 +46,7 @@ class BufferPool:
                 return self._bufs.pop(i)
         return np.empty(want, dtype=np.uint8)
 
-    def give(self, buf: np.ndarray) -> None:
+    def release(self, buf: np.ndarray) -> None:
         size = buf.nbytes
         with self._lock:
             if self.idle_bytes + size > self.max_idle_bytes:

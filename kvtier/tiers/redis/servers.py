@@ -18,84 +18,73 @@ from time import monotonic
 from typing import Any
 
 from kvtier.metrics import Metrics
-from kvtier.tiers import redis_net as net
-from kvtier.tiers.breaker import BreakerState, CircuitBreaker
-from kvtier.tiers.resp import WireError
+from kvtier.net.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.redis.client import Endpoint, key_slot_function
+from kvtier.tiers.redis.config import RedisTierConfig
+from kvtier.tiers.redis.pipeline import Batch, is_redirect, probe, run_batches
+from kvtier.tiers.redis.pool import BreakerOpen, Node
+from kvtier.tiers.redis.resp import WireClosed, WireError
 
 log = logging.getLogger(__name__)
 
 #: Slot-map refreshes happen at most this often.
 REFRESH_INTERVAL_S = 1.0
+CLUSTER_SLOTS = 16384
 
 
 class Servers:
-    def __init__(
-        self,
-        conn_class: type,
-        conn_kwargs: dict[str, Any],
-        *,
-        cluster: bool,
-        pool_size: int,
-        timeout_s: float,
-        connect_timeout_s: float,
-        breaker_failures: int,
-        breaker_cooldown_s: float,
-        metrics: Metrics,
-        name: str,
-    ) -> None:
+    """The nodes of one Redis tier, the routing of keys to them and their health; ``run`` executes batches."""
+
+    def __init__(self, endpoint: Endpoint, config: RedisTierConfig, metrics: Metrics, name: str) -> None:
         self.name = name
-        self.cluster = cluster
-        self._conn_class, self._conn_kwargs = conn_class, conn_kwargs
-        self._pool_size, self._timeout_s, self._connect_timeout_s = pool_size, timeout_s, connect_timeout_s
-        self._breaker_failures, self._cooldown_s = breaker_failures, breaker_cooldown_s
+        self.cluster = config.cluster
+        self._config = config
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._nodes: dict[str, net.Node] = {}
-        self.seed = self.node(conn_kwargs.get("host"), conn_kwargs.get("port"))
-        self._slots: list[net.Node | None] | None = None
-        self._stale = cluster
+        self._nodes: dict[str, Node] = {}
+        self.seed = self._node(endpoint)
+        self._slot_of = key_slot_function()
+        self._slots: list[Node | None] | None = None
+        self._stale = config.cluster
         self._last_refresh = float("-inf")
         self._worker: threading.Thread | None = None
         self._wake = threading.Event()
         self._closed = False
         metrics.add_gauges(self._gauges)
-        if cluster:
+        if config.cluster:
             self._refresh_slots()
 
     # -- nodes and routing ---------------------------------------------------------------------------------
-    def node(self, host: str | None, port: int | None) -> net.Node:
-        kwargs = dict(self._conn_kwargs)
-        if host is not None:
-            kwargs["host"], kwargs["port"] = host, port
-        name = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+    def _node(self, endpoint: Endpoint) -> Node:
+        """The node of ``endpoint``, made on first use (with its own pool and breaker)."""
+        name = endpoint.name
+        config = self._config
         with self._lock:
             node = self._nodes.get(name)
             if node is None:
-                breaker = CircuitBreaker(self._breaker_failures, self._cooldown_s,
+                breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s,
                                          on_change=lambda state: self._breaker_changed(name, state))
-                node = net.Node(name, lambda: self._conn_class(**kwargs), self._pool_size, self._connect_timeout_s,
-                                breaker)
-                self._nodes[name] = node
+                node = self._nodes[name] = Node(endpoint, config.pool_size, config.connect_timeout_s, breaker)
         return node
 
-    def batch(self, batches: dict[str, net.Batch], head: bytes) -> net.Batch:
+    def batch(self, batches: dict[str, Batch], head: bytes) -> Batch:
         """The batch (one per node) that ``head`` and the keys sharing its hash tag go into."""
         slots = self._slots
         node = self.seed
         if slots is not None:
-            node = slots[net.key_slot(head)] or self.seed
+            node = slots[self._slot_of(head)] or self.seed
         batch = batches.get(node.name)
         if batch is None:
-            batch = batches[node.name] = net.Batch(node)
+            batch = batches[node.name] = Batch(node)
         return batch
 
-    def group(self, heads: list[bytes]) -> dict[net.Node, tuple[list[int], list[bytes]]]:
+    def group(self, heads: list[bytes]) -> dict[Node, tuple[list[int], list[bytes]]]:
         """Heads by the node that owns them, with their indices."""
         slots = self._slots
         if slots is None:
             return {self.seed: (list(range(len(heads))), heads)}
-        groups: dict[net.Node, tuple[list[int], list[bytes]]] = {}
-        slot_of = net.key_slot
+        groups: dict[Node, tuple[list[int], list[bytes]]] = {}
+        slot_of = self._slot_of
         for i, head in enumerate(heads):
             node = slots[slot_of(head)] or self.seed
             group = groups.get(node)
@@ -105,25 +94,25 @@ class Servers:
             group[1].append(head)
         return groups
 
-    def primaries(self) -> list[net.Node]:
+    def primaries(self) -> list[Node]:
         slots = self._slots
         if slots is None:
             return [self.seed]
         return list({node.name: node for node in slots if node is not None}.values())
 
-    def run(self, batches: dict[str, net.Batch], op: str, deadline: float, rate: float = 0.0) -> list[net.Batch]:
+    def run(self, batches: dict[str, Batch], op: str, deadline: float, rate: float = 0.0) -> list[Batch]:
         """Run the batches; return those that got replies. Failures are counted and logged here."""
         todo = list(batches.values())
         if not todo:
             return []
-        net.run(todo, deadline, rate)
+        run_batches(todo, deadline, rate)
         done = []
         for batch in todo:
             if batch.error is None:
                 done.append(batch)
-                if self.cluster and any(net.is_redirect(r) for r in batch.replies or ()):
+                if self.cluster and any(is_redirect(r) for r in batch.replies or ()):
                     self._mark_stale()
-            elif isinstance(batch.error, net.BreakerOpen):
+            elif isinstance(batch.error, BreakerOpen):
                 self._metrics.inc("kvtier_breaker_rejected_total", tier=self.name, op=op)
             else:
                 self._metrics.inc("kvtier_tier_errors_total", tier=self.name, op=op)
@@ -145,7 +134,7 @@ class Servers:
         if state is BreakerState.OPEN:
             self._metrics.inc("kvtier_breaker_opens_total", tier=self.name)
             log.warning("redis tier %s: %s keeps failing; circuit open, probing every %.1fs", self.name, node,
-                        self._cooldown_s)
+                        self._config.breaker_cooldown_s)
             if self.cluster:
                 self._stale = True
             self._start_worker()
@@ -172,7 +161,7 @@ class Servers:
             with self._lock:
                 nodes = list(self._nodes.values())
             for node in nodes:
-                if node.breaker.probe_due() and node.probe(self._timeout_s):
+                if node.breaker.probe_due() and probe(node, self._config.timeout_s):
                     node.breaker.success()
             if self._stale and monotonic() - self._last_refresh >= REFRESH_INTERVAL_S:
                 self._refresh_slots()
@@ -192,24 +181,24 @@ class Servers:
         self._last_refresh = monotonic()
         with self._lock:
             candidates = [self.seed] + [n for n in self._nodes.values() if n is not self.seed]
-        seed_host = str(self._conn_kwargs.get("host", "127.0.0.1"))
+        seed_host = self.seed.endpoint.host
         for node in candidates:
             if not node.breaker.allow():
                 continue
-            batch = net.Batch(node)
+            batch = Batch(node)
             batch.add(None, b"CLUSTER", b"SLOTS")
-            net.run([batch], monotonic() + self._timeout_s, 0.0)
+            run_batches([batch], monotonic() + self._config.timeout_s, 0.0)
             if batch.error is not None or not batch.replies:
                 continue
             try:
-                ranges = net.parse_cluster_slots(batch.replies[0], seed_host)
+                ranges = parse_cluster_slots(batch.replies[0], seed_host)
             except WireError as exc:
                 log.warning("redis tier %s: %s", self.name, exc)
                 continue
-            slots: list[net.Node | None] = [None] * net.CLUSTER_SLOTS
+            slots: list[Node | None] = [None] * CLUSTER_SLOTS
             for first, last, host, port in ranges:
-                owner = self.node(host, port)
-                for slot in range(max(first, 0), min(last, net.CLUSTER_SLOTS - 1) + 1):
+                owner = self._node(self.seed.endpoint.at(host, port))
+                for slot in range(max(first, 0), min(last, CLUSTER_SLOTS - 1) + 1):
                     slots[slot] = owner
             self._slots = slots
             self._stale = False
@@ -223,3 +212,21 @@ class Servers:
             nodes = list(self._nodes.values())
         for node in nodes:
             yield "kvtier_breaker_open", {"tier": self.name, "node": node.name}, float(node.breaker.state)
+
+
+def parse_cluster_slots(reply: Any, seed_host: str) -> list[tuple[int, int, str, int]]:
+    """``CLUSTER SLOTS`` -> [(first_slot, last_slot, primary_host, primary_port)]."""
+    if not isinstance(reply, list):
+        raise WireClosed(f"unexpected CLUSTER SLOTS reply: {reply!r}"[:200])
+    ranges = []
+    for entry in reply:
+        try:
+            first, last, primary = int(entry[0]), int(entry[1]), entry[2]
+            host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+            port = int(primary[1])
+        except (IndexError, TypeError, ValueError, AttributeError):
+            raise WireClosed("malformed CLUSTER SLOTS reply") from None
+        if host in ("", "?"):
+            host = seed_host
+        ranges.append((first, last, host, port))
+    return ranges
