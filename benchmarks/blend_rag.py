@@ -9,7 +9,7 @@ the prefix chains of those earlier prompts); the measured pass then runs, per pr
 * ``full``: full prefill, no cache (the reference for quality);
 * ``prefix``: prefix caching only (kvtier's prefix chains);
 * ``naive``: cached segments re-rotated and concatenated, nothing recomputed (r = 0);
-* ``blend-5`` .. ``blend-30``: blending, recomputing r = 5, 10, 15, 30 % of the reused tokens.
+* ``blend-5`` .. ``blend-50``: blending, recomputing r = 5, 10, 15, 30, 50 % of the reused tokens.
 
 TTFT is the prefill up to the first token's logits (retrieve + compute), measured in the same process for
 every method, methods in a rotating order per prompt; speed-ups are medians of per-prompt ratios. Quality
@@ -45,7 +45,7 @@ from kvtier.models import load_model
 from kvtier.server.segments import Segmenter
 
 SYSTEM = "Answer the question using only the documents provided."
-RATIOS = (0.05, 0.10, 0.15, 0.30)
+RATIOS = (0.05, 0.10, 0.15, 0.30, 0.50)
 DEFAULT_RATIO = BlendConfig().recompute_ratio
 TARGET_SPEEDUP, TARGET_TOP1 = 2.0, 0.95
 
