@@ -23,6 +23,10 @@ from kvtier.server.protocol import ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
+#: Chat requests with more messages get no segments: finding message boundaries renders the template once per
+#: message, a cost quadratic in the count that a hostile request could otherwise choose.
+MAX_SEGMENT_MESSAGES = 64
+
 
 class NoSegments:
     """The segmenter of a server that does not blend: no request has segments."""
@@ -53,6 +57,9 @@ class Segmenter:
 
     def chat(self, messages: list[dict[str, str]], prompt_ids: list[int]) -> tuple[Span, ...]:
         """Spans of every message but the last in ``prompt_ids``, the chat template's rendering of them."""
+        if len(messages) > MAX_SEGMENT_MESSAGES:
+            log.debug("%d messages (more than %d): no segments", len(messages), MAX_SEGMENT_MESSAGES)
+            return ()
         render = self.tokenizer.apply_chat_template
         texts = [render(messages[:i], tokenize=False) for i in range(1, len(messages))]
         full = render(messages, add_generation_prompt=True, tokenize=False)

@@ -59,6 +59,15 @@ def test_a_template_that_rewrites_earlier_turns_gives_no_segments(tokenizer):
     assert Segmenter(rewriting).chat(msgs, ids) == ()
 
 
+def test_a_chat_of_too_many_messages_gives_no_segments(tokenizer):
+    from kvtier.server.segments import MAX_SEGMENT_MESSAGES
+
+    many = messages(*[DOC_A] * MAX_SEGMENT_MESSAGES, question="q")  # 66 messages
+    assert Segmenter(tokenizer).chat(many, chat_ids(tokenizer, many)) == ()
+    fewer = many[:MAX_SEGMENT_MESSAGES - 1] + many[-1:]
+    assert len(Segmenter(tokenizer).chat(fewer, chat_ids(tokenizer, fewer))) == MAX_SEGMENT_MESSAGES - 1
+
+
 def test_text_prompts_split_at_the_separator_and_token_prompts_not_at_all(tokenizer):
     text = f"{DOC_A}\n\n{DOC_B}\n\nwhich rivers"
     ids = tokenizer.encode(text)
