@@ -48,6 +48,8 @@ class BlendConfig:
     ``base_position``: the position segments are computed at when cached (part of their key).
     """
 
+    #: 0.15: the largest r measured (benchmarks/blend_rag.py, README) that keeps TTFT at least 2x shorter than
+    #: prefix caching alone.
     recompute_ratio: float = 0.15
     check_layer: int = 1
     max_deviation: float = 0.5
