@@ -56,7 +56,8 @@ def check_spans(spans: Sequence[Span], n_tokens: int) -> list[Span]:
 
 
 class BlendedLM(PrefixCachedLM):
-    """Greedy generation reusing cached prefixes and cached segments wherever they sit in the prompt."""
+    """Generation (as PrefixCachedLM: greedy or sampled) reusing cached prefixes and cached segments wherever they
+    sit in the prompt."""
 
     def __init__(self, model, cache: KVCache, config: BlendConfig | None = None) -> None:
         super().__init__(model, cache)
