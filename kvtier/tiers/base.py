@@ -92,9 +92,10 @@ class Flushable(Protocol):
     def flush(self) -> None: ...
 
 
-def stats_gauges(tier: Tier) -> Iterator[tuple[str, dict[str, str], float]]:
-    """The gauges every tier exports from its ``stats()``: used bytes, capacity and entries."""
-    stats = tier.stats()
+def stats_gauges(tier: Tier, stats: TierStats | None = None) -> Iterator[tuple[str, dict[str, str], float]]:
+    """The gauges every tier exports from its ``stats()`` (or from ``stats`` it already has): used bytes,
+    capacity and entries."""
+    stats = tier.stats() if stats is None else stats
     labels = {"tier": tier.name}
     yield "kvtier_tier_used_bytes", labels, stats.used_bytes
     yield "kvtier_tier_capacity_bytes", labels, stats.capacity_bytes

@@ -1,8 +1,9 @@
-"""Host-RAM tier: one preallocated buffer, views handed out, eviction through a policy.
+"""Memory tier: one preallocated buffer, views handed out, eviction through a policy.
 
-The buffer is allocated (and its pages touched) once at start, pinned when CUDA is available so host<->GPU
-copies can be asynchronous. A chunk is written straight into its slot (``Payload.write_into``) and read as a
-view of its slot: one copy in, one copy out, no per-chunk allocation of bytes.
+The buffer is allocated (and its pages touched) once at start, in host RAM (pinned when CUDA is available so
+host<->GPU copies can be asynchronous) or, with ``device: cuda:N``, in a GPU's spare memory (slab.py). A chunk
+is written straight into its slot (``Payload.write_into``) and read as a view of its slot: one copy in, one
+copy out, no per-chunk allocation of bytes (a GPU buffer adds a host copy each way).
 
 The buffer is private to the process, so blobs here are stored unsealed and read without checksum
 (``verifies = False``); their headers and token ids are still checked by the cache.
@@ -14,8 +15,6 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import torch
 
 from kvtier.codecs import Payload, get_codec
 from kvtier.keys import ChunkHash
@@ -29,6 +28,7 @@ from kvtier.tiers.base import (
     register_tier,
     stats_gauges,
 )
+from kvtier.tiers.slab import check_device, make_slab
 
 
 class _Entry:
@@ -49,11 +49,8 @@ class MemoryTier:
         self._policy = make_policy(config.policy)
         self._metrics = ctx.metrics
         self._alloc = Allocator(config.capacity_bytes, align=64)  # blob payloads start 64-byte aligned
-        # pinned host memory lets host<->GPU copies run asynchronously; it needs CUDA to exist
-        self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        if config.prefault:
-            self._buffer.zero_()  # fault the pages in now, not on the first stores
-        self._view = memoryview(self._buffer.numpy()) if self._alloc.capacity else memoryview(b"")
+        self._slab = make_slab(self._alloc.capacity, config.device, config.prefault)
+        self._buffer = self._slab.buffer
         self._entries: dict[ChunkHash, _Entry] = {}
         self._lock = threading.Lock()
         self._on_evict: EvictionListener | None = None
@@ -78,7 +75,7 @@ class MemoryTier:
                 entry.pins += 1
                 pinned.append(entry)
                 self._policy.on_access(key)
-                views.append(self._view[entry.offset : entry.offset + entry.nbytes])
+                views.append(self._slab.read(entry.offset, entry.nbytes))
         try:
             yield views
         finally:
@@ -124,7 +121,7 @@ class MemoryTier:
                 self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="full_of_pinned")
                 return False
         try:
-            payload.write_into(self._view[offset : offset + nbytes])
+            self._slab.write(offset, payload)
         except BaseException:
             with self._lock:
                 self._alloc.free(offset, nbytes)
@@ -146,7 +143,7 @@ class MemoryTier:
                 return None
             entry = self._entries[victim]
             if self._on_evict is not None:
-                self._on_evict(victim, self._view[entry.offset : entry.offset + entry.nbytes])
+                self._on_evict(victim, self._slab.read(entry.offset, entry.nbytes))
             self._remove(victim)
             self._metrics.inc("kvtier_evictions_total", tier=self.name)
         return offset
@@ -165,13 +162,19 @@ class MemoryTier:
 @register_tier
 @dataclass(frozen=True)
 class MemoryTierConfig(TierConfig):
-    """``capacity_bytes``: hard limit of the host buffer; ``policy``: eviction policy name; ``prefault``: touch
-    every page of the buffer at start (off only where start-up time matters more, as in tests)."""
+    """``capacity_bytes``: hard limit of the buffer; ``policy``: eviction policy name; ``prefault``: touch
+    every page of the buffer at start (off only where start-up time matters more, as in tests); ``device``:
+    ``cpu`` (host RAM) or ``cuda:N`` (a GPU's spare memory)."""
 
     kind = "memory"
     capacity_bytes: int = 1 << 30
     policy: str = "lru"
     prefault: bool = True
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_device(self.device)
 
     def build(self, ctx: TierContext) -> MemoryTier:
         return MemoryTier(self, ctx)
