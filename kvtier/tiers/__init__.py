@@ -3,6 +3,7 @@ config class in ``TIER_KINDS``."""
 
 from kvtier.tiers.base import (
     TIER_KINDS,
+    ChainOrdered,
     EvictionListener,
     EvictionReporter,
     Flushable,
@@ -20,7 +21,8 @@ from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierConfig  # the engine
 from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is imported only when a tier is built
 
 __all__ = [
-    "TIER_KINDS", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter", "Flushable", "MemoryTier",
-    "MemoryTierConfig", "MooncakeTier", "MooncakeTierConfig", "RedisTier", "RedisTierConfig", "Tier", "TierConfig",
+    "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter",
+    "Flushable", "MemoryTier", "MemoryTierConfig", "MooncakeTier", "MooncakeTierConfig", "RedisTier",
+    "RedisTierConfig", "Tier", "TierConfig",
     "TierContext", "TierStats", "WriteMode", "register_tier", "stats_gauges",
 ]

@@ -82,6 +82,17 @@ class EvictionReporter(Protocol):
 
 
 @runtime_checkable
+class ChainOrdered(Protocol):
+    """Optional capability: a tier whose eviction policy learns each request's chain (kvtier/policy/base.py,
+    ``on_chain``). KVCache calls ``order_chain`` once a request is done with the tier: after a retrieve with
+    the prefix it loaded (or promoted), after a store with the prompt's chunks, root first. Keys the tier
+    does not hold are ignored; no chunk is read or written (the disk tier records the order in its files'
+    mtimes)."""
+
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None: ...
+
+
+@runtime_checkable
 class Flushable(Protocol):
     """Optional capability: a tier that writes in the background.
 

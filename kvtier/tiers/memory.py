@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvtier.codecs import Payload, get_codec
 from kvtier.keys import ChunkHash
-from kvtier.policy import make_policy
+from kvtier.policy import DEFAULT_POLICY, make_policy
 from kvtier.tiers.allocator import Allocator
 from kvtier.tiers.base import (
     EvictionListener,
@@ -39,7 +39,7 @@ class _Entry:
 
 
 class MemoryTier:
-    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter``."""
+    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter`` and ``ChainOrdered``."""
 
     verifies = False
 
@@ -74,8 +74,10 @@ class MemoryTier:
                     continue
                 entry.pins += 1
                 pinned.append(entry)
-                self._policy.on_access(key)
                 views.append(self._slab.read(entry.offset, entry.nbytes))
+            for key, view in zip(reversed(keys), reversed(views)):  # deepest chunk first (policy/base.py)
+                if view is not None:
+                    self._policy.on_access(key)
         try:
             yield views
         finally:
@@ -86,7 +88,8 @@ class MemoryTier:
                         self._alloc.free(entry.offset, entry.nbytes)
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
-        return [self._put_one(key, payload) for key, payload in items]
+        """Stores a batch deepest chunk first, so the policy learns a chain from its end (policy/base.py)."""
+        return [self._put_one(key, payload) for key, payload in reversed(items)][::-1]
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
         with self._lock:
@@ -100,6 +103,11 @@ class MemoryTier:
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+
+    # -- ChainOrdered ---------------------------------------------------------------------------------------
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        with self._lock:
+            self._policy.on_chain(keys)
 
     # -- EvictionReporter ----------------------------------------------------------------------------------
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
@@ -168,7 +176,7 @@ class MemoryTierConfig(TierConfig):
 
     kind = "memory"
     capacity_bytes: int = 1 << 30
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     prefault: bool = True
     device: str = "cpu"
 
