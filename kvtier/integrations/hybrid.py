@@ -28,7 +28,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
-from kvtier.integrations.transformers import GenerationStats, PrefixCachedLM
+from kvtier.integrations.transformers import GenerationStats, Prefill, PrefixCachedLM
 from kvtier.layout import KVSpec
 from kvtier.state import ModelStateSpec, StateKind, StateSpec
 from kvtier.state_cache import PrefixState, Snapshot
@@ -174,18 +174,18 @@ class StatefulPrefixCachedLM(PrefixCachedLM):
         stats.retrieve_s = time.perf_counter() - start
         return self.layout.restore(self.model, prefix), prefix.tokens
 
-    def _prefill(self, prompt: list[int], start: int, past: DynamicCache) -> torch.Tensor:
+    def _prefill_rest(self, prompt: list[int], start: int, past: DynamicCache) -> torch.Tensor:
         """Compute ``prompt[start:]`` segment by segment, each ending at a chunk boundary (or the prompt's end),
-        snapshotting the state at the boundaries the snapshot policy picks."""
+        snapshotting the state at the boundaries the snapshot policy picks; the next-token logits."""
         size = self.chunk_size
         wanted = set(self._snapshot_boundaries(start // size, len(prompt)))
         ends = [*range((start // size + 1) * size, len(prompt), size), len(prompt)]
         logits = None
         for begin, end in zip([start, *ends[:-1]], ends):
-            logits = self._forward(prompt[begin:end], begin, past, last_only=True)
+            logits = self._run(prompt[begin:end], begin, past, last_only=True)
             if end % size == 0 and end // size in wanted and isinstance(past, SnapshottingCache):
                 past.snapshots[end // size] = self.layout.snapshot(past)
-        return logits
+        return logits[0, -1]
 
     def _snapshot_boundaries(self, cached: int, prompt_tokens: int) -> list[int]:
         if self.cache is None:
@@ -193,9 +193,9 @@ class StatefulPrefixCachedLM(PrefixCachedLM):
         return self.cache.config.state_snapshots.boundaries(cached, prompt_tokens, self.chunk_size)
 
     def _decode(self, token: int, position: int, past: DynamicCache) -> torch.Tensor:
-        return self._forward([token], position, past, last_only=False)
+        return self._run([token], position, past, last_only=False)
 
-    def _forward(self, ids: list[int], position: int, past: DynamicCache, *, last_only: bool) -> torch.Tensor:
+    def _run(self, ids: list[int], position: int, past: DynamicCache, *, last_only: bool) -> torch.Tensor:
         kwargs = {self.layout.cache_arg: past}
         if self.layout.takes_positions:
             kwargs["position_ids"] = torch.arange(position, position + len(ids), device=self.device)[None]
@@ -203,10 +203,11 @@ class StatefulPrefixCachedLM(PrefixCachedLM):
             kwargs["logits_to_keep"] = 1
         return self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, **kwargs).logits
 
-    def _store(self, prompt: list[int], past: DynamicCache, salt: bytes, stats: GenerationStats) -> None:
+    def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats) -> None:
         if self.cache is None:
             return
         start = time.perf_counter()
+        past = prefill.past
         if self.layout.attention:
             self.cache.store(prompt, _LayoutSource(self.layout, past), salt=salt)
         snapshots = getattr(past, "snapshots", {})

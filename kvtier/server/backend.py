@@ -2,7 +2,8 @@
 
 ``Backend.from_config`` loads a transformers model from a local folder (by default the packaged
 SmolLM2-135M-Instruct) and wraps it in a PrefixCachedLM over a KVCache built from ``CacheConfig``, or over
-no cache at all (``cache=None``: the same server without kvtier, the baseline for comparisons).
+no cache at all (``cache=None``: the same server without kvtier, the baseline for comparisons). With
+``blend`` set it is a BlendedLM, which also reuses cached segments (chat messages, separated passages).
 """
 
 from __future__ import annotations
@@ -14,17 +15,22 @@ from pathlib import Path
 from kvtier.cache import KVCache
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
-from kvtier.integrations.transformers import cache_spec, model_identity, prefix_cached_lm
+from kvtier.integrations.blend import BlendConfig, BlendedLM
+from kvtier.integrations.transformers import PrefixCachedLM, cache_spec, model_identity, prefix_cached_lm
 from kvtier.metrics import Metrics
 from kvtier.server.body import DEFAULT_MAX_BODY_BYTES
 from kvtier.server.engine import Engine
 from kvtier.server.prompts import encode_within
 from kvtier.server.protocol import RequestError
+from kvtier.server.segments import NoSegments, Segmenter
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How ``kvtier serve`` runs. ``cache=None`` serves without kvtier; ``model_path=None`` is SmolLM2."""
+    """How ``kvtier serve`` runs. ``cache=None`` serves without kvtier; ``model_path=None`` is SmolLM2.
+
+    ``blend`` (needs a cache) turns on reuse of cached segments; ``blend_separator`` splits text prompts.
+    """
 
     model_path: Path | None = None
     served_name: str | None = None
@@ -33,6 +39,12 @@ class ServerConfig:
     default_max_tokens: int = 256
     dtype: str = "float32"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  #: larger request bodies get 413 before they are read
+    blend: BlendConfig | None = None
+    blend_separator: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.blend is not None and self.cache is None:
+            raise ConfigError("blending reuses cached segments: it needs the cache (drop --no-cache)")
 
 
 def tenant_salt(api_key: str | None) -> bytes:
@@ -55,13 +67,23 @@ class Backend:
         self.cache = (KVCache(cache_spec(model), model_identity(model), config.cache)
                       if config.cache is not None else None)
         self.metrics = self.cache.metrics if self.cache is not None else Metrics()
-        self.lm = prefix_cached_lm(model, self.cache)
+        try:
+            self.lm, self.segmenter = self._generator(model, tokenizer, config)
+        except BaseException:  # e.g. --blend with a model it does not support: the cache's tiers are ours to close
+            self._close_cache()
+            raise
         self.engine = Engine(self.lm, self.metrics, max_queue=config.max_queue)
         text_config = model.config.get_text_config(decoder=True)
         self.context = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
         self.vocab_size = int(text_config.vocab_size)
         self.stop_ids = sorted({i for i in (tokenizer.eos_token_id, _token_id(tokenizer, "<|im_end|>"))
                                 if i is not None})
+
+    def _generator(self, model, tokenizer, config: ServerConfig) -> tuple[PrefixCachedLM, Segmenter | NoSegments]:
+        """The generator (BlendedLM with ``blend``; else prefix_cached_lm's pick) and its prompt segmenter."""
+        if config.blend is not None and self.cache is not None:
+            return BlendedLM(model, self.cache, config.blend), Segmenter(tokenizer, config.blend_separator)
+        return prefix_cached_lm(model, self.cache), NoSegments()
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> Backend:
@@ -73,6 +95,9 @@ class Backend:
 
     def close(self) -> None:
         self.engine.close()
+        self._close_cache()
+
+    def _close_cache(self) -> None:
         if self.cache is not None:
             self.cache.close()
 

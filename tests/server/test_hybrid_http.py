@@ -82,3 +82,17 @@ def test_prompt_shorter_than_a_chunk(client):
     assert first["usage"]["prompt_tokens"] < 16
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_blend_refuses_models_with_ssm_layers(model_dir):
+    """A passage cached alone has KV but no SSM state to continue from: ``--blend`` says so at start."""
+    from kvtier.config import CacheConfig
+    from kvtier.errors import ConfigError
+    from kvtier.segments import BlendConfig
+    from kvtier.server.backend import Backend, ServerConfig
+    from kvtier.tiers import MemoryTierConfig
+
+    cache = CacheConfig(chunk_size=16, tiers=(MemoryTierConfig(capacity_bytes=4 << 20),))
+    config = ServerConfig(model_path=model_dir, served_name="tiny", cache=cache, blend=BlendConfig())
+    with pytest.raises(ConfigError, match="blending supports attention-only models.*SSM layers"):
+        Backend.from_config(config)
