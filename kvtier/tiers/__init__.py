@@ -6,6 +6,10 @@ from kvtier.tiers.base import (
     EvictionListener,
     EvictionReporter,
     Flushable,
+    Listable,
+    RemovalListener,
+    RemovalReporter,
+    SharedStore,
     Tier,
     TierConfig,
     TierContext,
@@ -19,7 +23,8 @@ from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
 from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is imported only when a tier is built
 
 __all__ = [
-    "TIER_KINDS", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter", "Flushable", "MemoryTier",
-    "MemoryTierConfig", "RedisTier", "RedisTierConfig", "Tier", "TierConfig", "TierContext", "TierStats",
+    "TIER_KINDS", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter", "Flushable", "Listable",
+    "MemoryTier", "MemoryTierConfig", "RedisTier", "RedisTierConfig", "RemovalListener", "RemovalReporter",
+    "SharedStore", "Tier", "TierConfig", "TierContext", "TierStats",
     "WriteMode", "register_tier", "stats_gauges",
 ]

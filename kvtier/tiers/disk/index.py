@@ -8,6 +8,9 @@ stored again is unlinked before it is rewritten, never after.
 An entry is *pending* from ``reserve`` until its writer ``publish``-es it: it counts against the capacity
 and a second store of the key is a no-op, but it is not visible (``contains`` False, ``pin`` skips it), so a
 chunk is visible only once its file is complete.
+
+Every entry that leaves the index (evicted, deleted, forgotten, or a queued store abandoned) is reported to
+``on_drop`` (the tier's RemovalReporter listener), under the index lock.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.policy import EvictionPolicy
-from kvtier.tiers.base import TierStats
+from kvtier.tiers.base import RemovalListener, TierStats
 
 class Declined(enum.Enum):
     """Why ``reserve`` started no new store. PRESENT means nothing is needed (the key is stored or queued); the
@@ -73,6 +76,7 @@ class DiskIndex:
         self.queued = 0  #: pending stores not yet published or abandoned
         self.closed = False  #: no more file operations are submitted
         self._metrics, self._name = metrics, name
+        self.on_drop: RemovalListener | None = None  #: told of every key that leaves the index
 
     # -- queries -------------------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
@@ -102,6 +106,11 @@ class DiskIndex:
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(self.used, self.capacity, len(self._entries))
+
+    def keys(self) -> list[ChunkHash]:
+        """Stored and queued keys (a queued store that fails is reported to ``on_drop``)."""
+        with self._lock:
+            return list(self._entries)
 
     # -- stores --------------------------------------------------------------------------------------------
     def reserve(self, key: ChunkHash, nbytes: int) -> Pending | Declined:
@@ -150,6 +159,7 @@ class DiskIndex:
             if entry is not None and entry.pending is job:
                 del self._entries[job.key]
                 self.used -= entry.nbytes
+                self._report(job.key)
 
     # -- removals ------------------------------------------------------------------------------------------
     def remove(self, keys: Sequence[ChunkHash]) -> None:
@@ -198,3 +208,8 @@ class DiskIndex:
             self._policy.on_remove(key)
         if unlink and not self.closed:
             self._submit_unlink(key)
+        self._report(key)
+
+    def _report(self, key: ChunkHash) -> None:
+        if self.on_drop is not None and not self.closed:
+            self.on_drop(key)
