@@ -1,0 +1,1 @@
+"""Routing requests to replicas by what they cache and how loaded they are (see ``scoring``)."""
