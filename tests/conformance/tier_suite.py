@@ -2,7 +2,8 @@
 
 Subclass ``TierConformance`` in a test module and implement ``make_tier``; pytest collects the inherited
 tests. A tier that evicts by itself to stay under its capacity subclasses ``EvictingTierConformance`` instead;
-one that reports evictions (to feed a write-back tier) also mixes in ``EvictionListenerConformance``. A shared
+one that reports evictions (to feed a write-back tier) also mixes in ``EvictionListenerConformance``, and one
+that reports removals and lists its keys (for the cache's event stream) ``RemovalListenerConformance``. A shared
 store whose server does the evicting (Redis with maxmemory) stays with the base class.
 """
 
@@ -221,3 +222,23 @@ class EvictionListenerConformance:
         tier.set_eviction_listener(lambda k, b: seen.__setitem__(bytes(k), bytes(b)))
         self._put(tier, [0, 1, 2])
         assert seen == {key(0): blob(0, seal=tier.verifies)}
+
+
+class RemovalListenerConformance:
+    """Mix in (with EvictingTierConformance) for tiers that are RemovalReporter and Listable: every key that
+    leaves is reported once, and the listing matches what is held."""
+
+    def test_removals_are_reported_and_listing_matches(self, new_tier):
+        tier = new_tier(3 * BLOB_BYTES + 100)
+        gone: list[bytes] = []
+        tier.set_removal_listener(lambda k: gone.append(bytes(k)))
+        self._put(tier, [0, 1, 2])
+        assert sorted(tier.list_keys()) == sorted([key(0), key(1), key(2)])
+        self._put(tier, [3])  # evicts 0, the least recently used
+        tier.delete([key(2), key(42)])
+        self.settle(tier)
+        assert gone == [key(0), key(2)]
+        assert sorted(tier.list_keys()) == sorted([key(1), key(3)])
+        tier.set_removal_listener(None)
+        tier.delete([key(1)])
+        assert gone == [key(0), key(2)]
