@@ -153,9 +153,8 @@ class FleetIndex:
         precise = replica in self._holdings and self._holdings[replica].synced
         recent.add(keys, self.in_flight_ttl_s if precise else self.recent_ttl_s)
 
-    def forget(self, replica: str) -> None:
-        """Drop everything known about ``replica`` (it restarted without its cache, or left)."""
-        self._holdings.pop(replica, None)
+    def restarted(self, replica: str) -> None:
+        """``replica`` restarted: what the router sent it before says nothing of what it holds now."""
         self._recent.pop(replica, None)
 
     def cached(self, replica: str, keys: Sequence[ChunkHash]) -> dict[str, int]:

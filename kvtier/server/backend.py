@@ -7,7 +7,6 @@ no cache at all (``cache=None``: the same server without kvtier, the baseline fo
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_iden
 from kvtier.metrics import Metrics
 from kvtier.server.engine import Engine
 from kvtier.server.protocol import RequestError
+from kvtier.tenants import tenant_salt  # noqa: F401  (re-exported: app.py and others import it from here)
 
 
 @dataclass(frozen=True)
@@ -30,16 +30,6 @@ class ServerConfig:
     max_queue: int = 16
     default_max_tokens: int = 256
     dtype: str = "float32"
-
-
-def tenant_salt(api_key: str | None) -> bytes:
-    """The cache salt of a caller: a digest of its API key (empty for callers without one).
-
-    Derived from the Authorization header only, so one tenant can never name another's cache entries.
-    """
-    if not api_key:
-        return b""
-    return hashlib.sha256(b"kvtier-tenant\x00" + api_key.encode()).digest()
 
 
 class Backend:
