@@ -22,13 +22,13 @@ SESSION_HEADER = "x-session-id"
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     stream: bool = False
     user: str | None = None

@@ -183,10 +183,14 @@ class Router:
             keys.append(replica_keys)
             cached.append({tier: n * namespace.chunk_size for tier, n in chunks.items()} if namespace else {})
         views = [replica.view(c) for replica, c in zip(candidates, cached)]
-        request = RouteRequest(len(ids or ()), record_keys[0] if record_keys else b"", parsed.session)
+        first = next((k[0] for k in keys if k), record_keys[0] if record_keys else b"")  # a new prefix's home
+        request = RouteRequest(len(ids or ()), first, parsed.session)
         decision = self.policy.decide(request, views)
         i = decision.replica
-        return Plan(candidates[i], decision.reason, keys[i], sum(cached[i].values()))
+        namespace = candidates[i].namespace(self.record)
+        # a replica computes at least the prompt's last token, so it uses no more than the chunks before it
+        usable = (len(ids or ()) - 1) // namespace.chunk_size * namespace.chunk_size if namespace else 0
+        return Plan(candidates[i], decision.reason, keys[i], min(sum(cached[i].values()), max(usable, 0)))
 
     @staticmethod
     def _keys(namespace: Namespace, ids: list[int] | None, salt: bytes,
