@@ -9,8 +9,12 @@
   pipelined SET of the already encoded values.
 * lookup: ``KVCache.lookup`` of a 128k-token prompt whose 512 chunks are all in the store (hash 128k tokens,
   one pipelined EXISTS per chunk).
+* clients: the tier's hand-written RESP path (``tier.get``) against the two maintained clients it could use
+  instead, on the same values: redis-py with hiredis (pipelined GET/SET) and valkey-glide (its Rust core,
+  sync client, non-atomic Batch of GET/SET), when ``valkey-glide-sync`` is installed.
 
-Starts its own redis-server on a unix socket (persistence off) unless ``--url`` is given. Ratios are
+Starts its own redis-server (persistence off) on a loopback TCP port, which every client uses (valkey-glide
+speaks TCP only), unless ``--url`` is given. Ratios are
 throughput through kvtier / raw throughput (higher is better; the target is >= 0.8), from the best of
 interleaved repetitions on both sides (on a shared machine, interference only adds time); medians are printed
 too. Lookup is the median over a numpy token array and over a Python list. Last line: ``RESULT {json}``.
@@ -39,7 +43,7 @@ MiB = 1 << 20
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", help="an existing server (default: start one on a unix socket)")
+    ap.add_argument("--url", help="an existing server, redis://host:port (default: start one on a loopback port)")
     ap.add_argument("--prefix-mib", type=int, default=512)
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--part-mib", type=int, default=8, help="the tier's max_part_bytes")
@@ -53,10 +57,11 @@ def main() -> int:
     server = None
     url = args.url
     if url is None:
+        from kvtier.net.ports import free_port
         from tests.redis_server import RedisServer
 
-        server = RedisServer(maxmemory="3gb").start()
-        url = server.url
+        server = RedisServer(port=free_port(), maxmemory="4gb").start()
+        url = server.tcp_url
     try:
         figures = run(args, url, redis)
         figures["hiredis"] = bool(redis.utils.HIREDIS_AVAILABLE)
@@ -120,6 +125,21 @@ def run(args: argparse.Namespace, url: str, redis) -> dict:
     def clear_raw() -> None:
         client.unlink(*raw_keys)
 
+    glide = glide_client(url)
+
+    def glide_set() -> None:
+        batch = glide.Batch(is_atomic=False)
+        for k, v in zip(raw_keys, values):
+            batch.set(k, v)
+        glide.client.exec(batch, raise_on_error=True)
+
+    def glide_get() -> None:
+        batch = glide.Batch(is_atomic=False)
+        for k in raw_keys:
+            batch.get(k)
+        got = glide.client.exec(batch, raise_on_error=True)
+        assert len(got[-1]) == len(values[-1])
+
     def clear_tier() -> None:
         tier.delete(keys)
 
@@ -133,6 +153,11 @@ def run(args: argparse.Namespace, url: str, redis) -> dict:
     runs = [("raw GET (redis-py)", "raw_get", raw_get, None), ("retrieve (KVCache)", "kv_retrieve", kv_retrieve, None),
             ("get (tier alone)", "tier_get", tier_get, None), ("raw SET (redis-py)", "raw_set", raw_set, clear_raw),
             ("store (KVCache)", "kv_store", kv_store, clear_tier)]
+    if glide is not None:
+        glide_set()
+        glide_get()
+        runs += [("raw GET (valkey-glide)", "glide_get", glide_get, None),
+                 ("raw SET (valkey-glide)", "glide_set", glide_set, clear_raw)]
     times: dict[str, list[float]] = {key: [] for _, key, _, _ in runs}
     for _ in range(args.reps):  # interleaved, so both sides see the same machine load
         for _label, key, fn, setup in runs:
@@ -144,6 +169,8 @@ def run(args: argparse.Namespace, url: str, redis) -> dict:
     clear_raw()
     clear_tier()
     cache.close()
+    if glide is not None:
+        glide.client.close()
 
     lookup_ms = lookup_latency(url, args.lookup_tokens, chunk)
     return {
@@ -152,6 +179,7 @@ def run(args: argparse.Namespace, url: str, redis) -> dict:
         "lookup_128k_ms": lookup_ms["array"],
         "lookup_128k_list_ms": lookup_ms["list"],
         "tier_get_vs_raw": gbps["tier_get"] / gbps["raw_get"],
+        **client_ratios(gbps),
         "retrieve_gbps": gbps["kv_retrieve"],
         "raw_get_gbps": gbps["raw_get"],
         "store_gbps": gbps["kv_store"],
@@ -162,6 +190,37 @@ def run(args: argparse.Namespace, url: str, redis) -> dict:
         "reps": args.reps,
         "path": "KVCache with a redis tier only (tier_get_vs_raw: RedisTier.get alone)",
     }
+
+
+class _Glide:
+    def __init__(self, client, batch_cls) -> None:
+        self.client, self.Batch = client, batch_cls
+
+
+def glide_client(url: str) -> _Glide | None:
+    """A valkey-glide sync client on the server of ``url`` (TCP), or None when glide is not installed."""
+    try:
+        from glide_sync import Batch, GlideClient, GlideClientConfiguration, NodeAddress
+    except ImportError:
+        print("valkey-glide-sync is not installed: no glide figures (pip install valkey-glide-sync)")
+        return None
+    from urllib.parse import urlparse
+
+    where = urlparse(url)
+    config = GlideClientConfiguration([NodeAddress(where.hostname, where.port)], request_timeout=60_000)
+    return _Glide(GlideClient.create(config), Batch)
+
+
+def client_ratios(gbps: dict[str, float]) -> dict[str, float]:
+    """The hand-written RESP path (tier get) and KVCache store against each maintained client."""
+    out = {"tier_get_vs_redis_py": gbps["tier_get"] / gbps["raw_get"]}
+    if "glide_get" in gbps:
+        out.update(tier_get_vs_glide=gbps["tier_get"] / gbps["glide_get"],
+                   glide_get_vs_redis_py=gbps["glide_get"] / gbps["raw_get"],
+                   glide_set_vs_redis_py=gbps["glide_set"] / gbps["raw_set"],
+                   store_vs_glide=gbps["kv_store"] / gbps["glide_set"],
+                   glide_get_gbps=gbps["glide_get"], glide_set_gbps=gbps["glide_set"])
+    return out
 
 
 def lookup_latency(url: str, n_tokens: int, chunk: int) -> dict[str, float]:

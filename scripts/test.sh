@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+source scripts/python-env.sh
+exec "$PY" -m pytest -q "$@"

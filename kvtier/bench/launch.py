@@ -22,17 +22,19 @@ from kvtier.net.ports import free_port
 
 
 class ServeProcess:
-    """One ``kvtier serve`` process on a free loopback port, its output in ``<log_dir>/serve-<label>.log``."""
+    """One ``kvtier serve`` process on a free loopback port, its output in ``<log_dir>/serve-<label>.log``;
+    ``src`` runs another checkout's kvtier instead of the one imported here (e.g. to compare with main)."""
 
-    def __init__(self, label: str, args: Sequence[str], log_dir: Path) -> None:
+    def __init__(self, label: str, args: Sequence[str], log_dir: Path, src: Path | None = None) -> None:
         port = free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"serve-{label}.log"
         self.target = Target(label, f"http://127.0.0.1:{port}")
         cmd = [sys.executable, "-m", "kvtier", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "warning", *args]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        env = os.environ.copy() if src is None else {**os.environ, "PYTHONPATH": str(src)}
+        with open(self.log_path, "wb") as log:  # `-m` imports from the working directory first: run in src
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src)
 
     def wait_healthy(self, timeout_s: float) -> Target:
         _wait_healthy(self.proc, self.target, self.log_path, timeout_s)

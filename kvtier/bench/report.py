@@ -64,26 +64,40 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:,.0f}"
 
 
-def print_tables(runs: list[RunResult]) -> None:
-    """The summary table and, for round-based workloads, TTFT per round with speed-ups over the first target."""
-    from rich.console import Console
-    from rich.table import Table
+#: Widest a table may be: the summary and round tables are laid out to fit it (and 80 columns too).
+TABLE_WIDTH = 100
 
-    console = Console()
-    table = Table(title="kvtier bench: TTFT measured on the client (ms)")
-    for col in ("workload", "target", "ok/sent", "TTFT p50", "p90", "p99", "req/s", "cached prompt"):
-        table.add_column(col, justify="left" if col in ("workload", "target") else "right")
-    for run in runs:
-        s = summarize(run)
-        table.add_row(run.workload, run.target, f"{s['ok']}/{s['requests']}", _ms(s["ttft_p50_s"]),
-                      _ms(s["ttft_p90_s"]), _ms(s["ttft_p99_s"]),
-                      f"{s['requests_per_s']:.2f}" if s["requests_per_s"] else "-", f"{s['cached_share']:.0%}")
-    console.print(table)
+
+def print_tables(runs: list[RunResult], console=None) -> None:
+    """Per workload: the summary table and, for round-based workloads, TTFT per round with speed-ups over the
+    first target. Output that is not a terminal is laid out at TABLE_WIDTH (rich would assume 80)."""
+    import sys
+
+    from rich.console import Console
+
+    if console is None:
+        console = Console() if sys.stdout.isatty() else Console(width=TABLE_WIDTH)
     for workload in dict.fromkeys(r.workload for r in runs):
         group = [r for r in runs if r.workload == workload]
-        if workload == "trace" or len(group) < 1:
-            continue
-        console.print(round_table(group))
+        console.print(summary_table(group))
+        if workload != "trace":
+            console.print(round_table(group))
+
+
+def summary_table(group: list[RunResult]):
+    """One row per target of one workload; the workload is in the title, so no column has to carry it."""
+    from rich.table import Table
+
+    table = Table(title=f"{group[0].workload}: TTFT measured on the client (ms)")
+    table.add_column("target", no_wrap=True)
+    for col in ("ok/sent", "TTFT p50", "p90", "p99", "req/s", "cached prompt"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for run in group:
+        s = summarize(run)
+        table.add_row(run.target, f"{s['ok']}/{s['requests']}", _ms(s["ttft_p50_s"]), _ms(s["ttft_p90_s"]),
+                      _ms(s["ttft_p99_s"]), f"{s['requests_per_s']:.2f}" if s["requests_per_s"] else "-",
+                      f"{s['cached_share']:.0%}")
+    return table
 
 
 def round_table(group: list[RunResult]):
@@ -91,12 +105,12 @@ def round_table(group: list[RunResult]):
     from rich.table import Table
 
     table = Table(title=f"{group[0].workload}: median TTFT per round (ms)")
-    table.add_column("round", justify="right")
-    table.add_column("prompt tokens", justify="right")
+    table.add_column("round", justify="right", no_wrap=True)
+    table.add_column("prompt tokens", justify="right", no_wrap=True)
     for run in group:
-        table.add_column(run.target, justify="right")
+        table.add_column(run.target, justify="right", no_wrap=True)
     if len(group) == 2:
-        table.add_column(f"speed-up ({group[1].target} / {group[0].target})", justify="right")
+        table.add_column(f"speed-up ({group[1].target} / {group[0].target})", justify="right", no_wrap=True)
     by_round = [ttft_by_round(run) for run in group]
     prompts = prompt_by_round(group[0])
     for k in sorted(set().union(*by_round)):

@@ -1,4 +1,5 @@
-"""Runs one workload against one target: times each request, bounds concurrency, shows progress.
+"""Runs one workload against one target: times each request, bounds concurrency, advances the target's row
+of the live display (progress.py).
 
 The server's own ``/metrics`` are scraped before and after, so per-tier cache hits
 (``kvtier_hit_tokens_total{tier=...}``) are reported as the run's difference when the target exposes them.
@@ -13,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
 from kvtier.bench.client import RequestResult, Target, scrape, send, served_model
+from kvtier.bench.progress import TargetRow
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Runner:
     """Sends requests for a workload; ``request`` is what workloads call."""
 
     def __init__(self, client: httpx.AsyncClient, target: Target, model: str, limit: asyncio.Semaphore,
-                 progress: tqdm) -> None:
+                 progress: TargetRow) -> None:
         self.client = client
         self.target = target
         self.model = model
@@ -53,16 +54,14 @@ class Runner:
         else:
             await send(self.client, self.target, path, body, result, self.t0)
         self.results.append(result)
-        self.progress.update(1)
-        if result.ttft_s is not None:
-            self.progress.set_postfix(ttft=f"{result.ttft_s * 1000:.0f}ms", cached=result.cached_tokens)
+        self.progress.advance(result.ttft_s, result.cached_tokens)
         return result
 
 
-async def run_workload(target: Target, workload: str, run: Callable[[Runner], Awaitable[None]], total: int,
-                       concurrency: int = 1, timeout_s: float = 600.0, limit: asyncio.Semaphore | None = None,
-                       position: int = 0) -> RunResult:
-    """Run ``run(runner)`` against ``target`` and collect its RunResult.
+async def run_workload(target: Target, workload: str, run: Callable[[Runner], Awaitable[None]], row: TargetRow,
+                       concurrency: int = 1, timeout_s: float = 600.0,
+                       limit: asyncio.Semaphore | None = None) -> RunResult:
+    """Run ``run(runner)`` against ``target``, advancing ``row`` per request, and collect its RunResult.
 
     ``limit`` (shared between runs that go on at once) replaces the run's own ``concurrency`` bound.
     """
@@ -72,9 +71,8 @@ async def run_workload(target: Target, workload: str, run: Callable[[Runner], Aw
         model = await served_model(client, target)
         before = await scrape(client, target)
         limit = limit if limit is not None else asyncio.Semaphore(max(1, concurrency))
-        with tqdm(total=total, desc=f"{workload} @ {target.label}", unit="req", position=position) as progress:
-            runner = Runner(client, target, model, limit, progress)
-            await run(runner)
+        runner = Runner(client, target, model, limit, row)
+        await run(runner)
         wall = time.perf_counter() - runner.t0
         after = await scrape(client, target)
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()

@@ -6,7 +6,8 @@
   the engine needs the last position's logits) and handed to the model as a ``DynamicCache``;
 * only the remaining tokens are prefilled;
 * the first token is yielded before the prompt's KV is stored, so storing never delays time to first token;
-* decoding is greedy, so outputs with and without the cache are comparable token for token.
+* decoding is greedy by default, so outputs with and without the cache are comparable token for token;
+  ``sampling=SamplingParams(...)`` samples instead (sampling.py), which never changes what is cached.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
+from kvtier.integrations.sampling import GREEDY, Sampler, SamplingParams
 from kvtier.layout import KVSpec
 
 
@@ -85,7 +87,8 @@ class GenerationStats:
 
 
 class PrefixCachedLM:
-    """Greedy generation for one causal LM, reusing prompt prefixes through a KVCache (or none)."""
+    """Generation (greedy unless sampling is asked for) for one causal LM, reusing prompt prefixes through a
+    KVCache (or none)."""
 
     def __init__(self, model: PreTrainedModel, cache: KVCache | None) -> None:
         self.model = model
@@ -97,19 +100,23 @@ class PrefixCachedLM:
         return cls(model, KVCache(kv_spec(model), model_identity(model), config, **kwargs))
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
-                 stop_ids: Sequence[int] = ()) -> GenerationStats:
+                 stop_ids: Sequence[int] = (), sampling: SamplingParams = GREEDY) -> GenerationStats:
         stats = GenerationStats()
-        for _ in self.stream(prompt_ids, max_new_tokens, salt=salt, stop_ids=stop_ids, stats=stats):
+        for _ in self.stream(prompt_ids, max_new_tokens, salt=salt, stop_ids=stop_ids, stats=stats,
+                             sampling=sampling):
             pass
         return stats
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
-               stop_ids: Sequence[int] = (), stats: GenerationStats | None = None) -> Iterator[int]:
+               stop_ids: Sequence[int] = (), stats: GenerationStats | None = None,
+               sampling: SamplingParams = GREEDY) -> Iterator[int]:
         """Yield generated token ids one by one; ``stats`` (if given) is filled in as generation proceeds.
 
-        Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``.
+        Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``. Tokens are chosen
+        by ``sampling`` (greedy by default); the prompt's KV stored in the cache is the same either way.
         """
+        sampler = Sampler(sampling)
         stats = stats if stats is not None else GenerationStats()
         prompt = list(prompt_ids)
         if not prompt:
@@ -121,7 +128,7 @@ class PrefixCachedLM:
         # logits_to_keep=1: the LM head only for the last position (for a 49k vocabulary it would otherwise
         # cost as much as a good part of the prefill).
         logits = self.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1).logits
-        token = int(logits[0, -1].argmax())
+        token = sampler.choose(logits[0, -1])
         stats.ttft_s = time.perf_counter() - begin
         stats.cached_tokens = n_cached
         for step in range(max_new_tokens):
@@ -133,7 +140,7 @@ class PrefixCachedLM:
                 break
             logits = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=past,
                                 use_cache=True).logits
-            token = int(logits[0, -1].argmax())
+            token = sampler.choose(logits[0, -1])
         stats.total_s = time.perf_counter() - begin
 
     def _cached_prefix(self, prompt: list[int], salt: bytes, stats: GenerationStats) -> tuple[DynamicCache, int]:

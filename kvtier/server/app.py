@@ -18,7 +18,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvtier.integrations.sampling import SamplingParams
+from kvtier.metrics import CONTENT_TYPE
 from kvtier.server.backend import Backend, tenant_salt
+from kvtier.server.body import decode_json, read_body
 from kvtier.server.engine import Event, EventKind, Job, Overloaded
 from kvtier.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body, parse
 from kvtier.server.textstream import TextStream
@@ -57,7 +60,7 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(backend.metrics.render_prometheus(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(backend.metrics.render_prometheus(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -77,15 +80,22 @@ def _error(backend: Backend, route: Route, exc: RequestError, headers: dict[str,
 
 async def _generate(backend: Backend, request: Request, route: Route):
     try:
-        req, job = await _prepare(backend, request, route)
-        backend.engine.submit(job)
+        salt = tenant_salt(_api_key(request))
+        raw = await read_body(request, backend.config.max_body_bytes)
+        # Decoding, validation and tokenization cost CPU in proportion to the body: off the event loop, so
+        # /health and other clients' streams go on meanwhile.
+        prepared = await asyncio.to_thread(_prepare, backend, raw, route)
+        job = Job(prepared.prompt_ids, prepared.max_tokens, salt, backend.stop_ids, asyncio.get_running_loop(),
+                  prepared.sampling)
+        text = TextStream(backend.tokenizer, prepared.stops, skip_ids=backend.stop_ids)
+        backend.engine.submit(job)  # last: a request is queued only once nothing about it can fail
     except RequestError as exc:
         return _error(backend, route, exc)
     except Overloaded as exc:
         backend.metrics.inc("kvtier_server_rejected_total", reason="queue_full")
         return _error(backend, route, RequestError(f"server overloaded: {exc}; retry later", 429),
                       headers={"Retry-After": "1"})
-    text = TextStream(backend.tokenizer, req.stop_strings(), skip_ids=backend.stop_ids)
+    req = prepared.request
     rid = ("chatcmpl-" if route.chat else "cmpl-") + uuid.uuid4().hex
     if req.stream:
         body = _sse(backend, route, req, job, text, rid)
@@ -105,24 +115,29 @@ async def _generate(backend: Backend, request: Request, route: Route):
             "choices": [choice], "usage": _usage(job)}
 
 
-async def _prepare(backend: Backend, request: Request, route: Route):
-    salt = tenant_salt(_api_key(request))
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from None
-    if route.chat:
-        req = parse(ChatRequest, body)
-        prompt_ids, limit = backend.chat_prompt(req.template_messages()), req.limit()
-    else:
-        req = parse(CompletionRequest, body)
-        prompt_ids, limit = backend.completion_prompt(req.prompt_value()), req.max_tokens
+@dataclass(frozen=True)
+class Prepared:
+    """A request validated completely: what the engine and the text stream need, nothing left to check."""
+
+    request: ChatRequest | CompletionRequest
+    prompt_ids: list[int]
+    max_tokens: int
+    stops: list[str]
+    sampling: SamplingParams
+
+
+def _prepare(backend: Backend, raw: bytes, route: Route) -> Prepared:
+    """Everything that can refuse a request, cheapest first; runs on a worker thread."""
+    body = decode_json(raw)
+    req = parse(ChatRequest if route.chat else CompletionRequest, body)
     if req.model is not None and req.model != backend.name:
         raise RequestError(f"model {req.model!r} is not served here; this server serves {backend.name!r}", 404,
                            param="model")
-    max_tokens = backend.budget(prompt_ids, limit)
-    job = Job(prompt_ids, max_tokens, salt, backend.stop_ids, asyncio.get_running_loop())
-    return req, job
+    if route.chat:
+        prompt_ids, limit = backend.chat_prompt(req.template_messages()), req.limit()
+    else:
+        prompt_ids, limit = backend.completion_prompt(req.prompt_value()), req.max_tokens
+    return Prepared(req, prompt_ids, backend.budget(prompt_ids, limit), req.stop_strings(), req.sampling())
 
 
 def _api_key(request: Request) -> str | None:

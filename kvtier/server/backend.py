@@ -15,7 +15,9 @@ from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity
 from kvtier.metrics import Metrics
+from kvtier.server.body import DEFAULT_MAX_BODY_BYTES
 from kvtier.server.engine import Engine
+from kvtier.server.prompts import encode_within
 from kvtier.server.protocol import RequestError
 from kvtier.tenants import tenant_salt  # noqa: F401  (re-exported: app.py and others import it from here)
 
@@ -30,6 +32,7 @@ class ServerConfig:
     max_queue: int = 16
     default_max_tokens: int = 256
     dtype: str = "float32"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  #: larger request bodies get 413 before they are read
 
 
 class Backend:
@@ -69,12 +72,12 @@ class Backend:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template: use /v1/completions", param="messages")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_within(lambda part: self.tokenizer.encode(part, add_special_tokens=False), text, self.context)
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt, or the given ids after a range check."""
         if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
+            ids = encode_within(self.tokenizer.encode, prompt, self.context)
             if not ids:
                 raise RequestError("prompt encodes to no tokens", param="prompt")
             return ids

@@ -32,6 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="serve without kvtier (the baseline)")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 429 at once")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens when a request names none")
+    p.add_argument("--max-body", default="8MiB", help="largest request body; larger ones get 413 (default 8MiB)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig(model_path=check_model_path(args.model), served_name=args.served_model_name,
                               cache=cache_config(args), max_queue=args.max_queue,
-                              default_max_tokens=args.max_tokens, dtype=args.dtype)
+                              default_max_tokens=args.max_tokens, dtype=args.dtype,
+                              max_body_bytes=parse_size(args.max_body))
         backend = Backend.from_config(config)
     except ConfigError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)

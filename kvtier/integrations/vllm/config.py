@@ -5,7 +5,11 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
 
 * ``model_id`` names the weights in every chunk key. Default: vLLM's model path plus ``@revision``. Set it
   when several servers load the same weights from different paths and should share a disk or Redis tier.
-* ``socket_dir`` is where each worker listens for the scheduler's lookups (a Unix socket per TP rank).
+* ``socket_dir`` is where each worker listens for the scheduler's lookups (a Unix socket per TP rank, in a
+  folder ``kvtier-<uid>`` inside it that only this user can enter).
+* ``metrics_port``: if set, tensor-parallel rank ``r`` serves its cache's full metrics (histograms included,
+  kvtier's exact names) at ``http://<metrics_host>:<metrics_port + r>/metrics``; ``metrics_host`` defaults
+  to loopback. vLLM's own ``/metrics`` carries the counters and gauges either way (prom.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 
-_OWN_KEYS = ("model_id", "socket_dir")
+_OWN_KEYS = ("model_id", "socket_dir", "metrics_host")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class ConnectorConfig:
     cache: CacheConfig
     model_id: str | None = None
     socket_dir: str = tempfile.gettempdir()
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -34,7 +40,10 @@ class ConnectorConfig:
         for key in own:
             if not isinstance(own[key], str) or not own[key]:
                 raise ConfigError(f"kv_connector_extra_config.{key} must be a non-empty string")
-        return cls(cache=CacheConfig.from_dict(values), **own)
+        port = values.pop("metrics_port", None)
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ConfigError(f"kv_connector_extra_config.metrics_port must be a port number, got {port!r}")
+        return cls(cache=CacheConfig.from_dict(values), metrics_port=port, **own)
 
     def check_block_size(self, block_size: int) -> None:
         """Chunks must be whole vLLM blocks: a chunk is loaded and reported (on failure) block by block."""

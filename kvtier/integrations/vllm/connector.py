@@ -20,16 +20,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
+from kvtier.metrics import MetricsServer
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.lookup import LookupClient, socket_path
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.stats import KVTierStats
+from kvtier.integrations.vllm.prom import KVTierPromMetrics
+from kvtier.integrations.vllm.stats import KVTierStats, MetricsFeed
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -65,6 +68,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.model_id = self.config.model_id or f"{model.model}@{model.revision or 'main'}"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._feed: MetricsFeed | None = None
+        self._metrics_server: MetricsServer | None = None
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 # A kvtier miss or corrupt chunk is always recomputable; failing the request would be wrong.
@@ -86,7 +91,13 @@ class KVTierConnector(KVConnectorBase_V1):
         paged = PagedKV(layers, self.block_size, rows_split=current_platform.is_cpu())
         rank = get_tensor_model_parallel_rank()
         cache = KVCache(paged.spec, self.model_id, self.config.cache, tp_rank=rank, tp_size=self.tp_size)
-        self._worker = WorkerSide(paged, cache, socket_path(self.config.socket_dir, self.engine_id, rank))
+        path = socket_path(self.config.socket_dir, self.engine_id, rank)
+        # a lookup never covers more than a whole request: a longer one is not the scheduler asking
+        self._worker = WorkerSide(paged, cache, path, self._vllm_config.model_config.max_model_len)
+        self._feed = MetricsFeed(cache.metrics)
+        if self.config.metrics_port is not None:
+            self._metrics_server = MetricsServer(cache.metrics, self.config.metrics_port + rank,
+                                                 self.config.metrics_host)
         log.info("kvtier: %d layers, spec %s, tiers %s", len(layers), paged.spec,
                  [t.name for t in cache.tiers])
 
@@ -116,16 +127,25 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._worker.load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
-        if self._worker is None:
+        if self._worker is None or self._feed is None:
             return None
-        counts = self._worker.take_counts()
-        return KVTierStats(data=counts) if any(counts.values()) else None
+        data = {**self._worker.take_counts(), **self._feed.take()}
+        return KVTierStats(data=data) if any(data.values()) else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
         return KVTierStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None

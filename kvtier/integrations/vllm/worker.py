@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from kvtier.cache import KVCache
-from kvtier.integrations.vllm.lookup import LookupServer
+from kvtier.integrations.vllm.lookup import LookupLimits, LookupServer
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, paged: PagedKV, cache: KVCache, socket_path: str) -> None:
+    def __init__(self, paged: PagedKV, cache: KVCache, socket_path: str, max_lookup_tokens: int) -> None:
         self.paged, self.cache = paged, cache
         self.block_size = paged.block_size
         self._failed: set[int] = set()
@@ -36,7 +36,7 @@ class WorkerSide:
         self._jobs: queue.Queue[SaveSpec | None] = queue.Queue()
         self._saver = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
         self._saver.start()
-        self.server = LookupServer(cache, socket_path)
+        self.server = LookupServer(cache, socket_path, LookupLimits(max_tokens=max_lookup_tokens))
 
     # -- loads ---------------------------------------------------------------------------------------------
     def load(self, meta: KVTierMetadata) -> None:

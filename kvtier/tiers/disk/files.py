@@ -2,7 +2,8 @@
 
 Layout under the configured root, one file per chunk::
 
-    <root>/<codec>/.lock          held (flock) by the one process using this directory
+    <root>/<codec>/               locked (flock on the directory) by the one process using it
+    <root>/<codec>/.lock          the pid of that process, for messages
     <root>/<codec>/<hh>/<hex>     a complete blob; <hex> is the 64-hex-digit chunk key, <hh> its first two digits
     <root>/<codec>/<hh>/<hex>.tmp a write in progress (or torn by a crash): never read, removed at start
 
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
+import stat
 import threading
 
 from kvtier.blob import header_length
@@ -30,6 +33,7 @@ ALIGN = 4096
 #: The shortest possible blob: a header for one dimension and no tokens, and no payload.
 MIN_BLOB_BYTES = header_length(1, 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+log = logging.getLogger(__name__)
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -64,27 +68,65 @@ class ChunkPaths:
 
 # -- locking --------------------------------------------------------------------------------------------------
 def lock_directory(paths: ChunkPaths) -> int:
-    """Create ``paths.dir`` if needed and take its exclusive lock; returns the fd that holds it.
+    """Create ``paths.dir`` if needed and take an exclusive lock on it; returns the fd that holds it.
+
+    The lock is on the directory itself, not on a file in it: a lock file can be deleted under a live process,
+    and the next process would lock a new one and take the directory over. ``.lock`` only names the holder's
+    pid for the error message. Where a filesystem cannot lock a directory (NFS emulates flock with POSIX
+    locks, which need a writable fd), the lock falls back to the ``.lock`` file.
 
     Raises ConfigError when another process (or another tier in this one) holds the directory. The lock goes
     with the fd: it is released by ``os.close`` or by the death of the process, SIGKILL included.
     """
     os.makedirs(paths.dir, exist_ok=True)
-    fd = os.open(os.path.join(paths.dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+    note = os.path.join(paths.dir, LOCK_NAME)
+    fd = os.open(paths.dir, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+    try:
+        try:
+            _flock(fd, paths, note)
+        except OSError:  # this filesystem cannot lock a directory: lock the note instead
+            os.close(fd)
+            fd = -1
+            fd = os.open(note, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | _O_CLOEXEC, 0o644)
+            _flock(fd, paths, note)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    _write_note(note)
+    return fd
+
+
+def _flock(fd: int, paths: ChunkPaths, note: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        raise ConfigError(f"disk tier directory {paths.dir} is in use by process {_holder(note)}; give each "
+                          "process its own path") from None
+
+
+def _holder(note: str) -> str:
+    try:
+        fd = open_regular(note, os.O_RDONLY | _O_CLOEXEC)
+    except DiskIOError:
+        return "unknown"  # no note (deleted, or something else in its place): the lock still holds
+    try:
+        return os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+    finally:
         os.close(fd)
-        raise ConfigError(
-            f"disk tier directory {paths.dir} is in use by process {holder}; give each process its own path"
-        ) from None
-    except OSError:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+
+
+def _write_note(note: str) -> None:
+    """Write this process's pid to ``note``; a note that cannot be written only costs error messages."""
+    try:
+        fd = open_regular(note, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC)
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+    except (DiskIOError, OSError) as exc:
+        log.warning("disk tier: cannot write the holder's pid to %s (%s); the directory is locked all the same",
+                    note, exc)
 
 
 # -- writing --------------------------------------------------------------------------------------------------
@@ -101,6 +143,26 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, data[done:])
 
 
+def open_regular(path: str, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` for a chunk file that neither blocks on nor follows whatever was put in its place.
+
+    Anyone who can write to the directory can leave a FIFO there (a plain open would wait for a writer
+    forever), a symlink (to a file that is not ours), a socket or a device: O_NONBLOCK and O_NOFOLLOW make
+    the open return at once, and ``fstat`` then refuses anything but a regular file with DiskIOError at
+    ``open`` (ELOOP for a symlink, ENXIO for the rest), for the caller to count as a miss and remove.
+    """
+    fd = _step("open", os.open, path, flags | os.O_NONBLOCK | os.O_NOFOLLOW, mode)
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    except OSError as exc:
+        os.close(fd)
+        raise DiskIOError("open", exc) from exc
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        raise DiskIOError("open", OSError(errno.ENXIO, f"not a regular file (mode {kind:o})", path))
+    return fd  # O_NONBLOCK does nothing to a regular file's reads and writes
+
+
 def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct: bool) -> None:
     """Make ``path`` hold exactly ``buf[:nbytes]``, all or nothing: temp file, fsync, rename, fsync of the directory.
 
@@ -111,8 +173,8 @@ def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct:
     """
     tmp = path + TEMP_SUFFIX
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC | (_O_DIRECT if direct else 0)
-    fd = _step("open", os.open, tmp, flags, 0o644)
     try:
+        fd = open_regular(tmp, flags)  # inside the try: whatever squats on the temp name is removed below
         try:
             _step("write", _write_all, fd, memoryview(buf)[: round_up(nbytes) if direct else nbytes])
             if direct:
@@ -155,7 +217,7 @@ def read_into(path: str, out: memoryview, nbytes: int, *, direct: bool) -> int:
     a filesystem that refuses O_DIRECT raises DiskIOError with EINVAL at ``open``.
     """
     flags = os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0)
-    fd = _step("open", os.open, path, flags)
+    fd = open_regular(path, flags)
     try:
         want = round_up(nbytes) if direct else nbytes
         got = 0

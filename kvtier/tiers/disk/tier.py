@@ -14,12 +14,14 @@
   tier above is the cache, and a second copy in the page cache would only push other pages out. Filesystems
   that refuse it (tmpfs on older kernels) are detected on first use and served buffered.
 * **Faults are misses.** ENOSPC, EIO or any failure while writing skips that store (temp file removed,
-  counted); a failed or vanished read is a miss. If the directory disappears the index is dropped; the next
-  store recreates ``<root>/<codec>`` once ``<root>`` exists again and re-indexes whatever is there.
+  counted); a failed or vanished read is a miss, and so is anything but a regular file where a chunk file
+  should be (a FIFO, a symlink, ...): found without blocking, and removed. If the directory disappears the
+  index is dropped; the next store recreates ``<root>/<codec>`` once ``<root>`` exists again and re-indexes
+  whatever is there.
 * **One process per directory.** The index and the capacity live in this process: two processes on one
   directory would each fill it to the capacity and evict each other's files unseen. The tier holds an
-  exclusive flock on ``<root>/<codec>/.lock`` and a second one is refused (ConfigError); processes that want
-  one shared cache use a shared tier (Redis) instead.
+  exclusive flock on ``<root>/<codec>`` itself (so deleting a file cannot release it) and a second one is
+  refused (ConfigError); processes that want one shared cache use a shared tier (Redis) instead.
 
 Blobs here leave the process, so ``verifies = True``: KVCache seals them on store and checks every read.
 """

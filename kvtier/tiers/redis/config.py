@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
-from kvtier.tiers.redis.split import HEADER_BYTES, REDIS_MAX_BULK
+from kvtier.tiers.redis.split import HEADER_BYTES, MIN_PART_BYTES, REDIS_MAX_BULK
 
 MiB = 1 << 20
 
@@ -35,7 +35,7 @@ class RedisTierConfig(TierConfig):
     ttl_s: float | None = None
     refresh_ttl: bool = True
     max_part_bytes: int = 8 * MiB
-    max_value_bytes: int = 1024 * MiB
+    max_value_bytes: int = 1024 * MiB  #: and at most split.MAX_PARTS parts of max_part_bytes
     breaker_failures: int = 3
     breaker_cooldown_s: float = 2.0
     buffer_pool_bytes: int = 1024 * MiB  #: idle receive/staging buffers kept for reuse
@@ -53,8 +53,9 @@ class RedisTierConfig(TierConfig):
             raise ConfigError("redis timeouts and breaker_cooldown_s must be positive")
         if self.pool_size < 1 or self.breaker_failures < 1 or self.min_rate_bytes < 1:
             raise ConfigError("redis pool_size, breaker_failures and min_rate_bytes must be >= 1")
-        if not 4096 <= self.max_part_bytes <= REDIS_MAX_BULK - HEADER_BYTES:
-            raise ConfigError(f"redis max_part_bytes must lie in [4096, {REDIS_MAX_BULK - HEADER_BYTES}]")
+        if not MIN_PART_BYTES <= self.max_part_bytes <= REDIS_MAX_BULK - HEADER_BYTES:
+            largest = REDIS_MAX_BULK - HEADER_BYTES
+            raise ConfigError(f"redis max_part_bytes must lie in [{MIN_PART_BYTES}, {largest}]")
         if self.max_value_bytes < 1 or (self.ttl_s is not None and self.ttl_s < 0):
             raise ConfigError("redis max_value_bytes must be positive and ttl_s not negative")
 

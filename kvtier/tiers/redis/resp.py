@@ -1,6 +1,6 @@
 """RESP2 over a plain (or TLS) socket, for the hot paths of the Redis tier.
 
-redis-py sets connections up (URL, TLS, AUTH/HELLO, SELECT); after that the tier speaks RESP itself, because
+client.py sets connections up (URL parsed by redis-py, TLS, AUTH, SELECT); the tier speaks RESP itself, because
 redis-py's value path copies every value several times: hiredis packs a command into fresh bytes (after a
 ``bytes(memoryview)`` copy), and replies go socket -> read buffer -> hiredis buffer -> a fresh bytes object.
 Here a large argument goes to ``sendall`` as the caller's memoryview (no copy) and a bulk reply is received

@@ -29,6 +29,11 @@ SPLIT_VERSION = 1
 _HEADER = struct.Struct("<4sHH8sQII")  # magic, version, reserved, nonce, total length, part length, part count
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 32
+#: Bounds a head must keep whatever it declares, checked before any of its parts is asked for: a planted head
+#: declaring a value in 1-byte parts would otherwise cost a command per byte. Writers never go beyond them
+#: (``max_part_bytes`` >= MIN_PART_BYTES; a value needing more than MAX_PARTS parts is not stored).
+MIN_PART_BYTES = 4096
+MAX_PARTS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +51,14 @@ class SplitHeader:
 
     @classmethod
     def parse(cls, header: bytes) -> SplitHeader | None:
-        """The header at the start of ``header``, or None if it is not a valid split header of ours."""
+        """The header at the start of ``header``, or None if it is not a valid split header of ours (which
+        includes one outside MIN_PART_BYTES and MAX_PARTS)."""
         if len(header) < HEADER_BYTES or header[:4] != SPLIT_MAGIC:
             return None
         _magic, version, _reserved, nonce, total, part_len, n_parts = _HEADER.unpack_from(header)
-        if version != SPLIT_VERSION or not 0 < part_len < total or part_len > REDIS_MAX_BULK - HEADER_BYTES:
+        if version != SPLIT_VERSION or not MIN_PART_BYTES <= part_len < total:
             return None
-        if n_parts != -(-total // part_len):
+        if part_len > REDIS_MAX_BULK - HEADER_BYTES or n_parts != -(-total // part_len) or n_parts > MAX_PARTS:
             return None
         return cls(nonce, total, part_len)
 

@@ -10,8 +10,10 @@ Values
     The sealed, checksummed blob (blob.py). KVCache verifies every read against the chunk key and token ids,
     so a planted, truncated, foreign or older-format value is a miss (and is deleted). A blob larger than
     ``max_part_bytes`` is split (split.py) so that no single command moves more than that; a reader sees it
-    only once every part exists. Largest value: ``max_value_bytes`` (default 1 GiB); largest single command:
-    ``max_part_bytes`` (default 8 MiB, at most 512 MiB, Redis's proto-max-bulk-len).
+    only once every part exists. Largest value: ``max_value_bytes`` (default 1 GiB) and at most MAX_PARTS
+    (4,096) parts; largest single command: ``max_part_bytes`` (default 8 MiB, at most 512 MiB, Redis's
+    proto-max-bulk-len). A head declaring parts under 4 KiB or more than 4,096 is foreign: a miss, deleted
+    before any part is asked for.
 
 Capacity
     Left to the server: set ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (see README). The tier does not
@@ -53,6 +55,7 @@ from kvtier.tiers.redis.resp import RespError
 from kvtier.tiers.redis.servers import Servers
 from kvtier.tiers.redis.split import (
     HEADER_BYTES,
+    MAX_PARTS,
     HeadReader,
     PartReader,
     SplitHeader,
@@ -123,12 +126,13 @@ class RedisTier:
         self._ttl_args = (b"PX", b"%d" % self._ttl_ms) if self._ttl_ms else ()
         self._part_ttl_args = (b"PX", b"%d" % self._part_ttl_ms) if self._part_ttl_ms else ()
         self._rate = float(config.min_rate_bytes)
+        #: the largest value put() stores: readers refuse heads of more than MAX_PARTS parts
+        self.max_value_bytes = min(config.max_value_bytes, MAX_PARTS * config.max_part_bytes)
         self._buffers = TransferBufferPool(config.buffer_pool_bytes)
         endpoint = Endpoint.from_url(config.url, {
             "username": config.username, "password": config.password,
             "ssl_ca_certs": config.tls_ca_file, "ssl_certfile": config.tls_cert_file,
             "ssl_keyfile": config.tls_key_file,
-            "protocol": 2, "health_check_interval": 0,
         })
         self._servers = Servers(endpoint, config, self._metrics, self.name)
         self._last_stats = TierStats(0, 0, 0)
@@ -166,7 +170,7 @@ class RedisTier:
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
         out = [False] * len(items)
         sizes = [payload.nbytes for _, payload in items]
-        todo = [i for i, n in enumerate(sizes) if n <= self.config.max_value_bytes]
+        todo = [i for i, n in enumerate(sizes) if n <= self.max_value_bytes]
         if len(todo) < len(items):
             self._metrics.inc("kvtier_skipped_stores_total", len(items) - len(todo), tier=self.name,
                               reason="too_large")
@@ -259,6 +263,8 @@ class RedisTier:
         """Receive the other parts of the split values whose heads arrived; complete ones go to ``out``."""
         batches: dict[str, Batch] = {}
         for i, value in splits.items():
+            if monotonic() > deadline:
+                break  # the rest stay misses, not deleted: asking for their parts would only overrun the call
             batch = self._servers.batch(batches, heads[i])
             for p in range(1, value.header.n_parts):
                 part_key = value.header.part_key(heads[i], p)
