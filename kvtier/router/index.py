@@ -69,14 +69,14 @@ class ExpiringKeys:
 class SharedStores:
     """Chunks in shared stores (by ``store_id``), learnt from any replica's events; they expire."""
 
-    def __init__(self, ttl_s: float, max_keys: int) -> None:
-        self.ttl_s, self.max_keys = ttl_s, max_keys
+    def __init__(self, ttl_s: float, max_keys: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.max_keys, self._clock = ttl_s, max_keys, clock
         self._stores: dict[str, ExpiringKeys] = {}
 
     def store(self, store_id: str) -> ExpiringKeys:
         keys = self._stores.get(store_id)
         if keys is None:
-            keys = self._stores[store_id] = ExpiringKeys(self.ttl_s, self.max_keys)
+            keys = self._stores[store_id] = ExpiringKeys(self.ttl_s, self.max_keys, self._clock)
         return keys
 
 
@@ -132,9 +132,11 @@ class FleetIndex:
     """Holdings (precise) and the recent record (approximate) of every replica, by replica name."""
 
     def __init__(self, *, recent_ttl_s: float = 600.0, in_flight_ttl_s: float = 60.0,
-                 shared_ttl_s: float = 3600.0, max_keys: int = 1_000_000) -> None:
+                 shared_ttl_s: float = 3600.0, max_keys: int = 1_000_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.recent_ttl_s, self.in_flight_ttl_s, self.max_keys = recent_ttl_s, in_flight_ttl_s, max_keys
-        self.shared = SharedStores(shared_ttl_s, max_keys)
+        self._clock = clock
+        self.shared = SharedStores(shared_ttl_s, max_keys, clock)
         self._holdings: dict[str, ReplicaHoldings] = {}
         self._recent: dict[str, ExpiringKeys] = {}
 
@@ -149,7 +151,7 @@ class FleetIndex:
         """``keys`` were sent to ``replica``: it will hold them soon (if it caches at all)."""
         recent = self._recent.get(replica)
         if recent is None:
-            recent = self._recent[replica] = ExpiringKeys(self.recent_ttl_s, self.max_keys)
+            recent = self._recent[replica] = ExpiringKeys(self.recent_ttl_s, self.max_keys, self._clock)
         precise = replica in self._holdings and self._holdings[replica].synced
         recent.add(keys, self.in_flight_ttl_s if precise else self.recent_ttl_s)
 

@@ -141,7 +141,9 @@ class Replica:
                       count: Callable[[str], None]) -> None:
         """Subscribe to the events ``info`` names (again, if they changed since the last call)."""
         events = self.info.events if self.info is not None else None
-        if events == self._events_from and self._events is not None and not self._events.done():
+        if self._events is not None and self._events.done() and not self._events.cancelled():
+            log.error("replica %s: event subscription stopped: %r", self.name, self._events.exception())
+        elif events == self._events_from and self._events is not None:
             return
         self.stop_events()
         self._events_from = events
