@@ -20,14 +20,15 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvtier.blob import decode_blob, encode_blob, parse_blob
+from kvtier.blob import encode_blob, parse_blob
 from kvtier.codecs import codec_by_id
 from kvtier.config import CacheConfig
-from kvtier.errors import BlobError, ConfigError, InvalidArgument, KVTierError
+from kvtier.errors import ConfigError, InvalidArgument, KVTierError
 from kvtier.events.model import CacheEvents
 from kvtier.keys import ChunkHash, Namespace, Tokens, token_array
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
+from kvtier.pipeline import Pipeline
 from kvtier.tiers import EvictionReporter, Tier, TierContext, WriteMode
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class TensorSource:
 
 class TensorSink:
     """A canonical ``[L, 2, T, H, D]`` tensor as a KVSink."""
+
+    #: writes of disjoint token ranges may run in parallel (the retrieve pipeline's workers)
+    concurrent_writes = True
 
     def __init__(self, out: torch.Tensor) -> None:
         self.out = out
@@ -100,6 +104,7 @@ class KVCache:
         self.namespace = Namespace(model, spec, self.chunk_size, tp_rank, tp_size, adapter)
         self.metrics = metrics if metrics is not None else Metrics()
         self.events = CacheEvents()  #: chunks stored / removed per tier (kvtier.events)
+        self._pipeline = Pipeline(spec.bytes_per_token * self.chunk_size, self.chunk_size, self.metrics)
         names = _tier_names([cfg.kind for cfg in self.config.tiers])
         self.tiers: list[Tier] = []
         try:
@@ -187,6 +192,7 @@ class KVCache:
         return tensor, good * self.chunk_size
 
     def close(self) -> None:
+        self._pipeline.close()
         for tier in self.tiers:
             try:
                 tier.close()
@@ -238,37 +244,12 @@ class KVCache:
         return len(where)
 
     def _load(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray, sink: KVSink) -> int:
-        """Copy chunks into ``sink`` tier by tier; return how many leading chunks arrived intact."""
+        """Copy chunks into ``sink`` (pipeline.py: windows overlapped on a pool); return how many leading
+        chunks arrived intact."""
         size = self.chunk_size
-        ok = [False] * len(keys)
-        for t, tier in enumerate(self.tiers):
-            idx = [i for i, w in enumerate(where) if w == t]
-            if not idx:
-                continue
-            bad: list[ChunkHash] = []
-            try:
-                with tier.get([keys[i] for i in idx]) as blobs:
-                    for i, blob in zip(idx, blobs):
-                        if blob is None:
-                            continue
-                        start, end = i * size, (i + 1) * size
-                        try:
-                            chunk = decode_blob(blob, keys[i], token_ids[start:end], codec=tier.codec,
-                                                verify=tier.verifies)
-                        except BlobError as exc:
-                            self.metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
-                            log.warning("tier %s: chunk %s is a miss: %s", tier.name, keys[i].hex()[:16], exc)
-                            bad.append(keys[i])
-                            continue
-                        sink.write(start, end, chunk)
-                        ok[i] = True
-                        self.metrics.inc("kvtier_read_bytes_total", blob.nbytes, tier=tier.name)
-                        if t > 0:  # here, not after the block: the decoded chunk may be a view of ``blob``
-                            self._promote(keys[i], token_ids[start:end], chunk, t)
-            except KVTierError as exc:
-                self._tier_failed(tier, "get", exc)
-            if bad:
-                self._delete(tier, bad)
+        ok = self._pipeline.load(self.tiers, keys, where, token_ids, sink,
+                                 lambda i, tokens, chunk, t: self._promote(keys[i], tokens, chunk, t),
+                                 self._tier_failed)
         good = self._prefix([t if hit else None for t, hit in zip(where, ok)])
         for t, tier in enumerate(self.tiers):
             hits = sum(1 for i in range(good) if where[i] == t)
@@ -281,19 +262,13 @@ class KVCache:
         size = self.chunk_size
         try:
             present = tier.contains(keys)
-            missing = [i for i, p in enumerate(present) if not p]
-            if not missing:
-                return []
-            items = [
-                (keys[i], encode_blob(keys[i], token_ids[i * size : (i + 1) * size], tier.codec,
-                                      source.chunk(i * size, (i + 1) * size), seal=tier.verifies))
-                for i in missing
-            ]
-            stored = tier.put(items)
         except KVTierError as exc:
             self._tier_failed(tier, "put", exc)
             return []
-        done = [i for i, s in zip(missing, stored) if s]
+        missing = [i for i, p in enumerate(present) if not p]
+        if not missing:
+            return []
+        done = self._pipeline.encode_and_put(tier, missing, keys, token_ids, source, self._tier_failed)
         self.events.stored(tier.name, keys, done, token_ids, size)
         self.metrics.inc("kvtier_stored_tokens_total", len(done) * size, tier=tier.name)
         return done
@@ -331,12 +306,6 @@ class KVCache:
         if stored:
             self.events.moved_in(tier.name, key)
         return stored
-
-    def _delete(self, tier: Tier, keys: list[ChunkHash]) -> None:
-        try:
-            tier.delete(keys)
-        except KVTierError as exc:
-            self._tier_failed(tier, "delete", exc)
 
     def _tier_failed(self, tier: Tier, op: str, exc: KVTierError) -> None:
         self.metrics.inc("kvtier_tier_errors_total", tier=tier.name, op=op)

@@ -97,16 +97,6 @@ def check_canonical(shape: Sequence[int], what: str) -> tuple[int, int, int, int
     return tuple(int(d) for d in shape)  # type: ignore[return-value]
 
 
-def float_chunk(chunk: torch.Tensor, what: str) -> torch.Tensor:
-    """``chunk`` on CPU as float32; CodecError unless it is a finite floating-point tensor."""
-    if not chunk.is_floating_point():
-        raise CodecError(f"{what} encodes floating-point KV only, got {chunk.dtype}")
-    x = chunk.detach().to("cpu", torch.float32)
-    if not bool(torch.isfinite(x).all()):
-        raise CodecError(f"{what} cannot encode non-finite values")
-    return x
-
-
 def fp16_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
     """``scale`` rounded *up* to float16 (so a quantisation grid built on it still spans its range)."""
     # One fp16 ulp is at most 2**-10 relative; bumping first makes round-to-nearest land at or above scale.

@@ -1,117 +1,140 @@
 """The lossless codec: an exact round trip of any dtype, smaller because KV's exponent bytes repeat.
 
-Each element's bytes are split into byte planes (for bf16/fp16: the low byte, mostly mantissa, and the
-high byte, sign and exponent). The high plane of real KV holds about 3 bits of information per byte and
-compresses ~2.7x; mantissa planes are close to random, so each plane is stored compressed only when that
-saves at least 3 %, else raw (free to decode). Measured on SmolLM2 KV (see benchmarks/codecs.py): zstd
-level 1 gives the best ratio *and* speed of the zstd levels; lz4 decodes faster but compresses the exponent
-plane far less (ratio ~1.18 vs ~1.45), so zstd-1 is the default and ``lossless-lz4`` / ``lossless-z<level>``
-exist for measurement.
+The chunk goes through python-blosc2 as one blosc2 chunk: a byte shuffle with the element size as type
+size (within each block, byte 0 of every element, then byte 1 ...: bf16's sign/exponent bytes end up
+together, where zstd finds ~3 bits of information per byte, and its mantissa bytes, which are close to
+random, together), then zstd level 1 per block. Blocks are 512 KiB and never split into per-byte streams:
+each half of a shuffled bf16 block is then exactly two of zstd's 128 KiB blocks, so zstd keeps the
+incompressible mantissa blocks raw (free to decode) and packs the exponent ones. blosc2 runs SIMD shuffles
+and releases the GIL, so chunks decode in parallel on a thread pool.
 
-Payload: ``u8 version, u8 itemsize, u8 method, u8 level`` then per plane ``u8 stored_as, u64 length, bytes``.
+Measured on SmolLM2's real bf16 KV (256-token chunks, one thread; see benchmarks/codecs.py and README):
+ratio 1.45, as the hand-written byte planes it replaces (payload v1), with decode ~1.7x and encode ~1.2x
+theirs. Splitting blocks into byte streams gives the same ratio and decodes slower; smaller blocks mix
+exponent and mantissa bytes inside one zstd block (ratio 1.28); bit-shuffle lowers the ratio to 1.17-1.31;
+zstd levels above 1 are slower and no smaller. ``lossless-lz4`` (LZ4 on split byte streams) decodes ~2x
+faster at ratio 1.18; ``lossless-z<level>`` exists for measurement.
+
+Payload v2: ``u8 version (2), u8 itemsize, u8 method (1 zstd, 2 lz4), u8 level``, then one blosc2 chunk
+(none for an empty tensor). Version-1 payloads (byte planes, written by earlier kvtier) still decode, via
+lossless_v1. The blosc2 chunk is untrusted: its header's sizes, type size, codec, filters and flags are
+checked against the declared shape and against what this encoder writes *before* blosc2 sees it (blosc2's
+decoder trusts the header's size when it writes into a buffer), and blosc2's own errors are CodecErrors.
 """
 
 from __future__ import annotations
 
 import struct
-import threading
 
-import lz4.block
-import numpy as np
+import blosc2
 import torch
-import zstandard
 
 from kvtier.codecs._wire import PartsPayload, PayloadReader, numel_of
+from kvtier.codecs.lossless_v1 import VERSION as _V1, decode_v1
 from kvtier.errors import CodecError
 
-_VERSION = 1
+_VERSION = 2
 _HEAD = struct.Struct("<BBBB")
-_PLANE = struct.Struct("<BQ")
-_RAW, _PACKED = 0, 1
 _ZSTD, _LZ4 = 1, 2
-_MIN_SAVING = 0.97
-_LOCAL = threading.local()
+_BLOCK = 1 << 19
+#: blosc2 chunk header: version, versionlz, flags, typesize, nbytes, blocksize, cbytes, filters[6],
+#: udcompcode, compcode_meta, filters_meta[6], flags2, blosc2_flags (c-blosc2's blosc2.h, BLOSC2_CHUNK_*).
+_CHUNK = struct.Struct("<BBBBiii6sBB6sBB")
+_EXTENDED, _MEMCPYED, _DELTA = 0x05, 0x02, 0x08
+#: per method: (the codec's format in bits 5-7 of the flags byte, its code in the udcompcode byte)
+_FORMAT_OF = {_ZSTD: (4, blosc2.Codec.ZSTD.value), _LZ4: (1, blosc2.Codec.LZ4.value)}
+_PLAIN_OR_ZERO_CHUNK = (0x00, 0x10)  # blosc2_flags: no special value, or BLOSC2_SPECIAL_ZERO << 4
+_FILTERS = (0, blosc2.Filter.SHUFFLE.value)  # NOFILTER, SHUFFLE
+
+# blosc2 holds the GIL through (de)compression unless told otherwise; the retrieve pipeline decodes chunks
+# on worker threads, which only pays when it is released. Library-wide, harmless to other users.
+blosc2.set_releasegil(True)
 
 
 class LosslessCodec:
-    """Byte planes + zstd (default level 1) or lz4. Decodes into a new tensor (never a view of the payload)."""
+    """Byte shuffle + zstd (default level 1) or LZ4 via blosc2. Decodes into a new tensor (never a view)."""
 
     codec_id = 1
 
     def __init__(self, method: int = _ZSTD, level: int = 1) -> None:
-        if method not in (_ZSTD, _LZ4) or not -7 <= level <= 22:
+        if method not in (_ZSTD, _LZ4) or not 0 <= level <= 9:
             raise CodecError(f"lossless: bad method {method} / level {level}")
         self.method, self.level = method, level
         self.name = "lossless" if (method, level) == (_ZSTD, 1) else ("lossless-lz4" if method == _LZ4 else f"lossless-z{level}")
 
     @classmethod
     def variant(cls, params: str) -> LosslessCodec:
-        """``lz4`` or ``z<level>`` (zstd at that level), from names like ``lossless-lz4``, ``lossless-z3``."""
+        """``lz4`` or ``z<level>`` (zstd at blosc2 level 0-9), from names like ``lossless-lz4``, ``lossless-z3``."""
         if params == "lz4":
-            return cls(_LZ4, 0)
-        if params.startswith("z") and params[1:].lstrip("-").isdigit():
+            return cls(_LZ4, 9)
+        if params.startswith("z") and params[1:].isdigit():
             return cls(_ZSTD, int(params[1:]))
         raise CodecError(f"lossless: unknown variant {params!r} (use lz4 or z<level>)")
 
-    def _compress(self, plane: np.ndarray) -> bytes:
-        if self.method == _LZ4:
-            return lz4.block.compress(plane, store_size=False)
-        return zstandard.ZstdCompressor(level=self.level).compress(plane)
+    def _cparams(self, itemsize: int) -> dict:
+        if self.method == _LZ4:  # LZ4 finds nothing across the byte streams, so each is compressed alone
+            return dict(codec=blosc2.Codec.LZ4, clevel=self.level, typesize=itemsize, nthreads=1,
+                        filters=[blosc2.Filter.SHUFFLE], splitmode=blosc2.SplitMode.ALWAYS_SPLIT)
+        return dict(codec=blosc2.Codec.ZSTD, clevel=self.level, typesize=itemsize, nthreads=1, blocksize=_BLOCK,
+                    filters=[blosc2.Filter.SHUFFLE], splitmode=blosc2.SplitMode.NEVER_SPLIT)
 
     def encode(self, chunk: torch.Tensor) -> PartsPayload:
         itemsize = chunk.element_size()
-        flat = chunk.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().reshape(-1, itemsize)
-        parts: list[bytes | np.ndarray] = [_HEAD.pack(_VERSION, itemsize, self.method, self.level & 0xFF)]
-        for i in range(itemsize):
-            plane = np.ascontiguousarray(flat[:, i])
-            packed = self._compress(plane) if plane.size else b""
-            if plane.size and len(packed) <= _MIN_SAVING * plane.size:
-                parts += [_PLANE.pack(_PACKED, len(packed)), packed]
-            else:
-                parts += [_PLANE.pack(_RAW, plane.size), plane]
-        return PartsPayload(parts)
+        head = _HEAD.pack(_VERSION, itemsize, self.method, self.level)
+        if chunk.numel() == 0:
+            return PartsPayload([head])
+        flat = chunk.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+        if flat.nbytes > blosc2.MAX_BUFFERSIZE:
+            raise CodecError(f"lossless: a {flat.nbytes}-byte chunk exceeds blosc2's {blosc2.MAX_BUFFERSIZE}-byte limit")
+        try:
+            frame = blosc2.compress2(flat, **self._cparams(itemsize))
+        except (RuntimeError, ValueError) as exc:
+            raise CodecError(f"lossless: blosc2 could not compress: {exc}") from None
+        return PartsPayload([head, frame])
 
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = numel_of(shape, "lossless")
         reader = PayloadReader(payload, "lossless")
         version, itemsize, method, _level = reader.unpack(_HEAD)
-        if version != _VERSION or itemsize != dtype.itemsize or method not in (_ZSTD, _LZ4):
+        if version == _V1:
+            return decode_v1(payload, shape, dtype)
+        if version != _VERSION or itemsize != dtype.itemsize or method not in _FORMAT_OF:
             raise CodecError(f"lossless payload v{version}, {itemsize}-byte items, method {method} does not fit {dtype}")
-        out = np.empty((numel, itemsize), dtype=np.uint8)
-        for i in range(itemsize):
-            stored_as, length = reader.unpack(_PLANE)
-            data = reader.take(length)
-            if stored_as == _RAW and length == numel:
-                out[:, i] = np.frombuffer(data, dtype=np.uint8)
-            elif stored_as == _PACKED:
-                out[:, i] = np.frombuffer(_decompress(method, data, numel), dtype=np.uint8)
-            else:
-                raise CodecError(f"lossless plane {i}: stored as {stored_as} with {length} bytes, expected {numel}")
-        reader.finish()
-        if numel == 0:  # torch cannot view an empty byte array as a wider dtype
+        nbytes = numel * itemsize
+        frame = reader.take(payload.nbytes - _HEAD.size)
+        if nbytes == 0:
+            reader.finish()
             return torch.empty(shape, dtype=dtype)
-        return torch.from_numpy(out).view(dtype).reshape(shape)
+        check_blosc2_chunk(frame, nbytes, itemsize, _FORMAT_OF[method])
+        out = torch.empty(shape, dtype=dtype)
+        try:
+            blosc2.decompress2(frame, dst=out.view(-1).view(torch.uint8).numpy(), nthreads=1)
+        except (RuntimeError, ValueError) as exc:
+            raise CodecError(f"lossless: corrupt blosc2 chunk: {exc}") from None
+        return out
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
-    """One per thread: a zstd context is reusable but not shareable across threads."""
-    dctx = getattr(_LOCAL, "dctx", None)
-    if dctx is None:
-        dctx = _LOCAL.dctx = zstandard.ZstdDecompressor()
-    return dctx
+def check_blosc2_chunk(frame: memoryview, nbytes: int, typesize: int, codec: tuple[int, int]) -> None:
+    """CodecError unless ``frame`` is exactly one blosc2 chunk of ``nbytes`` bytes as this codec writes them.
 
+    Checked: the header fits, it declares ``nbytes`` / ``typesize`` / the frame's own length, a block size
+    within the data, the expected codec (its data may be a plain copy), at most a shuffle as filter, no delta,
+    dictionary, lazy chunk or special value other than all-zeros. blosc2 writes ``nbytes`` bytes into the
+    destination it is given without checking its length, so this must pass before it is called.
+    """
+    if frame.nbytes < _CHUNK.size:
+        raise CodecError(f"lossless: {frame.nbytes} bytes cannot hold a blosc2 chunk header")
+    (_v, _vlz, flags, size, declared, block, cbytes, filters, udcodec, _meta, filter_meta, flags2,
+     b2flags) = _CHUNK.unpack_from(frame)
+    if declared != nbytes or size != typesize or cbytes != frame.nbytes or not 0 < block <= nbytes:
+        raise CodecError(f"lossless: blosc2 chunk of {declared} bytes ({size}-byte items, {cbytes} stored, "
+                         f"{block}-byte blocks) does not fit {nbytes} bytes of {typesize}-byte items in {frame.nbytes}")
+    plain = bool(flags & _MEMCPYED)
+    if plain and cbytes != nbytes + _CHUNK.size:
+        raise CodecError("lossless: a copied blosc2 chunk of the wrong length")
+    wrong_codec = udcodec != codec[1] or not plain and flags >> 5 != codec[0]
+    if flags & _EXTENDED != _EXTENDED or flags & _DELTA or wrong_codec or any(f not in _FILTERS for f in filters):
+        raise CodecError(f"lossless: blosc2 chunk flags {flags:#x} / filters {bytes(filters).hex()} are not this codec's")
+    if flags2 or any(filter_meta) or b2flags not in _PLAIN_OR_ZERO_CHUNK:
+        raise CodecError(f"lossless: blosc2 chunk uses features this codec never writes (flags {b2flags:#x})")
 
-def _decompress(method: int, data: memoryview, numel: int) -> bytes:
-    """Exactly ``numel`` bytes out of ``data``, checking the declared size before anything is allocated."""
-    try:
-        if method == _LZ4:
-            out = lz4.block.decompress(data, uncompressed_size=numel)
-        else:
-            if zstandard.frame_content_size(data) != numel:
-                raise CodecError("lossless: zstd frame declares another size than the shape implies")
-            out = _decompressor().decompress(data, max_output_size=numel)
-    except (zstandard.ZstdError, lz4.block.LZ4BlockError, ValueError) as exc:
-        raise CodecError(f"lossless: corrupt compressed plane: {exc}") from None
-    if len(out) != numel:
-        raise CodecError(f"lossless: plane decompressed to {len(out)} bytes, expected {numel}")
-    return out

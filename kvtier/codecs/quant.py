@@ -30,15 +30,8 @@ import struct
 import numpy as np
 import torch
 
-from kvtier.codecs._wire import (
-    PartsPayload,
-    PayloadReader,
-    can_rotate,
-    check_canonical,
-    float_chunk,
-    fp16_scale,
-    hadamard,
-)
+from kvtier.codecs._blocks import BLOCK_ELEMS, blocks
+from kvtier.codecs._wire import PartsPayload, PayloadReader, can_rotate, check_canonical, fp16_scale, hadamard
 from kvtier.errors import CodecError
 
 _VERSION = 1
@@ -66,24 +59,48 @@ class GroupQuantCodec:
 
     def encode(self, chunk: torch.Tensor) -> PartsPayload:
         check_canonical(tuple(chunk.shape), self.name)
-        x = float_chunk(chunk, self.name)
-        dim = x.shape[-1]
+        if not chunk.is_floating_point():
+            raise CodecError(f"{self.name} encodes floating-point KV only, got {chunk.dtype}")
+        dim = chunk.shape[-1]
         if self.bits == 4 and dim % 2:  # two codes per byte, and a (layer, K/V) slab must start on a byte
             raise CodecError(f"{self.name} needs an even head_dim, got {dim}")
         g = math.gcd(self.group, dim)
         rotated = self.rotate and can_rotate(dim)
-        if rotated:
-            x = x @ hadamard(dim)
-        x = x.reshape(-1, g)
-        levels = (1 << self.bits) - 1
-        lo = x.amin(dim=1).clamp_max(0.0)
-        hi = x.amax(dim=1).clamp_min(0.0)
-        scale = fp16_scale((hi - lo) / levels, self.name)
-        s = scale.float()
-        zero = torch.round(-lo / s).clamp_(0, levels)
-        q = torch.round(x / s[:, None]).add_(zero[:, None]).clamp_(0, levels).to(torch.uint8)
+        x = chunk.detach().to("cpu").contiguous().view(-1, g)
+        scale = torch.empty(x.shape[0], dtype=torch.float16)
+        zero = torch.empty(x.shape[0], dtype=torch.uint8)
+        codes = torch.empty(x.numel() * self.bits // 8, dtype=torch.uint8)
+        scratch = torch.empty(min(BLOCK_ELEMS + dim, x.numel()), dtype=torch.float32)
+        rot = torch.empty_like(scratch) if rotated else None
+        per_vector = dim // g
+        for g0, g1 in blocks(x.shape[0], g, per_vector):
+            block = scratch[: (g1 - g0) * g].view(-1, g)
+            block.copy_(x[g0:g1])
+            if rot is not None:
+                torch.matmul(block.view(-1, dim), hadamard(dim), out=rot[: block.numel()].view(-1, dim))
+                block = rot[: block.numel()].view(-1, g)
+            self._quantise(block, scale[g0:g1], zero[g0:g1], codes[g0 * g * self.bits // 8 : g1 * g * self.bits // 8])
         head = _HEAD.pack(_VERSION, self.bits, g, _ROTATED if rotated else 0)
-        return PartsPayload([head, scale.numpy(), zero.to(torch.uint8).numpy(), _pack(q, self.bits).numpy()])
+        return PartsPayload([head, scale.numpy(), zero.numpy(), codes.numpy()])
+
+    def _quantise(self, x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codes: torch.Tensor) -> None:
+        """Quantise the float32 groups ``x`` (overwritten) into ``scale``, ``zero`` and packed ``codes``."""
+        levels = (1 << self.bits) - 1
+        lo, hi = x.amin(dim=1), x.amax(dim=1)  # 10x faster than torch.aminmax here
+        if not bool(torch.isfinite(hi - lo).all()):  # a NaN or inf anywhere in a group reaches its min or max
+            raise CodecError(f"{self.name} cannot encode non-finite values")
+        lo.clamp_(max=0.0)
+        s16 = fp16_scale((hi.clamp_(min=0.0) - lo) / levels, self.name)
+        scale.copy_(s16)
+        s = s16.float()
+        z = torch.round(-lo / s).clamp_(0, levels)
+        zero.copy_(z)
+        q = x.div_(s[:, None]).round_().add_(z[:, None]).clamp_(0, levels)
+        if self.bits == 4:
+            pairs = q.view(-1, 2)
+            q = torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=pairs[:, 0])  # low nibble first; exact
+        # numpy's float -> uint8 cast is ~5x torch's here (values are whole numbers in [0, 255])
+        np.copyto(codes.numpy(), q.contiguous().view(-1).numpy(), casting="unsafe")
 
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         layers, two, tokens, heads, dim = check_canonical(shape, self.name)
@@ -97,45 +114,34 @@ class GroupQuantCodec:
             raise CodecError(f"{self.name}: payload v{version}, {bits} bits, group {g}, flags {flags} does not fit {shape}")
         numel = layers * two * tokens * heads * dim
         groups = numel // g
-        scale = reader.tensor(groups, "<f2").float()
+        scale = reader.tensor(groups, "<f2").float()  # per group: 1/g of the chunk, converted once
         if not bool(torch.isfinite(scale).all()):
             raise CodecError(f"{self.name}: non-finite scales")
         zero = reader.tensor(groups, np.uint8).float()
         codes = reader.tensor((numel * bits + 7) // 8, np.uint8)
         reader.finish()
-        return self._dequantise(codes, scale, zero, g, rotated, shape, dtype)
-
-    def _dequantise(self, codes, scale, zero, g, rotated, shape, dtype) -> torch.Tensor:
-        """One (layer, K/V) slab at a time through a reused float32 scratch: whole-chunk float temporaries
-        cost more in page faults than the arithmetic itself, and a slab stays in cache between the steps."""
-        layers, two, tokens, heads, dim = shape
         out = torch.empty(shape, dtype=dtype)
-        slab = tokens * heads * dim  # int4: even, since its head_dim is
-        scratch = torch.empty(slab, dtype=torch.float32)
-        rot = torch.empty(slab, dtype=torch.float32) if rotated else None
-        per = slab // g
-        flat_out = out.view(layers * two, slab)
-        for b in range(layers * two):
-            sc = scratch.view(-1, g)
-            if self.bits == 8:
-                sc.copy_(codes[b * slab : (b + 1) * slab].view(-1, g))
-            else:
-                packed = codes[b * slab // 2 : (b + 1) * slab // 2]
-                pairs = scratch.view(-1, 2)
-                pairs[:, 0].copy_(packed & 0x0F)
-                pairs[:, 1].copy_(packed >> 4)
-            sc.sub_(zero[b * per : (b + 1) * per, None]).mul_(scale[b * per : (b + 1) * per, None])
-            if rot is not None:
-                torch.matmul(scratch.view(-1, dim), hadamard(dim), out=rot.view(-1, dim))  # H is its own inverse
-                flat_out[b].copy_(rot)
-            else:
-                flat_out[b].copy_(scratch)
+        if numel:
+            self._dequantise(codes, scale, zero, g, dim if rotated else 0, out.view(-1, g))
         return out
 
-
-def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    flat = q.reshape(-1)
-    if bits == 8:
-        return flat
-    pairs = flat.view(-1, 2)  # canonical chunks have an even element count (the K/V axis is 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    def _dequantise(self, codes, scale, zero, g: int, rotate_dim: int, out: torch.Tensor) -> None:
+        """``out`` (``[groups, g]``) = (codes - zero) * scale, rotated back when ``rotate_dim``, block by block."""
+        dim = rotate_dim or g
+        scratch = torch.empty(min(BLOCK_ELEMS + dim, out.numel()), dtype=torch.float32)
+        rot = torch.empty_like(scratch) if rotate_dim else None
+        for g0, g1 in blocks(out.shape[0], g, dim // g):
+            block = scratch[: (g1 - g0) * g].view(-1, g)
+            if self.bits == 8:
+                block.copy_(codes[g0 * g : g1 * g].view(-1, g))
+            else:
+                packed = codes[g0 * g // 2 : g1 * g // 2]
+                pairs = block.view(-1, 2)
+                pairs[:, 0].copy_(packed & 0x0F)
+                pairs[:, 1].copy_(packed >> 4)
+            block.sub_(zero[g0:g1, None]).mul_(scale[g0:g1, None])
+            if rot is not None:
+                dest = rot[: block.numel()].view(-1, dim)
+                torch.matmul(block.view(-1, dim), hadamard(dim), out=dest)  # H is its own inverse
+                block = dest
+            out[g0:g1].copy_(block.view(-1, g))

@@ -266,7 +266,10 @@ def test_big_split_values_with_buffer_reuse(redis_server):
     spec = KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float16)  # 4 KiB per token
     tokens = list(range(4 * 512))
     kv = torch.randn(spec.chunk_shape(len(tokens))).to(torch.float16)
-    config = CacheConfig(chunk_size=512, tiers=(RedisTierConfig(url=redis_server.url, max_part_bytes=1 << 20),))
+    # a generous deadline: this test is about split values and buffer reuse, and on a loaded machine sealing
+    # 8 MiB can outlast the default 0.5 s
+    config = CacheConfig(chunk_size=512, tiers=(RedisTierConfig(url=redis_server.url, max_part_bytes=1 << 20,
+                                                                timeout_s=10.0),))
     with KVCache(spec, "big", config) as cache:
         assert cache.store(tokens, kv) == len(tokens)
         out = spec.empty(len(tokens))

@@ -1,0 +1,203 @@
+"""Moving chunk bytes between tiers and the engine in overlapping windows, on a small thread pool.
+
+Retrieve: the chunks a tier holds are cut into windows of about ``WINDOW_BYTES`` of KV; each window is one
+task that reads its blobs (``tier.get``, pinned until the task ends), verifies and decodes each chunk, and
+writes it to the sink. With several tasks in flight, reading window i+1 from a slow tier overlaps decoding
+window i, and windows decode in parallel (the codecs release the GIL). Correctness does not depend on the
+overlap:
+
+* a chunk reaches the sink only after ``decode_blob`` verified it (tokens always, checksum where sealed);
+* pins are released by the task's own ``with tier.get(...)`` block, on every path, errors included;
+* a chunk that fails ends the prefix there: windows wholly after the first failure are not read (the
+  chunks of a window already read are all still verified, so corrupt ones are found and deleted), and the
+  caller keeps only the leading run of loaded chunks (the sink may hold later chunks; only the returned
+  number of tokens is valid, as ``KVCache.retrieve`` documents).
+
+Sinks receive writes from worker threads; one at a time unless the sink sets ``concurrent_writes = True``
+(disjoint token ranges may then be written in parallel, as ``TensorSink`` allows).
+
+Store: chunks are encoded window by window on the pool while the calling thread hands finished windows to
+``tier.put`` in order, so encoding window i+1 overlaps writing window i, and windows encode in parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import numpy as np
+import torch
+
+from kvtier.blob import decode_blob, encode_blob
+from kvtier.errors import BlobError, KVTierError
+from kvtier.keys import ChunkHash
+from kvtier.metrics import Metrics
+from kvtier.tiers import Tier
+
+log = logging.getLogger(__name__)
+
+#: KV bytes per task: big enough that a task's overhead (~50 us) is noise, small enough that a few windows
+#: are in flight for a prefix of a few hundred MiB.
+WINDOW_BYTES = 16 << 20
+#: tasks in flight: a decode on every core, plus one waiting on I/O
+WORKERS = (os.cpu_count() or 1) + 1
+#: windows encoded ahead of the one being written on store (bounds the memory held by encoded payloads)
+STORE_AHEAD = 4
+
+
+class Pipeline:
+    """The thread pool and the windowing shared by a KVCache's retrieve and store. Thread-safe."""
+
+    def __init__(self, chunk_bytes: int, chunk_size: int, metrics: Metrics, workers: int | None = None) -> None:
+        self.per_window = max(1, WINDOW_BYTES // max(chunk_bytes, 1))
+        self.chunk_size = chunk_size
+        self.metrics = metrics
+        self._workers = workers or WORKERS
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvtier-io")
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def windows(self, idx: Sequence[int]) -> Iterator[Sequence[int]]:
+        for start in range(0, len(idx), self.per_window):
+            yield idx[start : start + self.per_window]
+
+    # -- retrieve ------------------------------------------------------------------------------------------
+    def load(self, tiers: Sequence[Tier], keys: Sequence[ChunkHash], where: Sequence[int | None],
+             token_ids: np.ndarray, sink, promote: Callable[[int, np.ndarray, torch.Tensor, int], None],
+             on_error: Callable[[Tier, str, KVTierError], None]) -> list[bool]:
+        """Load every located chunk into ``sink``; True per chunk that arrived verified.
+
+        ``promote(i, tokens, chunk, tier_index)`` is called (from a worker, before the chunk's pins are
+        released) for chunks found below the first tier; ``on_error`` for a tier that failed.
+        """
+        state = _LoadState(len(keys), sink)
+        tasks = []
+        for t, tier in enumerate(tiers):
+            idx = [i for i, w in enumerate(where) if w == t]
+            for window in self.windows(idx):
+                tasks.append((tier, t, window))
+        if len(tasks) == 1:  # nothing to overlap: no thread hop
+            self._load_window(*tasks[0], keys, token_ids, state, promote, on_error)
+        else:
+            pool = self._executor()
+            futures = [pool.submit(self._load_window, tier, t, window, keys, token_ids, state, promote, on_error)
+                       for tier, t, window in tasks]
+            wait(futures)  # all of them, even after one raised: none may touch the sink after we return
+            for future in futures:
+                future.result()  # an engine's sink error reaches the caller, as it did without the pipeline
+        return state.ok
+
+    def _load_window(self, tier: Tier, t: int, window: Sequence[int], keys, token_ids, state: _LoadState,
+                     promote, on_error) -> None:
+        if window[0] > state.first_bad:
+            return  # the prefix already ends before this window: reading it would be wasted
+        bad: list[ChunkHash] = []
+        size = self.chunk_size
+        try:
+            with tier.get([keys[i] for i in window]) as blobs:
+                for i, blob in zip(window, blobs):
+                    if blob is None:
+                        state.fail(i)
+                        continue
+                    start, end = i * size, (i + 1) * size
+                    try:
+                        chunk = decode_blob(blob, keys[i], token_ids[start:end], codec=tier.codec,
+                                            verify=tier.verifies)
+                    except BlobError as exc:
+                        self.metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
+                        log.warning("tier %s: chunk %s is a miss: %s", tier.name, keys[i].hex()[:16], exc)
+                        bad.append(keys[i])
+                        state.fail(i)
+                        continue
+                    state.write(i, start, end, chunk)
+                    self.metrics.inc("kvtier_read_bytes_total", blob.nbytes, tier=tier.name)
+                    if t > 0:
+                        promote(i, token_ids[start:end], chunk, t)
+        except KVTierError as exc:
+            for i in window:
+                state.fail(i)
+            on_error(tier, "get", exc)
+        if bad:
+            try:
+                tier.delete(bad)
+            except KVTierError as exc:
+                on_error(tier, "delete", exc)
+
+    # -- store ---------------------------------------------------------------------------------------------
+    def encode_and_put(self, tier: Tier, missing: Sequence[int], keys: Sequence[ChunkHash], token_ids: np.ndarray,
+                       source, on_error: Callable[[Tier, str, KVTierError], None]) -> list[int]:
+        """Encode the ``missing`` chunks of ``source`` for ``tier`` window by window on the pool, putting each
+        window in order as soon as it is encoded; return the indices the tier stored. A KVTierError (an
+        encode or a put that failed) goes to ``on_error`` and ends the store there, after the encodes in
+        flight have finished (so ``source`` is no longer read when this returns)."""
+        size = self.chunk_size
+
+        def encode(window: Sequence[int]) -> list:
+            return [(keys[i], encode_blob(keys[i], token_ids[i * size : (i + 1) * size], tier.codec,
+                                          source.chunk(i * size, (i + 1) * size), seal=tier.verifies))
+                    for i in window]
+
+        windows = list(self.windows(missing))
+        if len(windows) == 1:
+            try:
+                return [i for i, s in zip(windows[0], tier.put(encode(windows[0]))) if s]
+            except KVTierError as exc:
+                on_error(tier, "put", exc)
+                return []
+        pool = self._executor()
+        pending: deque[tuple[Sequence[int], Future]] = deque()
+        done: list[int] = []
+
+        def put_oldest() -> None:
+            window, future = pending.popleft()
+            done.extend(i for i, s in zip(window, tier.put(future.result())) if s)
+
+        try:
+            for window in windows:
+                pending.append((window, pool.submit(encode, window)))
+                if len(pending) > STORE_AHEAD:
+                    put_oldest()
+            while pending:
+                put_oldest()
+        except KVTierError as exc:
+            on_error(tier, "put", exc)
+        finally:
+            for _, future in pending:  # something failed: let the encodes in flight end before the source may go
+                future.exception()
+        return done
+
+
+class _LoadState:
+    """What the windows of one retrieve share: which chunks arrived, the first failure, the sink's lock."""
+
+    def __init__(self, n: int, sink) -> None:
+        self.ok = [False] * n
+        self.first_bad = n
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._write_lock = contextlib.nullcontext() if getattr(sink, "concurrent_writes", False) else threading.Lock()
+
+    def fail(self, i: int) -> None:
+        with self._lock:
+            self.first_bad = min(self.first_bad, i)
+
+    def write(self, i: int, start: int, end: int, chunk: torch.Tensor) -> None:
+        with self._write_lock:
+            self._sink.write(start, end, chunk)
+        self.ok[i] = True

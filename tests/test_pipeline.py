@@ -1,0 +1,172 @@
+"""The retrieve/store pipeline through a real KVCache: many windows in flight give the same bytes as one,
+verification comes before the sink, pins are released on every path, and a failure ends the prefix."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvtier.pipeline
+from kvtier import CacheConfig, KVCache, KVSpec
+from kvtier.blob import parse_blob
+from kvtier.codecs import BytesPayload
+from kvtier.errors import TierError
+from kvtier.tiers import DiskTierConfig, MemoryTierConfig
+from tests.codecs.conftest import kv_like
+from tests.codecs.test_cache import cache_roundtrip
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+CHUNK = 16
+N_CHUNKS = 12
+
+
+@pytest.fixture(autouse=True)
+def one_chunk_windows(monkeypatch):
+    """Every chunk its own window, so a dozen small chunks exercise many tasks in flight."""
+    monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 1)
+
+
+def memory_cache(codec: str = "raw", **kw) -> KVCache:
+    tiers = (MemoryTierConfig(capacity_bytes=8 << 20, codec=codec, prefault=False),)
+    return KVCache(SPEC, model="m", config=CacheConfig(chunk_size=CHUNK, tiers=tiers), **kw)
+
+
+def data(seed: int = 0) -> tuple[list[int], torch.Tensor]:
+    return list(range(seed, seed + N_CHUNKS * CHUNK)), kv_like(layers=2, tokens=N_CHUNKS * CHUNK, heads=2, dim=64, seed=seed)
+
+
+@pytest.mark.parametrize("codec", ["raw", "lossless", "int8"])
+def test_many_windows_from_disk_give_what_each_chunk_decodes_to(tmp_path, codec: str) -> None:
+    tiers = (MemoryTierConfig(capacity_bytes=8 << 20, prefault=False),
+             DiskTierConfig(path=tmp_path, codec=codec, fsync=False))
+    tokens, kv = data()
+    with KVCache(SPEC, model="m", config=CacheConfig(chunk_size=CHUNK, tiers=tiers)) as cache:
+        assert cache.store(tokens, kv) == len(tokens)
+        cache.tiers[1].flush()
+        cache.tiers[0].delete(cache.keys(tokens))  # only the disk holds the prefix now
+        out, n = cache.retrieve(tokens)
+        assert n == len(tokens)
+        for i in range(N_CHUNKS):
+            part = slice(i * CHUNK, (i + 1) * CHUNK)
+            assert torch.equal(out[:, :, part], cache_roundtrip(codec, kv[:, :, part]))
+        assert cache.tiers[0].stats().entries == N_CHUNKS  # every chunk was promoted into memory
+        assert cache.metrics.get("kvtier_hit_tokens_total", tier="disk") == len(tokens)
+
+
+def test_corrupt_chunk_ends_the_prefix_and_later_windows_are_not_read(monkeypatch) -> None:
+    monkeypatch.setattr(kvtier.pipeline, "WORKERS", 1)  # windows one after another: which are read is certain
+    with memory_cache("int8") as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        keys = cache.keys(tokens)
+        tier = cache.tiers[0]
+        with tier.get([keys[4]]) as [view]:
+            blob = bytearray(view)
+        start = parse_blob(blob, keys[4], verify=False)[0].header_len
+        blob[start] = 99  # the int8 payload's version byte
+        tier.delete([keys[4]])
+        tier.put([(keys[4], BytesPayload(blob))])
+        reads = []
+        real_get = tier.get
+        tier.get = lambda ks: (reads.extend(ks), real_get(ks))[1]
+        out, n = cache.retrieve(tokens)
+        assert n == 4 * CHUNK
+        assert reads == keys[:5]  # nothing after the corrupt chunk's window was read
+        assert torch.equal(out[:, :, : 4 * CHUNK], cache.retrieve(tokens[: 4 * CHUNK])[0])
+        assert cache.metrics.get("kvtier_corrupt_chunks_total", tier="memory") == 1
+
+
+class RecordingSink:
+    """A sink that is not thread-safe: it records whether two writes ever overlapped."""
+
+    def __init__(self, out: torch.Tensor, fail_at: int | None = None) -> None:
+        self.out, self.fail_at = out, fail_at
+        self.active, self.overlapped, self.written = 0, False, []
+        self._lock = threading.Lock()
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        with self._lock:
+            self.active += 1
+            self.overlapped |= self.active > 1
+        try:
+            time.sleep(0.002)  # widen the window in which a second writer could enter
+            if start == self.fail_at:
+                raise RuntimeError("engine refused the chunk")
+            self.out[:, :, start:end].copy_(chunk)
+            self.written.append(start)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
+def test_a_sink_without_concurrent_writes_gets_one_write_at_a_time() -> None:
+    with memory_cache("lossless") as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        sink = RecordingSink(torch.empty_like(kv))
+        assert cache.retrieve(tokens, sink) == (None, len(tokens))
+        assert not sink.overlapped and sorted(sink.written) == list(range(0, len(tokens), CHUNK))
+        assert torch.equal(sink.out, kv)
+
+
+def test_pins_are_released_when_the_sink_raises() -> None:
+    with memory_cache() as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        with pytest.raises(RuntimeError, match="engine refused"):
+            cache.retrieve(tokens, RecordingSink(torch.empty_like(kv), fail_at=5 * CHUNK))
+        cache.tiers[0].delete(cache.keys(tokens))
+        assert cache.tiers[0].stats().used_bytes == 0  # a pinned entry would keep its bytes until released
+
+
+def test_a_failing_get_ends_the_prefix_at_its_window() -> None:
+    with memory_cache() as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        keys = cache.keys(tokens)
+        tier = cache.tiers[0]
+        real_get = tier.get
+
+        def get(ks):
+            if keys[7] in ks:
+                raise TierError("device gone")
+            return real_get(ks)
+
+        tier.get = get
+        out, n = cache.retrieve(tokens)
+        assert n == 7 * CHUNK and torch.equal(out[:, :, :n], kv[:, :, :n])
+        assert cache.metrics.get("kvtier_tier_errors_total", tier="memory", op="get") == 1
+
+
+@pytest.mark.parametrize("codec", ["raw", "cachegen"])
+def test_store_in_windows_matches_a_direct_encode(codec: str) -> None:
+    with memory_cache(codec) as cache:
+        tokens, kv = data(3)
+        assert cache.store(tokens, kv) == len(tokens)
+        assert cache.tiers[0].stats().entries == N_CHUNKS
+        out, n = cache.retrieve(tokens)
+        assert n == len(tokens)
+        for i in range(N_CHUNKS):
+            part = slice(i * CHUNK, (i + 1) * CHUNK)
+            assert torch.equal(out[:, :, part], cache_roundtrip(codec, kv[:, :, part]))
+
+
+def test_a_failing_put_skips_the_rest_of_the_store() -> None:
+    with memory_cache("int8") as cache:
+        tokens, kv = data()
+        tier = cache.tiers[0]
+        real_put, calls = tier.put, []
+
+        def put(items):
+            calls.append(len(items))
+            if len(calls) == 3:
+                raise TierError("full disk")
+            return real_put(items)
+
+        tier.put = put
+        assert cache.store(tokens, kv) == 2 * CHUNK  # the two windows put before the failure
+        assert cache.metrics.get("kvtier_tier_errors_total", tier="memory", op="put") == 1
+        assert cache.lookup(tokens) == 2 * CHUNK
