@@ -10,14 +10,18 @@ through it:
 * cache-aware: kvtier route's default, prefix affinity from the replicas' cache events under the load bound,
   with sticky sessions.
 
-Each policy runs under its own API key, so its tenant salt gives it a cold cache of its own on every replica.
-The peer measured in the same run is one replica alone serving the same workload (its cached share of prompt
-tokens is the most a fleet can hope to keep). Prints TTFT p50/p90 (client-measured), the cached share of
-prompt tokens and the requests each replica served, per policy; writes JSON and a PNG under --out. Targets:
-cache-aware TTFT p50 at least 2x better than round-robin, with a cached share at least 0.9 of one replica's.
-Last line: RESULT {json}.
+The three routers run side by side in front of the same replicas, and the workload's requests take turns
+between them (``kvtier bench --interleave``; ``--concurrency`` requests in flight in all, 1 by default), so the
+load other jobs put on this shared machine falls on every policy alike. Each policy runs under its own API
+key, so its tenant salt gives it a cold cache of its own on every replica. The peer measured in the same run,
+also taking turns, is one replica alone serving the same workload (its cached share of prompt tokens is what
+a fleet should keep). With 4 users on 3 replicas round-robin moves every user every round.
 
-    PYTHONPATH=. python benchmarks/route_fleet.py [--users 6 --rounds 6] [--model DIR]
+Prints TTFT p50/p90 (client-measured), the cached share of prompt tokens and the requests each replica served,
+per policy; writes JSON and a PNG under --out. Targets: cache-aware TTFT p50 at least 2x better than
+round-robin, with a cached share at least 0.9 of one replica's. Last line: RESULT {json}.
+
+    PYTHONPATH=. python benchmarks/route_fleet.py [--users 4 --rounds 8] [--concurrency 1] [--model DIR]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import shlex
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -117,8 +121,9 @@ def plot(runs: dict, summaries: dict, single: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--users", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--users", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight, all policies together")
     p.add_argument("--system-words", type=int, default=300)
     p.add_argument("--turn-words", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -134,15 +139,15 @@ def main() -> None:
     spec = MultiRoundSpec(args.users, args.rounds, args.system_words, args.turn_words, args.max_tokens,
                           sessions=True)
     serve_args = shlex.split(args.serve_args) + (["--model", args.model] if args.model else [])
-    runs, served = {}, {}
-    with serve_processes([(f"r{i}", serve_args) for i in range(args.replicas)], out) as replicas:
-        for label, flags in POLICIES.items():
-            with router(replicas, flags, args.model, out) as url:
-                (runs[label],) = bench([Target(label, url, f"route-fleet-{label}")], "multiround", spec,
-                                       concurrency=args.users)
-                served[label] = routed_per_replica(url)
-        (alone,) = bench([Target("one replica", replicas[0].url, "route-fleet-alone")], "multiround", spec,
-                         concurrency=args.users)
+    with serve_processes([(f"r{i}", serve_args) for i in range(args.replicas)], out) as replicas, \
+            ExitStack() as routers:
+        urls = {label: routers.enter_context(router(replicas, flags, args.model, out))
+                for label, flags in POLICIES.items()}
+        targets = [Target(label, url, f"route-fleet-{label}") for label, url in urls.items()]
+        *fleet_runs, alone = bench([*targets, Target("one replica", replicas[0].url, "route-fleet-alone")],
+                                   "multiround", spec, concurrency=args.concurrency, interleave=True)
+        runs = dict(zip(urls, fleet_runs))
+        served = {label: routed_per_replica(url) for label, url in urls.items()}
     report.print_tables([*runs.values(), alone])
     summaries = {label: report.summarize(run) for label, run in runs.items()}
     single = report.summarize(alone)
@@ -160,6 +165,7 @@ def main() -> None:
     print(f"plot: {out / 'route_fleet.png'}   raw: {out / 'route_fleet.json'}")
     result = {
         "benchmark": "route_fleet", "replicas": args.replicas, "users": args.users, "rounds": args.rounds,
+        "concurrency": args.concurrency,
         **{f"ttft_p50_s_{k}": round(s["ttft_p50_s"], 3) for k, s in summaries.items()},
         **{f"ttft_p90_s_{k}": round(s["ttft_p90_s"], 3) for k, s in summaries.items()},
         **{f"cached_share_{k}": round(s["cached_share"], 3) for k, s in summaries.items()},
