@@ -1,12 +1,24 @@
-"""Tenants: the cache salt of a caller, derived from its API key alone.
+"""Tenants: a caller's API key and the cache salt derived from it alone.
 
-One function shared by ``kvtier serve`` (which salts its cache with it) and ``kvtier route`` (which must hash
-the same chunk keys to know where a tenant's prefixes are).
+Shared by ``kvtier serve`` (which salts its cache with it) and ``kvtier route`` (which must hash the same
+chunk keys to know where a tenant's prefixes are), so both read the header and derive the salt one way.
 """
 
 from __future__ import annotations
 
 import hashlib
+
+from kvtier.server.protocol import RequestError
+
+
+def api_key(header: str | None) -> str | None:
+    """The API key of ``Authorization: Bearer <key>`` (None without the header); a malformed one is a 401."""
+    if header is None:
+        return None
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise RequestError("the Authorization header must be 'Bearer <api key>'", 401)
+    return key.strip()
 
 
 def tenant_salt(api_key: str | None) -> bytes:

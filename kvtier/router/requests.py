@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtier.server.protocol import RequestError
-from kvtier.tenants import tenant_salt
+from kvtier.tenants import api_key, tenant_salt
 
 SESSION_HEADER = "x-session-id"
 
@@ -80,16 +80,6 @@ def parse_request(body: bytes, chat: bool, headers: dict[str, str]) -> ParsedReq
     prompt = _chat_prompt(parsed) if chat else _completion_prompt(parsed)
     session = headers.get(SESSION_HEADER) or parsed.user or None
     return ParsedRequest(chat, prompt, parsed.stream, session, salt)
-
-
-def api_key(header: str | None) -> str | None:
-    """The API key of ``Authorization: Bearer <key>``; a malformed header is a 401, as on kvtier serve."""
-    if header is None:
-        return None
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        raise RequestError("the Authorization header must be 'Bearer <api key>'", 401)
-    return key.strip()
 
 
 def _chat_prompt(body: _ChatBody) -> Prompt:
