@@ -7,15 +7,17 @@ decides with:
 * the peer measured in the same run: one cache holding all the fleet's chunks (``--capacity``, 10,000);
 * 4 replicas holding a quarter each, routed by round-robin, sticky sessions alone (round-robin for a
   session's first request), pure prefix affinity, and prefix affinity under the load bound (with and
-  without sticky sessions).
+  without sticky sessions), and prefix affinity under looser bounds (``--looser``), to show what the bound
+  costs in hits and buys in balance.
 
 The trace names no sessions, so a request continues the session of the latest earlier request whose prompt
 (its full blocks) its own prompt extends: a conversation's next turn. Reports each fleet's chunk hit ratio,
 its ratio to the one cache's, and the load balance as max/mean over replicas of the requests served and of
 the prefill tokens computed. Target: load-bounded affinity within 5% of the one cache's hit ratio at
-max/mean load <= 1.25. Last line: RESULT {json}.
+max/mean load <= 1.25 (``met``: at ``--epsilon``, kvtier route's default; ``met_at_epsilon``: the smallest
+epsilon run that meets it). Last line: RESULT {json}.
 
-    PYTHONPATH=. python benchmarks/route_sim.py [--limit 2000] [--epsilon 0.25]
+    PYTHONPATH=. python benchmarks/route_sim.py [--limit 2000] [--epsilon 0.25] [--looser 0.5,1,2]
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def main() -> None:
     p.add_argument("--capacity", type=int, default=10_000, help="chunks of the whole fleet")
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--epsilon", type=float, default=0.25)
+    p.add_argument("--looser", default="0.5,1,2", help="more load-bound epsilons to compare (comma-separated)")
     args = p.parse_args()
 
     trace = find_workload_file("mooncake_synthetic_trace.jsonl", args.trace)
@@ -80,6 +83,8 @@ def main() -> None:
         "prefix affinity": (args.replicas, RoutingConfig(Routing.PREFIX)),
         "load-bounded": (args.replicas, bounded),
         "load-bounded + sticky": (args.replicas, dataclasses.replace(bounded, sticky=True)),
+        **{f"load-bounded eps {eps:g}": (args.replicas, dataclasses.replace(bounded, epsilon=eps))
+           for eps in sorted({float(e) for e in args.looser.split(",") if e.strip()} - {args.epsilon})},
     }
     results: dict[str, SimResult] = {}
     with tqdm(total=len(requests) * len(fleets), unit="req", desc="route_sim", mininterval=1.0) as bar:
@@ -101,10 +106,13 @@ def main() -> None:
         figures.update({f"{key}_hit": res.chunk_hit_ratio, f"{key}_vs_one": res.chunk_hit_ratio / one,
                         f"{key}_max_mean_requests": load["requests"],
                         f"{key}_max_mean_prefill": load["prefill_tokens"]})
-    met = (figures["load_bounded_vs_one"] >= TARGET_HIT_VS_ONE_CACHE
-           and figures["load_bounded_max_mean_requests"] <= TARGET_MAX_OVER_MEAN)
-    result({**figures, "target_vs_one": TARGET_HIT_VS_ONE_CACHE, "target_max_mean": TARGET_MAX_OVER_MEAN,
-            "met": met})
+    bounds = {args.epsilon: "load_bounded", **{float(k.rpartition(" ")[2]): k.replace(" ", "_").replace("-", "_")
+                                                for k in fleets if k.startswith("load-bounded eps")}}
+    meets = sorted(eps for eps, key in bounds.items() if figures[f"{key}_vs_one"] >= TARGET_HIT_VS_ONE_CACHE
+                   and figures[f"{key}_max_mean_requests"] <= TARGET_MAX_OVER_MEAN)
+    result({**figures, "epsilon": args.epsilon, "target_vs_one": TARGET_HIT_VS_ONE_CACHE,
+            "target_max_mean": TARGET_MAX_OVER_MEAN, "met": args.epsilon in meets,
+            "met_at_epsilon": meets[0] if meets else None})
 
 
 if __name__ == "__main__":
