@@ -96,8 +96,10 @@ class Pipeline:
             self._load_window(*tasks[0], keys, token_ids, state, promote, on_error)
         else:
             pool = self._executor()
-            futures = [pool.submit(self._load_window, tier, t, window, keys, token_ids, state, promote, on_error)
-                       for tier, t, window in tasks]
+            # inference mode is per thread: a sink the caller made under it may be written only under it
+            inference = torch.is_inference_mode_enabled()
+            futures = [pool.submit(_in_mode, inference, self._load_window, tier, t, window, keys, token_ids, state,
+                                   promote, on_error) for tier, t, window in tasks]
             wait(futures)  # all of them, even after one raised: none may touch the sink after we return
             for future in futures:
                 future.result()  # an engine's sink error reaches the caller, as it did without the pipeline
@@ -181,6 +183,12 @@ class Pipeline:
             for _, future in pending:  # something failed: let the encodes in flight end before the source may go
                 future.exception()
         return done
+
+
+def _in_mode(inference: bool, fn: Callable, *args) -> None:
+    """``fn(*args)`` in a worker thread under the caller's inference mode."""
+    with torch.inference_mode(inference):
+        fn(*args)
 
 
 class _LoadState:

@@ -170,3 +170,15 @@ def test_a_failing_put_skips_the_rest_of_the_store() -> None:
         assert cache.store(tokens, kv) == 2 * CHUNK  # the two windows put before the failure
         assert cache.metrics.get("kvtier_tier_errors_total", tier="memory", op="put") == 1
         assert cache.lookup(tokens) == 2 * CHUNK
+
+
+def test_workers_write_a_sink_made_in_inference_mode() -> None:
+    """Engines retrieve under torch.inference_mode (kvtier serve does); the mode is per thread, and an
+    inference tensor may be written in place only under it, so the workers must take the caller's mode."""
+    tokens, kv = data()
+    with memory_cache() as cache:
+        cache.store(tokens, kv)
+        with torch.inference_mode():
+            out, n = cache.retrieve(tokens)
+        assert n == len(tokens)
+        assert torch.equal(out, kv)
