@@ -29,7 +29,7 @@ from kvtier.keys import ChunkHash, Namespace, Tokens, token_array
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
 from kvtier.pipeline import Pipeline
-from kvtier.tiers import EvictionReporter, Tier, TierContext, WriteMode
+from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, TierContext, WriteMode
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class KVCache:
                     continue
                 for i in self._store_into(tier, keys, token_ids, source):
                     written[i] = True
+            self._order_chains(keys)
         return sum(written) * self.chunk_size
 
     def retrieve(
@@ -188,8 +189,14 @@ class KVCache:
             else:
                 tensor, sink = None, out
             good = self._load(keys[:n], where[:n], token_ids, sink)
+            self._order_chains(keys[:good])
             self.metrics.inc("kvtier_miss_tokens_total", (len(keys) - good) * self.chunk_size)
         return tensor, good * self.chunk_size
+
+    def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
+        """For each key, the index of the fastest tier holding it, up to the first key no tier holds (then
+        None). No side effects: what a router or a simulator asks before choosing where a request goes."""
+        return self._locate(keys)
 
     def close(self) -> None:
         self._pipeline.close()
@@ -256,6 +263,16 @@ class KVCache:
             if hits:
                 self.metrics.inc("kvtier_hit_tokens_total", hits * size, tier=tier.name)
         return good
+
+    def _order_chains(self, keys: Sequence[ChunkHash]) -> None:
+        """Tell every tier with a policy the request's chain, once all its windows are done (chunks load on
+        a pool and store window by window, so their touches reach a policy in no chain order)."""
+        for tier in self.tiers:
+            if isinstance(tier, ChainOrdered):
+                try:
+                    tier.order_chain(keys)
+                except KVTierError as exc:
+                    self._tier_failed(tier, "order_chain", exc)
 
     def _store_into(self, tier: Tier, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource) -> list[int]:
         """Write the chunks ``tier`` lacks; return the indices it newly stored."""

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "serve": "kvtier.server.cli",
     "bench": "kvtier.bench.cli",
     "route": "kvtier.router.cli",
+    "sim": "kvtier.sim.cli",
     "calibrate": "kvtier.calibrate",
 }
 

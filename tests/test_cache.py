@@ -114,8 +114,10 @@ def test_chunks_may_sit_in_different_tiers_and_are_promoted():
     cache = make_cache(fast, slow)
     assert [t.name for t in cache.tiers] == ["memory", "memory2"]
     tokens, kv = list(range(96)), kv_for(96)
-    cache.store(tokens, kv)  # write-through: all six in the slow tier, the last two in the fast one
-    assert cache.tiers[0].contains(cache.keys(tokens)) == [False] * 4 + [True] * 2
+    cache.store(tokens, kv)  # write-through: all six in the slow tier, the first two in the fast one
+    assert cache.tiers[0].contains(cache.keys(tokens)) == [True] * 2 + [False] * 4
+    cache.store(list(range(500, 532)), kv_for(32))  # another prompt takes the fast tier's room
+    assert cache.tiers[0].contains(cache.keys(tokens)) == [False] * 6
     assert cache.lookup(tokens) == 96
     out, n = cache.retrieve(tokens[:32] + [0] * 10)
     assert n == 32 and torch.equal(out[:, :, :32], kv[:, :, :32])

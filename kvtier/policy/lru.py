@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtier.keys import ChunkHash
+from kvtier.policy.base import renew_in_order
 
 
 class LRUPolicy:
@@ -24,6 +25,9 @@ class LRUPolicy:
 
     def on_remove(self, key: ChunkHash) -> None:
         self._order.pop(key, None)
+
+    def on_chain(self, keys: Sequence[ChunkHash]) -> None:
+        renew_in_order([self._order], keys)
 
     def victim(self, evictable: Callable[[ChunkHash], bool]) -> ChunkHash | None:
         for key in self._order:

@@ -3,6 +3,7 @@ config class in ``TIER_KINDS``."""
 
 from kvtier.tiers.base import (
     TIER_KINDS,
+    ChainOrdered,
     EvictionListener,
     EvictionReporter,
     Flushable,
@@ -20,11 +21,12 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.disk import DiskTier, DiskTierConfig
 from kvtier.tiers.memory import MemoryTier, MemoryTierConfig
+from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierConfig  # the engine is imported only when built
 from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is imported only when a tier is built
 
 __all__ = [
-    "TIER_KINDS", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter", "Flushable", "Listable",
-    "MemoryTier", "MemoryTierConfig", "RedisTier", "RedisTierConfig", "RemovalListener", "RemovalReporter",
-    "SharedStore", "Tier", "TierConfig", "TierContext", "TierStats",
-    "WriteMode", "register_tier", "stats_gauges",
+    "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter",
+    "Flushable", "Listable", "MemoryTier", "MemoryTierConfig", "MooncakeTier", "MooncakeTierConfig", "RedisTier",
+    "RedisTierConfig", "RemovalListener", "RemovalReporter", "SharedStore", "Tier", "TierConfig",
+    "TierContext", "TierStats", "WriteMode", "register_tier", "stats_gauges",
 ]

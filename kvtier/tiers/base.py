@@ -83,6 +83,17 @@ class EvictionReporter(Protocol):
 
 
 @runtime_checkable
+class ChainOrdered(Protocol):
+    """Optional capability: a tier whose eviction policy learns each request's chain (kvtier/policy/base.py,
+    ``on_chain``). KVCache calls ``order_chain`` once a request is done with the tier: after a retrieve with
+    the prefix it loaded (or promoted), after a store with the prompt's chunks, root first. Keys the tier
+    does not hold are ignored; no chunk is read or written (the disk tier records the order in its files'
+    mtimes)."""
+
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None: ...
+
+
+@runtime_checkable
 class Flushable(Protocol):
     """Optional capability: a tier that writes in the background.
 
@@ -132,9 +143,10 @@ class SharedStore(Protocol):
     def store_id(self) -> str: ...
 
 
-def stats_gauges(tier: Tier) -> Iterator[tuple[str, dict[str, str], float]]:
-    """The gauges every tier exports from its ``stats()``: used bytes, capacity and entries."""
-    stats = tier.stats()
+def stats_gauges(tier: Tier, stats: TierStats | None = None) -> Iterator[tuple[str, dict[str, str], float]]:
+    """The gauges every tier exports from its ``stats()`` (or from ``stats`` it already has): used bytes,
+    capacity and entries."""
+    stats = tier.stats() if stats is None else stats
     labels = {"tier": tier.name}
     yield "kvtier_tier_used_bytes", labels, stats.used_bytes
     yield "kvtier_tier_capacity_bytes", labels, stats.capacity_bytes

@@ -1,8 +1,9 @@
-"""Host-RAM tier: one preallocated buffer, views handed out, eviction through a policy.
+"""Memory tier: one preallocated buffer, views handed out, eviction through a policy.
 
-The buffer is allocated (and its pages touched) once at start, pinned when CUDA is available so host<->GPU
-copies can be asynchronous. A chunk is written straight into its slot (``Payload.write_into``) and read as a
-view of its slot: one copy in, one copy out, no per-chunk allocation of bytes.
+The buffer is allocated (and its pages touched) once at start, in host RAM (pinned when CUDA is available so
+host<->GPU copies can be asynchronous) or, with ``device: cuda:N``, in a GPU's spare memory (slab.py). A chunk
+is written straight into its slot (``Payload.write_into``) and read as a view of its slot: one copy in, one
+copy out, no per-chunk allocation of bytes (a GPU buffer adds a host copy each way).
 
 The buffer is private to the process, so blobs here are stored unsealed and read without checksum
 (``verifies = False``); their headers and token ids are still checked by the cache.
@@ -15,11 +16,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-
 from kvtier.codecs import Payload, get_codec
 from kvtier.keys import ChunkHash
-from kvtier.policy import make_policy
+from kvtier.policy import DEFAULT_POLICY, make_policy
 from kvtier.tiers.allocator import Allocator
 from kvtier.tiers.base import (
     EvictionListener,
@@ -30,6 +29,7 @@ from kvtier.tiers.base import (
     register_tier,
     stats_gauges,
 )
+from kvtier.tiers.slab import check_device, make_slab
 
 
 class _Entry:
@@ -40,8 +40,8 @@ class _Entry:
 
 
 class MemoryTier:
-    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter``, a ``RemovalReporter`` and
-    ``Listable``."""
+    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter``, ``ChainOrdered``, a
+    ``RemovalReporter`` and ``Listable``."""
 
     verifies = False
 
@@ -51,11 +51,8 @@ class MemoryTier:
         self._policy = make_policy(config.policy)
         self._metrics = ctx.metrics
         self._alloc = Allocator(config.capacity_bytes, align=64)  # blob payloads start 64-byte aligned
-        # pinned host memory lets host<->GPU copies run asynchronously; it needs CUDA to exist
-        self._buffer = torch.empty(self._alloc.capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        if config.prefault:
-            self._buffer.zero_()  # fault the pages in now, not on the first stores
-        self._view = memoryview(self._buffer.numpy()) if self._alloc.capacity else memoryview(b"")
+        self._slab = make_slab(self._alloc.capacity, config.device, config.prefault)
+        self._buffer = self._slab.buffer
         self._entries: dict[ChunkHash, _Entry] = {}
         self._lock = threading.Lock()
         self._on_evict: EvictionListener | None = None
@@ -80,8 +77,10 @@ class MemoryTier:
                     continue
                 entry.pins += 1
                 pinned.append(entry)
-                self._policy.on_access(key)
-                views.append(self._view[entry.offset : entry.offset + entry.nbytes])
+                views.append(self._slab.read(entry.offset, entry.nbytes))
+            for key, view in zip(reversed(keys), reversed(views)):  # deepest chunk first (policy/base.py)
+                if view is not None:
+                    self._policy.on_access(key)
         try:
             yield views
         finally:
@@ -92,7 +91,8 @@ class MemoryTier:
                         self._alloc.free(entry.offset, entry.nbytes)
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
-        return [self._put_one(key, payload) for key, payload in items]
+        """Stores a batch deepest chunk first, so the policy learns a chain from its end (policy/base.py)."""
+        return [self._put_one(key, payload) for key, payload in reversed(items)][::-1]
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
         with self._lock:
@@ -106,6 +106,11 @@ class MemoryTier:
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+
+    # -- ChainOrdered ---------------------------------------------------------------------------------------
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        with self._lock:
+            self._policy.on_chain(keys)
 
     # -- EvictionReporter ----------------------------------------------------------------------------------
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
@@ -136,7 +141,7 @@ class MemoryTier:
                 self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="full_of_pinned")
                 return False
         try:
-            payload.write_into(self._view[offset : offset + nbytes])
+            self._slab.write(offset, payload)
         except BaseException:
             with self._lock:
                 self._alloc.free(offset, nbytes)
@@ -158,7 +163,7 @@ class MemoryTier:
                 return None
             entry = self._entries[victim]
             if self._on_evict is not None:
-                self._on_evict(victim, self._view[entry.offset : entry.offset + entry.nbytes])
+                self._on_evict(victim, self._slab.read(entry.offset, entry.nbytes))
             self._remove(victim)
             self._metrics.inc("kvtier_evictions_total", tier=self.name)
         return offset
@@ -179,13 +184,19 @@ class MemoryTier:
 @register_tier
 @dataclass(frozen=True)
 class MemoryTierConfig(TierConfig):
-    """``capacity_bytes``: hard limit of the host buffer; ``policy``: eviction policy name; ``prefault``: touch
-    every page of the buffer at start (off only where start-up time matters more, as in tests)."""
+    """``capacity_bytes``: hard limit of the buffer; ``policy``: eviction policy name; ``prefault``: touch
+    every page of the buffer at start (off only where start-up time matters more, as in tests); ``device``:
+    ``cpu`` (host RAM) or ``cuda:N`` (a GPU's spare memory)."""
 
     kind = "memory"
     capacity_bytes: int = 1 << 30
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     prefault: bool = True
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_device(self.device)
 
     def build(self, ctx: TierContext) -> MemoryTier:
         return MemoryTier(self, ctx)

@@ -185,6 +185,19 @@ class EvictingTierConformance(TierConformance):
         self._put(tier, [10])  # must evict 1, the least recently used
         assert tier.contains([key(i) for i in (0, 1, 2, 3, 10)]) == [True, False, True, True, True]
 
+    def test_a_batch_is_a_chain_kept_from_its_root(self, new_tier):
+        """A batch holds one request's chunks, root first (kvtier/policy/base.py): a tier reports it to its
+        policy deepest chunk first, so what cannot stay is the end of the chain, never its start."""
+        tier = new_tier(2 * BLOB_BYTES + 100)
+        self._put(tier, [0, 1, 2])
+        assert tier.contains([key(0), key(1), key(2)]) == [True, True, False]
+        tier = new_tier(4 * BLOB_BYTES + 100)
+        for i in (3, 2, 1, 0):
+            self._put(tier, [i])  # stored oldest root: alone, LRU would evict 3 first, then 2 ...
+        self._read(tier, [0, 1, 2, 3])  # ... read as one prefix, the deepest is the least recent again
+        self._put(tier, [10])
+        assert tier.contains([key(i) for i in (0, 1, 2, 3, 10)]) == [True, True, True, False, True]
+
     def test_pinned_entries_survive_pressure(self, new_tier):
         tier = new_tier(4 * BLOB_BYTES + 100)
         self._put(tier, [0, 1])
@@ -220,7 +233,8 @@ class EvictionListenerConformance:
         tier = new_tier(2 * BLOB_BYTES + 100)
         seen: dict[bytes, bytes] = {}
         tier.set_eviction_listener(lambda k, b: seen.__setitem__(bytes(k), bytes(b)))
-        self._put(tier, [0, 1, 2])
+        for i in range(3):
+            self._put(tier, [i])
         assert seen == {key(0): blob(0, seal=tier.verifies)}
 
 

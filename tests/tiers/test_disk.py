@@ -84,6 +84,27 @@ def test_restart_keeps_write_order_for_eviction_and_obeys_a_smaller_capacity(tmp
     small.close()
 
 
+def test_restart_keeps_the_order_of_last_use(tmp_path):
+    """Reads and writes stamp each file's mtime, so a restarted tier evicts by last use, a chain from its end."""
+    tier = disk_tier(tmp_path, 6 * BLOB_BYTES)
+    for i in range(4):
+        put(tier, [i])
+    assert read(tier, [0]) == [blob(0)]  # 0 is now the most recently used
+    put(tier, [20, 21])  # one request's chain, root first
+    tier.close()
+    again = disk_tier(tmp_path, 6 * BLOB_BYTES)
+    evicted = []
+    for i in range(30, 34):
+        put(again, [i])
+        evicted += [j for j in (0, 1, 2, 3, 20, 21) if j not in evicted and again.contains([key(j)]) == [False]]
+    assert evicted == [1, 2, 3, 0]
+    again.close()
+    again = disk_tier(tmp_path, 6 * BLOB_BYTES)
+    put(again, [40])
+    assert again.contains([key(20), key(21)]) == [True, False]  # the chain lost its deepest chunk first
+    again.close()
+
+
 def test_a_directory_belongs_to_one_tier(tmp_path):
     tier = disk_tier(tmp_path, 1 << 20)
     with pytest.raises(ConfigError, match="in use by process"):

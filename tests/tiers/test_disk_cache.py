@@ -67,11 +67,11 @@ def test_write_back_demotes_on_eviction_and_prefix_spans_tiers(tmp_path):
         c.store(toks[: 2 * CHUNK], data[:, :, : 2 * CHUNK])
         flush(c)
         assert c.tiers[1].contains(keys[:2]) == [False, False]  # write-back: nothing on disk yet
-        c.store(toks, data)
+        c.store(toks, data)  # the four new chunks go to memory deepest first, pushing out the older two
         flush(c)
         assert c.metrics.get("kvtier_demotions_total", tier="disk") == 3
-        assert c.tiers[1].contains(keys) == [True] * 3 + [False] * 3
-        assert c.tiers[0].contains(keys) == [False] * 3 + [True] * 3
+        assert c.tiers[1].contains(keys) == [True, True, False, False, False, True]
+        assert c.tiers[0].contains(keys) == [False, False, True, True, True, False]
         assert c.lookup(toks) == 6 * CHUNK  # the longest prefix across both tiers
         out, n = c.retrieve(toks)
         assert n == 6 * CHUNK and torch.equal(out, data)

@@ -415,6 +415,7 @@ def test_readme_examples_parse():
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text[text.index("## Sharing one cache between replicas") :]
+    section = section[: section.index("\n## ")]  # up to the next section
     block = re.search(r"```yaml\n(.*?)```", section, re.DOTALL).group(1)
     config = CacheConfig.from_dict(yaml.safe_load(block))
     assert [t.kind for t in config.tiers] == ["memory", "redis"] and config.tiers[1].ttl_s == 86400

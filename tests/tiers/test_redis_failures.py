@@ -8,26 +8,12 @@ import time
 
 import pytest
 
+from tests.harness import timed, wait_for
 from tests.tiers.test_redis import CHUNK, make_cache, prompt
 
 TIMEOUT = 0.25
 #: What one call may take: its timeout plus scheduling noise on a loaded 2-core machine.
 BOUND = TIMEOUT + 0.4
-
-
-def timed(fn, *args, **kwargs):
-    start = time.monotonic()
-    result = fn(*args, **kwargs)
-    return result, time.monotonic() - start
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_hung_server_costs_at_most_the_timeout_then_breaker_opens_and_closes(own_redis):

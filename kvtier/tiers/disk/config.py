@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError
-from kvtier.policy import make_policy
+from kvtier.policy import DEFAULT_POLICY, make_policy
 from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
 
 
@@ -25,7 +25,7 @@ class DiskTierConfig(TierConfig):
     kind = "disk"
     path: Path | None = None
     capacity_bytes: int = 64 << 30
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     write_queue_depth: int = 16
     write_threads: int = 2
     read_threads: int = 4

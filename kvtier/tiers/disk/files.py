@@ -165,8 +165,10 @@ def open_regular(path: str, flags: int, mode: int = 0o644) -> int:
     return fd  # O_NONBLOCK does nothing to a regular file's reads and writes
 
 
-def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct: bool) -> None:
+def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct: bool,
+                 mtime_ns: int | None = None) -> None:
     """Make ``path`` hold exactly ``buf[:nbytes]``, all or nothing: temp file, fsync, rename, fsync of the directory.
+    ``mtime_ns`` (when given) becomes the file's modification time, set before the fsync so it lasts with it.
 
     With ``direct`` the temp file is written O_DIRECT (``buf`` is page-aligned and at least
     ``round_up(nbytes)`` long), whole blocks, then truncated to ``nbytes``. On failure the temp file is removed
@@ -181,6 +183,8 @@ def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct:
             _step("write", _write_all, fd, memoryview(buf)[: round_up(nbytes) if direct else nbytes])
             if direct:
                 _step("write", os.ftruncate, fd, nbytes)
+            if mtime_ns is not None:
+                _step("utime", set_mtime, fd, mtime_ns)
             if fsync:
                 _step("fsync", os.fsync, fd)
         finally:
@@ -198,6 +202,20 @@ def write_atomic(path: str, buf: mmap.mmap, nbytes: int, *, fsync: bool, direct:
             _step("fsync_dir", os.fsync, dfd)
         finally:
             os.close(dfd)
+
+
+def set_mtime(target: str | int, mtime_ns: int) -> None:
+    """Set the access and modification times of an open file, or of a path without following a symlink put
+    in its place: the disk tier's record of last use."""
+    if isinstance(target, int):
+        os.utime(target, ns=(mtime_ns, mtime_ns))
+    else:
+        os.utime(target, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+
+
+def touch(path: str, mtime_ns: int) -> None:
+    """``set_mtime`` of a chunk file, failures as DiskIOError."""
+    _step("utime", set_mtime, path, mtime_ns)
 
 
 def remove(path: str) -> bool:

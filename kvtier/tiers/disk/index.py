@@ -11,18 +11,40 @@ chunk is visible only once its file is complete.
 
 Every entry that leaves the index (evicted, deleted, forgotten, or a queued store abandoned) is reported to
 ``on_drop`` (the tier's RemovalReporter listener), under the index lock.
+
+Eviction order. ``reserve`` takes a batch in chain order (a request's chunks, root first), so that a full
+write queue drops the deepest chunks, and reports the batch to the policy deepest chunk first (policy/base.py):
+a pending entry is known to the policy from its reservation, never proposed as a victim, and goes on in the
+order decided when its file lands. Each reservation carries ``stamp_ns``, deeper chunks older, which the
+writer sets as the file's mtime, as reads do for what they read: a restart re-indexes files oldest mtime
+first, so the policy starts again from the order of last use. A request's chunks come in several batches,
+each stamped on its own, so ``order_chain`` stamps the whole chain again (``submit_touch``, after any
+queued write of the same key), deeper chunks older, as it orders the policy.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.policy import EvictionPolicy
 from kvtier.tiers.base import RemovalListener, TierStats
+
+#: Apart from each other, the mtimes of one batch: files of one request keep their order on any filesystem
+#: whose timestamps have microseconds (ext4, xfs, btrfs, tmpfs: nanoseconds).
+STAMP_STEP_NS = 1_000
+
+
+def stamps_ns(n: int) -> list[int]:
+    """File times for a batch of ``n`` chunks in chain order: now for the root, a step earlier for each
+    deeper chunk, so a restart (oldest mtime first) reports the chain deepest first, as it was used."""
+    now = time.time_ns()
+    return [now - i * STAMP_STEP_NS for i in range(n)]
+
 
 class Declined(enum.Enum):
     """Why ``reserve`` started no new store. PRESENT means nothing is needed (the key is stored or queued); the
@@ -36,12 +58,13 @@ class Declined(enum.Enum):
 
 
 class Pending:
-    """A reserved store. ``ready`` is set once ``buf`` holds the payload (``buf`` stays None if the copy failed)."""
+    """A reserved store. ``ready`` is set once ``buf`` holds the payload (``buf`` stays None if the copy failed);
+    ``stamp_ns`` is the mtime its file gets."""
 
-    __slots__ = ("buf", "cancelled", "key", "nbytes", "ready")
+    __slots__ = ("buf", "cancelled", "key", "nbytes", "ready", "stamp_ns")
 
-    def __init__(self, key: ChunkHash, nbytes: int) -> None:
-        self.key, self.nbytes, self.buf, self.cancelled = key, nbytes, None, False
+    def __init__(self, key: ChunkHash, nbytes: int, stamp_ns: int) -> None:
+        self.key, self.nbytes, self.buf, self.cancelled, self.stamp_ns = key, nbytes, None, False, stamp_ns
         self.ready = threading.Event()
 
 
@@ -63,13 +86,14 @@ class DiskIndex:
         queue_depth: int,
         submit_write: Callable[[Pending], None],
         submit_unlink: Callable[[ChunkHash], None],
+        submit_touch: Callable[[ChunkHash, int], None],
         metrics: Metrics,
         name: str,
     ) -> None:
         self.capacity = capacity
         self._policy = policy
         self._depth = queue_depth
-        self._submit_write, self._submit_unlink = submit_write, submit_unlink
+        self._submit_write, self._submit_unlink, self._submit_touch = submit_write, submit_unlink, submit_touch
         self._lock = threading.Lock()
         self._entries: dict[ChunkHash, Entry] = {}
         self.used = 0
@@ -94,9 +118,20 @@ class DiskIndex:
                 entry = self._entries.get(key)
                 if entry is not None and entry.pending is None:
                     entry.pins += 1
-                    self._policy.on_access(key)
                     out.append((i, key, entry))
+            for _, key, _ in reversed(out):  # deepest chunk first
+                self._policy.on_access(key)
         return out
+
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        """The policy's ``on_chain``, and the files' mtimes in the same order (see the module docstring)."""
+        with self._lock:
+            if self.closed:
+                return
+            self._policy.on_chain(keys)
+            held = [key for key in keys if key in self._entries]
+            for key, stamp in zip(held, stamps_ns(len(held))):
+                self._submit_touch(key, stamp)
 
     def unpin(self, entries: Iterable[Entry]) -> None:
         with self._lock:
@@ -113,32 +148,45 @@ class DiskIndex:
             return list(self._entries)
 
     # -- stores --------------------------------------------------------------------------------------------
-    def reserve(self, key: ChunkHash, nbytes: int) -> Pending | Declined:
-        """Room for a new store, evicting in policy order, and its write submitted; else why not."""
+    def reserve(self, items: Sequence[tuple[ChunkHash, int]]) -> list[Pending | Declined]:
+        """Room for each new store of a batch in chain order, evicting in policy order, and its write
+        submitted; else why not. The batch is then reported to the policy deepest chunk first."""
+        stamps = stamps_ns(len(items))
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                if entry.pending is None:
-                    self._policy.on_access(key)
-                return Declined.PRESENT
-            if self.closed:
-                return Declined.CLOSED
-            if nbytes > self.capacity:
-                return Declined.TOO_LARGE
-            if self.queued >= self._depth:
-                return Declined.QUEUE_FULL
-            while self.used + nbytes > self.capacity:
-                victim = self._policy.victim(lambda k: self._entries[k].pins == 0)
-                if victim is None:
-                    return Declined.FULL_OF_PINNED
-                self._drop(victim, unlink=True)
-                self._metrics.inc("kvtier_evictions_total", tier=self._name)
-            job = Pending(key, nbytes)
-            self._entries[key] = Entry(nbytes, job)
-            self.used += nbytes
-            self.queued += 1
-            self._submit_write(job)
-            return job
+            out = [self._reserve_one(key, nbytes, stamp) for (key, nbytes), stamp in zip(items, stamps)]
+            for (key, _), job in zip(reversed(items), reversed(out)):
+                if isinstance(job, Pending):
+                    self._policy.on_insert(key)
+                elif job is Declined.PRESENT and (entry := self._entries.get(key)) and entry.pending is None:
+                    self._policy.on_access(key)  # (unless a later store of the batch evicted it meanwhile)
+        return out
+
+    def _reserve_one(self, key: ChunkHash, nbytes: int, stamp_ns: int) -> Pending | Declined:
+        entry = self._entries.get(key)
+        if entry is not None:
+            return Declined.PRESENT
+        if self.closed:
+            return Declined.CLOSED
+        if nbytes > self.capacity:
+            return Declined.TOO_LARGE
+        if self.queued >= self._depth:
+            return Declined.QUEUE_FULL
+        while self.used + nbytes > self.capacity:
+            victim = self._policy.victim(self._evictable)
+            if victim is None:
+                return Declined.FULL_OF_PINNED
+            self._drop(victim, unlink=True)
+            self._metrics.inc("kvtier_evictions_total", tier=self._name)
+        job = Pending(key, nbytes, stamp_ns)
+        self._entries[key] = Entry(nbytes, job)
+        self.used += nbytes
+        self.queued += 1
+        self._submit_write(job)
+        return job
+
+    def _evictable(self, key: ChunkHash) -> bool:
+        entry = self._entries[key]
+        return entry.pins == 0 and entry.pending is None
 
     def publish(self, job: Pending) -> bool:
         """The job's file is complete: make it visible. False if it was deleted meanwhile (remove the file)."""
@@ -147,8 +195,7 @@ class DiskIndex:
             entry = self._entries.get(job.key)
             if entry is None or entry.pending is not job:
                 return False
-            entry.pending = None
-            self._policy.on_insert(job.key)
+            entry.pending = None  # the policy has known it since its reservation
             return True
 
     def abandon(self, job: Pending) -> None:
@@ -157,9 +204,7 @@ class DiskIndex:
             self.queued -= 1
             entry = self._entries.get(job.key)
             if entry is not None and entry.pending is job:
-                del self._entries[job.key]
-                self.used -= entry.nbytes
-                self._report(job.key)
+                self._drop(job.key, unlink=False)
 
     # -- removals ------------------------------------------------------------------------------------------
     def remove(self, keys: Sequence[ChunkHash]) -> None:
@@ -193,7 +238,7 @@ class DiskIndex:
                     self._entries[key] = Entry(nbytes)
                     self.used += nbytes
                     self._policy.on_insert(key)
-            while self.used > self.capacity and (victim := self._policy.victim(lambda k: True)) is not None:
+            while self.used > self.capacity and (victim := self._policy.victim(self._evictable)) is not None:
                 self._drop(victim, unlink=True)
                 self._metrics.inc("kvtier_evictions_total", tier=self._name)
 
@@ -204,8 +249,7 @@ class DiskIndex:
     def _drop(self, key: ChunkHash, *, unlink: bool) -> None:
         entry = self._entries.pop(key)
         self.used -= entry.nbytes
-        if entry.pending is None:
-            self._policy.on_remove(key)
+        self._policy.on_remove(key)  # pending entries too: the policy knows them from their reservation
         if unlink and not self.closed:
             self._submit_unlink(key)
         self._report(key)

@@ -52,9 +52,10 @@ from kvtier.tiers.disk.files import (
     read_into,
     remove,
     scan,
+    touch,
     write_atomic,
 )
-from kvtier.tiers.disk.index import Declined, DiskIndex, Pending
+from kvtier.tiers.disk.index import Declined, DiskIndex, Pending, stamps_ns
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,9 @@ STAGING_POOL_RETAIN = 128 << 20
 
 
 class DiskTier:
-    """The Tier protocol over one directory of chunk files; ``Flushable`` (stores are written in the background),
-    a ``RemovalReporter`` and ``Listable`` (both count queued stores as held: see index.py)."""
+    """The Tier protocol over one directory of chunk files; ``Flushable`` (stores are written in the
+    background), ``ChainOrdered``, a ``RemovalReporter`` and ``Listable`` (both count queued stores as held:
+    see index.py)."""
 
     verifies = True
 
@@ -92,6 +94,7 @@ class DiskTier:
             config.capacity_bytes, make_policy(config.policy), queue_depth=config.write_queue_depth,
             submit_write=lambda job: self._writer(job.key).submit(self._write, job),
             submit_unlink=lambda key: self._writer(key).submit(self._unlink, self.paths.path(key)),
+            submit_touch=lambda key, stamp: self._writer(key).submit(self._restamp, self.paths.path(key), stamp),
             metrics=self._metrics, name=name,
         )
         self._reindex()
@@ -105,12 +108,13 @@ class DiskTier:
     def get(self, keys: Sequence[ChunkHash]) -> Iterator[list[memoryview | None]]:
         views: list[memoryview | None] = [None] * len(keys)
         pinned = self._index.pin(keys)
+        reads = [(key, entry.nbytes, stamp) for (_, key, entry), stamp in zip(pinned, stamps_ns(len(pinned)))]
         bufs: list[mmap.mmap] = []
         try:
-            if len(pinned) == 1:
-                results = [self._read(pinned[0][1], pinned[0][2].nbytes)]
+            if len(reads) == 1:
+                results = [self._read(*reads[0])]
             else:
-                results = list(self._readers.map(lambda p: self._read(p[1], p[2].nbytes), pinned))
+                results = list(self._readers.map(lambda read: self._read(*read), reads))
             for (i, key, _), result in zip(pinned, results):
                 if isinstance(result, DiskIOError):
                     self._read_failed(key, result)
@@ -126,10 +130,24 @@ class DiskTier:
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
         """Queue the stores; True where the key is stored or now queued (visible once its file is complete)."""
-        return [self._put_one(key, payload) for key, payload in items]
+        jobs = self._index.reserve([(key, payload.nbytes) for key, payload in items])
+        done: list[bool] = []
+        try:
+            for job, (_, payload) in zip(jobs, items):
+                done.append(self._stage(job, payload))
+        finally:
+            for job in jobs[len(done):]:  # a copy raised: the writers abandon the stores never staged
+                if isinstance(job, Pending):
+                    job.ready.set()
+        return done
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
         self._index.remove(keys)
+
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        """``ChainOrdered``: the policy orders the request's chunks deepest first, and their files' mtimes are
+        stamped again in that order (writes and reads stamp each batch on its own), so a restart keeps it."""
+        self._index.order_chain(keys)
 
     def stats(self) -> TierStats:
         return self._index.stats()
@@ -159,17 +177,15 @@ class DiskTier:
             self._lock_fd = None
 
     # -- storing -------------------------------------------------------------------------------------------
-    def _put_one(self, key: ChunkHash, payload: Payload) -> bool:
-        nbytes = payload.nbytes
-        job = self._index.reserve(key, nbytes)
+    def _stage(self, job: Pending | Declined, payload: Payload) -> bool:
         if job is Declined.PRESENT:
             return True
         if isinstance(job, Declined):
             self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason=job.value)
             return False
         try:  # the writer waits for ``ready``; copying outside the index lock keeps lookups fast
-            buf = self._staging.acquire(nbytes)
-            payload.write_into(memoryview(buf)[:nbytes])
+            buf = self._staging.acquire(job.nbytes)
+            payload.write_into(memoryview(buf)[: job.nbytes])
             job.buf = buf
         finally:
             job.ready.set()  # without buf on failure: the writer then abandons the store
@@ -186,7 +202,7 @@ class DiskTier:
                 return
             path = self.paths.path(job.key)
             try:
-                self._write_file(path, job.buf, job.nbytes)
+                self._write_file(path, job.buf, job.nbytes, job.stamp_ns)
             except DiskIOError as exc:
                 self._io_failed(exc.op, exc)
                 self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="io_error")
@@ -200,7 +216,7 @@ class DiskTier:
                 self._staging.release(job.buf)
                 job.buf = None
 
-    def _write_file(self, path: str, buf: mmap.mmap, nbytes: int) -> None:
+    def _write_file(self, path: str, buf: mmap.mmap, nbytes: int, stamp_ns: int | None = None) -> None:
         if self._lost:
             self._recover()
         sub = os.path.dirname(path)
@@ -215,13 +231,13 @@ class DiskTier:
             self._made.add(sub)
         try:
             try:
-                write_atomic(path, buf, nbytes, fsync=self._fsync, direct=self._write_direct)
+                write_atomic(path, buf, nbytes, fsync=self._fsync, direct=self._write_direct, mtime_ns=stamp_ns)
             except DiskIOError as exc:
                 if not (self._write_direct and exc.cause.errno == errno.EINVAL):
                     raise
                 log.warning("disk tier %s: O_DIRECT writes refused (%s); writing buffered", self.name, exc)
                 self._write_direct = False
-                write_atomic(path, buf, nbytes, fsync=self._fsync, direct=False)
+                write_atomic(path, buf, nbytes, fsync=self._fsync, direct=False, mtime_ns=stamp_ns)
         except DiskIOError as exc:
             if exc.cause.errno == errno.ENOENT:
                 self._made.discard(sub)
@@ -233,6 +249,15 @@ class DiskTier:
             remove(path)
         except DiskIOError as exc:
             self._io_failed("unlink", exc)
+
+    def _restamp(self, path: str, stamp_ns: int) -> None:
+        """Record a chunk's place in the order of last use; a file gone meanwhile (evicted, or its write
+        skipped) has no place to keep."""
+        try:
+            touch(path, stamp_ns)
+        except DiskIOError as exc:
+            if exc.cause.errno != errno.ENOENT:
+                self._io_failed("utime", exc)
 
     def _recover(self) -> None:
         """The directory vanished earlier: once ``<root>`` exists again, take it back and re-index it."""
@@ -254,21 +279,27 @@ class DiskTier:
         log.warning("disk tier %s: directory %s is back, re-indexed", self.name, self.paths.dir)
 
     # -- reading -------------------------------------------------------------------------------------------
-    def _read(self, key: ChunkHash, nbytes: int) -> tuple[mmap.mmap, int] | DiskIOError:
+    def _read(self, key: ChunkHash, nbytes: int, stamp_ns: int) -> tuple[mmap.mmap, int] | DiskIOError:
+        """Read a chunk file, then record the use in its mtime (what a restart orders the index by)."""
         buf = self._read_pool.acquire(nbytes)
         path = self.paths.path(key)
         try:
             try:
-                return buf, read_into(path, memoryview(buf), nbytes, direct=self._read_direct)
+                got = read_into(path, memoryview(buf), nbytes, direct=self._read_direct)
             except DiskIOError as exc:
                 if not (self._read_direct and exc.cause.errno == errno.EINVAL):
                     raise
                 log.warning("disk tier %s: O_DIRECT reads refused (%s); reading buffered", self.name, exc)
                 self._read_direct = False
-                return buf, read_into(path, memoryview(buf), nbytes, direct=False)
+                got = read_into(path, memoryview(buf), nbytes, direct=False)
         except DiskIOError as exc:
             self._read_pool.release(buf)
             return exc
+        try:
+            touch(path, stamp_ns)
+        except DiskIOError as exc:  # the chunk was read; only its place after a restart is lost
+            self._io_failed("utime", exc)
+        return buf, got
 
     def _read_failed(self, key: ChunkHash, exc: DiskIOError) -> None:
         self._io_failed("read", exc)

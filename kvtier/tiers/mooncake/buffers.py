@@ -1,0 +1,98 @@
+"""Memory the transfer engine moves values out of and into: registered once, carved per call.
+
+Mooncake's zero-copy calls (``batch_put_from`` / ``batch_get_into``) need memory registered with the transfer
+engine (RDMA pins and maps it; registering costs milliseconds, so it is done once, never per call). The tier
+keeps one arena of ``buffer_bytes``, allocated, faulted in and registered on first use, carved by the first-fit
+allocator the memory tier uses. A value that finds no room in it is a miss or a skipped store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvtier.errors import TierError
+from kvtier.tiers.allocator import Allocator
+
+#: Registers (address, bytes, owner, deadline) with the transfer engine; 0 on success; may raise TierError.
+Register = Callable[[int, int, object, float], int]
+_ALIGN = 64  # blob payloads start 64-byte aligned within a value
+
+
+class Slot:
+    """Room for one value: ``view`` (exactly ``nbytes``) at address ``ptr``."""
+
+    __slots__ = ("nbytes", "offset", "ptr", "view")
+
+    def __init__(self, view: memoryview, ptr: int, offset: int, nbytes: int) -> None:
+        self.view, self.ptr, self.offset, self.nbytes = view, ptr, offset, nbytes
+
+
+class Lease:
+    """The slots of one batch, None where no room was left. ``release`` hands them back, once."""
+
+    def __init__(self, owner: RegisteredBuffers, slots: list[Slot | None]) -> None:
+        self.slots = slots
+        self._owner = owner
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._owner._release(self.slots)
+
+
+class RegisteredBuffers:
+    """Thread-safe. ``register`` is called once for the arena (again after a failed attempt)."""
+
+    def __init__(self, arena_bytes: int, register: Register) -> None:
+        self._register = register
+        self._alloc = Allocator(arena_bytes, align=_ALIGN)
+        self._lock = threading.Lock()
+        self._creating = threading.Lock()  # one arena, registered once, however many first takes race
+        self._arena: np.ndarray | None = None
+        self._view = memoryview(b"")
+        self._base = 0
+
+    def take(self, sizes: Sequence[int], deadline: float) -> Lease:
+        """A slot for each size that fits in what is free (None for the others)."""
+        if self._arena is None:
+            with self._creating:
+                if self._arena is None:
+                    self._create(deadline)
+        slots: list[Slot | None] = [None] * len(sizes)
+        with self._lock:
+            if self._arena is not None:
+                for i, n in enumerate(sizes):
+                    offset = self._alloc.alloc(n)
+                    if offset is not None:
+                        slots[i] = Slot(self._view[offset : offset + n], self._base + offset, offset, n)
+        return Lease(self, slots)
+
+    def _create(self, deadline: float) -> None:
+        arena = np.zeros(self._alloc.capacity, dtype=np.uint8)  # zeros: faulted in now, not mid-transfer
+        try:
+            registered = self._register(arena.ctypes.data, arena.nbytes, arena, deadline) == 0
+        except TierError:
+            registered = False
+        if registered:
+            with self._lock:
+                self._arena, self._view, self._base = arena, memoryview(arena), arena.ctypes.data
+
+    def _release(self, slots: list[Slot | None]) -> None:
+        with self._lock:
+            for slot in slots:
+                if slot is not None:
+                    self._alloc.free(slot.offset, slot.nbytes)
+
+    @property
+    def largest_free(self) -> int:
+        """The largest value a take could place now (the whole arena when nothing is leased)."""
+        with self._lock:
+            return self._alloc.largest_free() if self._arena is not None else 0
+
+    @property
+    def registered_bytes(self) -> int:
+        return 0 if self._arena is None else self._arena.nbytes

@@ -1,0 +1,352 @@
+"""Pooled tier on Mooncake Store: every replica's spare memory holds prefix KV for all of them.
+
+Pool
+    A ``mooncake_master`` keeps the metadata; each replica's tier is a Mooncake client that mounts a segment of
+    its own memory (``segment_bytes``, or ``segment_share`` of what is free; 0 for none) into one pool, and
+    values move directly between replicas through Mooncake's transfer engine (TCP, or RDMA). The master places
+    each value whole in one segment (``--allocation_strategy``: ``random`` by default; ``free_ratio_first``
+    fills segments of different sizes evenly) and evicts approximately least-recently-used values once the
+    pool passes its high watermark or a put finds no room (that put is skipped; the next ones fit).
+
+Keys and values
+    ``<key_prefix><codec>:<chunk hash hex>``. The chunk hash covers model, KV spec, chunk size, TP rank, adapter
+    and tenant salt; the codec in the key keeps codecs apart. Values are sealed, checksummed blobs: KVCache
+    verifies every read, so a planted, truncated or foreign value is a miss and is deleted.
+
+Transfers
+    Zero-copy both ways: a put writes each blob into registered memory the tier owns (buffers.py) and the
+    engine sends it from there (``batch_put_from``); a get asks the master for the values' sizes
+    (``batch_get_replica_desc``), then the engine writes them straight into registered memory
+    (``batch_get_into``), where they stay until the ``with`` block ends. Measured against the other calls in
+    benchmarks/mooncake_calls.py.
+
+Failures
+    Every call has one deadline, ``timeout_s`` plus one second per ``min_rate_bytes`` moved, enforced by
+    running the engine's blocking calls on worker threads (calls.py). A dead or hung master or peer costs a
+    request at most that; it gives misses and skipped stores, counted. ``breaker_failures`` consecutive
+    failures of the master open the circuit breaker: requests skip the pool at once while a background
+    thread probes the master every ``breaker_cooldown_s`` and closes the breaker when it answers. A tier that
+    cannot reach the master at start serves misses and keeps trying to join. Values of a replica that leaves
+    are gone: at once when it closes, when the master notices its silence (``--client_ttl``) when it dies;
+    reads of them meanwhile fail fast and are misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from time import monotonic
+
+from kvtier.codecs import Payload, get_codec
+from kvtier.errors import ConfigError, TierError
+from kvtier.keys import ChunkHash
+from kvtier.tiers.base import TierContext, TierStats, stats_gauges
+from kvtier.net.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.mooncake.buffers import Lease, RegisteredBuffers
+from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
+from kvtier.tiers.mooncake.client import MASTER_DOWN, Code, MooncakeClient
+from kvtier.tiers.mooncake.config import MooncakeTierConfig
+
+log = logging.getLogger(__name__)
+
+#: Engine calls in flight at once per tier (requests beyond it wait for a worker, within their deadline).
+WORKERS = 8
+#: The pool's figures in the gauges are at most this old: each refresh is an HTTP request to the master, and
+#: gauges are read on every scrape (and by vLLM's stats channel every second, in every worker).
+GAUGE_STATS_MAX_AGE_S = 5.0
+_POOL_GAUGES = {"master_allocated_bytes": 0, "master_total_capacity_bytes": 1, "master_key_count": 2}
+
+
+class MooncakeTier:
+    verifies = True
+
+    def __init__(self, config: MooncakeTierConfig, ctx: TierContext) -> None:
+        self.name = ctx.name
+        self.config = config
+        self.codec = get_codec(config.codec)
+        self._metrics = ctx.metrics
+        self._prefix = f"{config.key_prefix}{self.codec.name}:"
+        self._probe_key = f"{config.key_prefix}probe"
+        self._calls = DeadlineCalls(WORKERS, ctx.name)
+        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s,
+                                       on_change=self._breaker_changed)
+        self._last_stats = TierStats(0, 0, 0)
+        self._stats_read_at = float("-inf")
+        self._closed = False
+        self._health: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._client = MooncakeClient(config, self._calls, on_joined=self._wake.set)
+        self._buffers = RegisteredBuffers(config.buffer_bytes, self._client.register)
+        self._metrics.add_gauges(self._gauges)
+        if not self._client.join(monotonic() + config.connect_timeout_s):
+            log.warning("mooncake tier %s: master %s not reachable yet; misses until it is", self.name,
+                        config.master_address)
+            self._start_health()
+
+    @property
+    def joined(self) -> bool:
+        """Whether this replica is in the pool now (its segment mounted, its calls going to the master)."""
+        return self._client.joined
+
+    # -- the Tier protocol ---------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        if not keys or not self._usable("contains"):
+            return [False] * len(keys)
+        try:
+            codes = self._client.exists(self._names(keys), monotonic() + self.config.timeout_s)
+        except TierError as exc:
+            self._failed("contains", exc)
+            return [False] * len(keys)
+        self._judge("contains", codes)
+        return [code == 1 for code in codes]
+
+    @contextmanager
+    def get(self, keys: Sequence[ChunkHash]) -> Iterator[list[memoryview | None]]:
+        views: list[memoryview | None] = [None] * len(keys)
+        lease = self._get(keys, views) if keys and self._usable("get") else None
+        try:
+            yield views
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
+        out = [False] * len(items)
+        todo = []
+        for i, (_key, payload) in enumerate(items):
+            if payload.nbytes > self.config.max_value_bytes:
+                self._skipped("too_large")
+            else:
+                todo.append(i)
+        if not todo:
+            return out
+        if not self._usable("put"):
+            self._skipped("unavailable", len(todo))
+            return out
+        sizes = [items[i][1].nbytes for i in todo]
+        deadline = monotonic() + self.config.timeout_s + sum(sizes) / self.config.min_rate_bytes
+        lease = self._buffers.take(sizes, deadline)
+        try:
+            staged = [(i, slot) for i, slot in zip(todo, lease.slots) if slot is not None]
+            self._skipped("no_buffer", len(todo) - len(staged))
+            for i, slot in staged:
+                items[i][1].write_into(slot.view)
+        except BaseException:
+            lease.release()
+            raise
+        if staged:
+            self._send(items, staged, lease, deadline, out)
+        else:
+            lease.release()
+        return out
+
+    def delete(self, keys: Sequence[ChunkHash]) -> None:
+        if not keys or not self._usable("delete"):
+            return
+        try:
+            self._judge("delete", self._client.remove(self._names(keys), monotonic() + self.config.timeout_s))
+        except TierError as exc:
+            self._failed("delete", exc)
+
+    def stats(self) -> TierStats:
+        """The whole pool's used bytes, capacity and key count, from the master's metrics endpoint (the last
+        figures read when it does not answer)."""
+        try:
+            with urllib.request.urlopen(self.config.master_metrics_url, timeout=self.config.timeout_s) as resp:
+                text = resp.read().decode("ascii", "replace")
+        except (OSError, urllib.error.URLError) as exc:
+            log.debug("mooncake tier %s: master metrics: %s", self.name, exc)
+            return self._last_stats
+        figures = [0, 0, 0]
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in _POOL_GAUGES:
+                try:
+                    figures[_POOL_GAUGES[name]] = int(float(value))
+                except ValueError:
+                    return self._last_stats
+        self._last_stats = TierStats(*figures)
+        self._stats_read_at = monotonic()
+        return self._last_stats
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake.set()
+        if self._calls.close(wait_s=self.config.connect_timeout_s):
+            self._client.close()  # nothing is using the engine any more: leave the pool
+        else:  # tearing the engine down under a call still inside it would crash the process
+            log.warning("mooncake tier %s: calls still stuck in the engine at close; leaving this replica's "
+                        "segment to the master's client TTL", self.name)
+
+    # -- get and put ---------------------------------------------------------------------------------------
+    def _get(self, keys: Sequence[ChunkHash], views: list[memoryview | None]) -> Lease | None:
+        """Fill ``views`` with the values found; the lease to release when the caller is done (None when
+        nothing is held, including when a late call will release it)."""
+        start = monotonic()
+        names = self._names(keys)
+        try:
+            sizes = self._client.sizes(names, start + self.config.timeout_s)
+        except TierError as exc:
+            self._failed("get", exc)
+            return None
+        found = [i for i, n in enumerate(sizes) if n is not None and 0 < n <= self.config.max_value_bytes]
+        if not found:
+            return None
+        wanted = [sizes[i] or 0 for i in found]
+        deadline = start + self.config.timeout_s + sum(wanted) / self.config.min_rate_bytes
+        lease = self._buffers.take(wanted, deadline)
+        slots = [(i, slot) for i, slot in zip(found, lease.slots) if slot is not None]
+        if len(slots) < len(found):
+            self._metrics.inc("kvtier_mooncake_no_buffer_total", len(found) - len(slots), tier=self.name)
+        if not slots:
+            lease.release()
+            return None
+        try:
+            codes = self._client.get_into([names[i] for i, _ in slots], [s.ptr for _, s in slots],
+                                          [s.nbytes for _, s in slots], deadline, on_late=lambda _: lease.release())
+        except CallTimedOut as exc:
+            self._failed("get", exc)
+            return None  # the call goes on: it releases the lease when it ends
+        except BaseException as exc:
+            lease.release()
+            if isinstance(exc, CallNotStarted):  # this replica is busy, the pool is not at fault
+                self._metrics.inc("kvtier_mooncake_busy_total", tier=self.name, op="get")
+                return None
+            if not isinstance(exc, TierError):
+                raise
+            self._failed("get", exc)
+            return None
+        self._judge("get", codes)
+        for (i, slot), code in zip(slots, codes):
+            if 0 < code <= slot.nbytes:
+                views[i] = slot.view[:code]
+        return lease
+
+    def _send(self, items: Sequence[tuple[ChunkHash, Payload]], staged: list, lease: Lease, deadline: float,
+              out: list[bool]) -> None:
+        try:
+            codes = self._client.put_from([self._name(items[i][0]) for i, _ in staged], [s.ptr for _, s in staged],
+                                          [s.nbytes for _, s in staged], deadline, on_late=lambda _: lease.release())
+        except BaseException as exc:
+            if not isinstance(exc, CallTimedOut):  # a call that timed out releases the lease when it ends
+                lease.release()
+            if isinstance(exc, CallNotStarted):  # this replica is busy, the pool is not at fault
+                self._skipped("busy", len(staged))
+                return
+            if not isinstance(exc, TierError):
+                raise
+            self._failed("put", exc)
+            self._skipped("unavailable", len(staged))
+            return
+        lease.release()
+        self._judge("put", codes)
+        for (i, slot), code in zip(staged, codes):
+            if code in (Code.OK, Code.OBJECT_ALREADY_EXISTS):
+                out[i] = True
+                if code == Code.OK:
+                    self._metrics.inc("kvtier_written_bytes_total", slot.nbytes, tier=self.name)
+            elif code == Code.NO_AVAILABLE_HANDLE:
+                self._skipped("pool_full")
+            elif code in MASTER_DOWN or code == Code.TRANSFER_FAIL:
+                self._skipped("unavailable")
+            else:
+                self._skipped("refused")
+                log.debug("mooncake tier %s: put refused with code %d", self.name, code)
+
+    # -- health --------------------------------------------------------------------------------------------
+    def _usable(self, op: str) -> bool:
+        if self._client.joined and self._breaker.allow():
+            return True
+        self._metrics.inc("kvtier_breaker_rejected_total", tier=self.name, op=op)
+        return False
+
+    def _judge(self, op: str, codes: Sequence[int]) -> None:
+        """A batch whose every item says the master is unreachable is a failure; anything else a success."""
+        if codes and all(code in MASTER_DOWN for code in codes):
+            self._failed(op, TierError(f"master unreachable (code {codes[0]})"))
+        else:
+            if any(code == Code.TRANSFER_FAIL for code in codes):
+                self._metrics.inc("kvtier_mooncake_transfer_failures_total", tier=self.name, op=op)
+            self._breaker.success()
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        self._metrics.inc("kvtier_tier_errors_total", tier=self.name, op=op)
+        log.warning("mooncake tier %s: %s failed: %s", self.name, op, exc)
+        self._breaker.failure()
+
+    def _skipped(self, reason: str, n: int = 1) -> None:
+        if n:
+            self._metrics.inc("kvtier_skipped_stores_total", n, tier=self.name, reason=reason)
+
+    def _breaker_changed(self, state: BreakerState) -> None:
+        if state is BreakerState.OPEN:
+            self._metrics.inc("kvtier_breaker_opens_total", tier=self.name)
+            log.warning("mooncake tier %s: master %s keeps failing; circuit open, probing every %.1fs", self.name,
+                        self.config.master_address, self.config.breaker_cooldown_s)
+            self._start_health()
+        else:
+            log.warning("mooncake tier %s: master %s answers again; circuit closed", self.name,
+                        self.config.master_address)
+
+    def _start_health(self) -> None:
+        with self._lock:
+            self._wake.set()
+            if self._closed or (self._health is not None and self._health.is_alive()):
+                return
+            self._health = threading.Thread(target=self._watch, name=f"kvtier-{self.name}-health", daemon=True)
+            self._health.start()
+
+    def _watch(self) -> None:
+        """Join the pool until joined, and probe the master while the breaker is open; then end."""
+        cooldown = self.config.breaker_cooldown_s
+        while not self._closed:
+            self._wake.clear()
+            if not self._client.joined:
+                try:
+                    joined = self._client.join(monotonic() + self.config.connect_timeout_s)
+                except ConfigError as exc:  # e.g. no VRAM segments in this build: retrying cannot help
+                    log.error("mooncake tier %s: cannot join the pool: %s", self.name, exc)
+                    return
+                wait = 0.0 if joined else cooldown
+            elif self._breaker.state is BreakerState.OPEN:
+                if self._breaker.probe_due() and self._probe():
+                    self._breaker.success()
+                wait = self._breaker.seconds_to_next_probe()
+            else:
+                with self._lock:
+                    if not self._wake.is_set():
+                        self._health = None
+                        return
+                continue
+            self._wake.wait(max(0.01, wait))
+
+    def _probe(self) -> bool:
+        try:
+            codes = self._client.exists([self._probe_key], monotonic() + self.config.timeout_s)
+        except TierError:
+            return False
+        return all(code >= 0 for code in codes)
+
+    # -- names and gauges ------------------------------------------------------------------------------------
+    def _name(self, key: ChunkHash) -> str:
+        return self._prefix + key.hex()
+
+    def _names(self, keys: Sequence[ChunkHash]) -> list[str]:
+        return [self._prefix + key.hex() for key in keys]
+
+    def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        labels = {"tier": self.name}
+        recent = monotonic() - self._stats_read_at < GAUGE_STATS_MAX_AGE_S
+        yield from stats_gauges(self, self._last_stats if recent else self.stats())
+        yield "kvtier_breaker_open", {**labels, "node": self.config.master_address}, float(self._breaker.state)
+        yield "kvtier_mooncake_joined", labels, float(self._client.joined)
+        yield "kvtier_mooncake_segment_bytes", labels, float(self._client.segment_bytes if self._client.joined else 0)
+        yield "kvtier_mooncake_buffer_bytes", labels, float(self._buffers.registered_bytes)

@@ -1,0 +1,77 @@
+"""Where the memory tier keeps its bytes: one preallocated buffer, in host RAM or on a GPU.
+
+* Host (``cpu``): pinned when CUDA is present, so host<->GPU copies can be asynchronous. An entry is written
+  in place (``Payload.write_into`` its slot) and read as a view of its slot: one copy in, one copy out.
+* GPU (``cuda:N``), for a node whose spare VRAM should hold KV: the buffer lives on that device. The tier
+  protocol hands out bytes the CPU reads (memoryviews), so an entry is staged through a reused pinned host
+  buffer on the way in and copied into a new host buffer on the way out: one more copy per hop, over PCIe,
+  in exchange for capacity that host RAM lacks.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import torch
+
+from kvtier.codecs import Payload
+from kvtier.errors import ConfigError
+
+_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+
+
+def check_device(device: str, what: str = "device") -> None:
+    """ConfigError (naming ``what``) unless ``device`` is ``cpu`` or ``cuda:N``."""
+    if not _DEVICE.match(device):
+        raise ConfigError(f"{what} must be cpu or cuda:N, not {device!r}")
+
+
+class HostSlab:
+    def __init__(self, capacity: int, prefault: bool) -> None:
+        # pinned host memory lets host<->GPU copies run asynchronously; it needs CUDA to exist
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        if prefault:
+            self.buffer.zero_()  # fault the pages in now, not on the first stores
+        self._view = memoryview(self.buffer.numpy()) if capacity else memoryview(b"")
+
+    def write(self, offset: int, payload: Payload) -> None:
+        payload.write_into(self._view[offset : offset + payload.nbytes])
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """A view of the entry: valid while the entry's slot is not reused (the tier pins it)."""
+        return self._view[offset : offset + nbytes]
+
+
+class DeviceSlab:
+    def __init__(self, capacity: int, device: str, prefault: bool) -> None:
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
+        if prefault:
+            self.buffer.zero_()
+        self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=True)
+        self._lock = threading.Lock()  # one staged write at a time: the staging buffer is shared
+
+    def write(self, offset: int, payload: Payload) -> None:
+        n = payload.nbytes
+        with self._lock:
+            if self._staging.numel() < n:
+                self._staging = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            payload.write_into(memoryview(self._staging.numpy())[:n])
+            self.buffer[offset : offset + n].copy_(self._staging[:n])  # synchronous: staging is reused next
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """A host copy of the entry: valid for as long as the caller keeps the view."""
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        host.copy_(self.buffer[offset : offset + nbytes])
+        return memoryview(host.numpy())
+
+
+def make_slab(capacity: int, device: str, prefault: bool) -> HostSlab | DeviceSlab:
+    check_device(device)
+    if device == "cpu":
+        return HostSlab(capacity, prefault)
+    if not torch.cuda.is_available():
+        raise ConfigError(f"memory tier device {device}: CUDA is not available here")
+    if int(device.split(":")[1]) >= torch.cuda.device_count():
+        raise ConfigError(f"memory tier device {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return DeviceSlab(capacity, device, prefault)

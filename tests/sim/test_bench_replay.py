@@ -1,0 +1,63 @@
+"""Replaying a kvtier bench result: the bench's own workload code rebuilds the prompts it sent."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from kvtier.bench.workloads import MultiRoundSpec, TraceSpec
+from kvtier.errors import ConfigError
+from kvtier.sim.bench_replay import chat_token_ids, read_bench_json
+from kvtier.sim.fleet import FleetConfig, SimTier
+from kvtier.sim.replay import replay
+
+
+def bench_file(tmp_path, workload: str, spec, requests: list[dict]):
+    doc = {"config": {"workload": workload, "spec": dataclasses.asdict(spec), "targets": ["x"], "concurrency": 1},
+           "summaries": [], "runs": [{"target": "kvtier", "workload": workload, "requests": requests}]}
+    path = tmp_path / f"{workload}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def test_multiround_prompts_grow_turn_by_turn_and_hit(tmp_path):
+    spec = MultiRoundSpec(users=2, rounds=3, system_words=120, turn_words=60)
+    recorded = [{"round": r, "user": u, "text": f"answer {r} to user {u} " * 10, "sent_at": 2 * r + u * 0.5,
+                 "status": 200, "completion_tokens": 16} for r in range(3) for u in range(2)]
+    requests = read_bench_json(bench_file(tmp_path, "multiround", spec, recorded), chunk_tokens=16)
+    assert len(requests) == 6 and [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    assert {r.session for r in requests} == {"multiround:0", "multiround:1"}
+    by_user = [[r.prompt.tokens() for r in requests if r.session == f"multiround:{u}"] for u in range(2)]
+    for prompts in by_user:  # each round's prompt extends the previous one (the recorded answer is in it)
+        for before, after in zip(prompts, prompts[1:]):
+            assert len(after) > len(before) and np.array_equal(after[: len(before) - 1], before[:-1])
+    result = replay(requests, FleetConfig(tiers=(SimTier(chunks=1000),)), 16)
+    assert result.hit_chunks > result.chunks / 3  # system prompt shared, histories reused
+
+
+def test_trace_workload_prompts_are_the_token_ids_sent(tmp_path, small_trace):
+    spec = TraceSpec(path=str(small_trace), requests=8, block_tokens=16, timestamps=True, speed=0.001)
+    recorded = [{"round": i, "user": 0, "text": "", "sent_at": float(i)} for i in range(8)]
+    requests = read_bench_json(bench_file(tmp_path, "trace", spec, recorded), chunk_tokens=16)
+    assert len(requests) == 8  # and it did not wait for the trace's timestamps
+    assert all(r.prompt.tokens().dtype == np.dtype("<u4") for r in requests)
+
+
+def test_chat_tokens_are_prefix_preserving():
+    one = chat_token_ids([{"role": "user", "content": "Hello, world"}])
+    two = chat_token_ids([{"role": "user", "content": "Hello, world"}, {"role": "assistant", "content": "Hi!"}])
+    assert np.array_equal(two[: len(one) - 1], one[:-1])
+
+
+def test_unknown_target_or_workload_is_a_config_error(tmp_path):
+    path = bench_file(tmp_path, "multiround", MultiRoundSpec(users=1, rounds=1), [])
+    with pytest.raises(ConfigError, match="no run for target 'vllm'"):
+        read_bench_json(path, chunk_tokens=16, target="vllm")
+    doc = json.loads(path.read_text())
+    doc["config"]["workload"] = "poetry"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="unknown workload"):
+        read_bench_json(path, chunk_tokens=16)
