@@ -1,14 +1,19 @@
 import pytest
 
 from kvtier.tiers import MemoryTier, MemoryTierConfig
-from tests.conformance.tier_suite import EvictingTierConformance, EvictionListenerConformance, tier_context
+from tests.conformance.tier_suite import (
+    EvictingTierConformance,
+    EvictionListenerConformance,
+    RemovalListenerConformance,
+    tier_context,
+)
 
 
 def memory_tier(capacity_bytes: int) -> MemoryTier:
     return MemoryTier(MemoryTierConfig(capacity_bytes=capacity_bytes), tier_context("memory"))
 
 
-class TestMemoryTierConformance(EvictingTierConformance, EvictionListenerConformance):
+class TestMemoryTierConformance(EvictingTierConformance, EvictionListenerConformance, RemovalListenerConformance):
     def make_tier(self, capacity_bytes: int) -> MemoryTier:
         return memory_tier(capacity_bytes)
 
