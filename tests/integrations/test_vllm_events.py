@@ -31,10 +31,12 @@ def test_a_stored_chain_is_one_block_stored_and_evictions_are_block_removed():
     assert isinstance(stored, BlockStored) and stored.medium == "memory" and stored.ownership == "kvtier"
     assert stored.block_hashes == keys and stored.parent_block_hash is None
     assert stored.token_ids == tokens and stored.block_size == CHUNK
-    other = list(range(1000, 1000 + 2 * CHUNK))  # 5 chunks in a 4-chunk tier: the oldest goes
+    other = list(range(1000, 1000 + 2 * CHUNK))  # 5 chunks in a 4-chunk tier: one of the first chain goes
     cache.store(other, torch.zeros(SPEC.chunk_shape(2 * CHUNK), dtype=SPEC.dtype))
     removed = [e for e in events.take().get_all_events() if isinstance(e, BlockRemoved)]
-    assert [e.block_hashes for e in removed] == [[keys[0]]] and removed[0].medium == "memory"
+    held = cache.tiers[0].contains(cache.keys(tokens))
+    gone = [key for key, kept in zip(keys, held) if not kept]  # whichever the tier's policy chose
+    assert len(gone) == 1 and [e.block_hashes for e in removed] == [gone] and removed[0].medium == "memory"
     assert events.take() is None
     events.close()
     cache.close()
