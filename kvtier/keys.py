@@ -14,6 +14,12 @@ The codec is deliberately *not* part of the chain: a codec changes the stored by
 to. Each tier keeps its codec in its storage key and in every blob header, so entries written with one codec
 are never read as another, and a chunk can move between tiers of different codecs (write-back, promotion)
 knowing only its key.
+
+Segment keys (non-prefix reuse) name the KV of one segment computed alone, its first token at a fixed base
+position: ``SHA-256(segment_root || u32 base_position || u32 len || tokens as little-endian u32)``, where
+``segment_root = SHA-256("kvtier/segment/v1" || namespace encoding)``. The distinct domain string makes
+``segment_root`` differ from every namespace root and chunk hash, so a segment key never names a prefix
+chunk (and the reverse) while both live in the same tiers; namespace and tenant salt enter as for chunks.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ ChunkHash = NewType("ChunkHash", bytes)
 
 HASH_BYTES = 32
 _DOMAIN = b"kvtier/namespace/v1"
+_SEGMENT_DOMAIN = b"kvtier/segment/v1"
 _U32 = struct.Struct("<I")
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
@@ -114,6 +121,20 @@ class Namespace:
 
     def chunk_hashes(self, tokens: Tokens) -> list[ChunkHash]:
         return chunk_hashes(self.root, tokens, self.chunk_size)
+
+    @cached_property
+    def segment_root(self) -> ChunkHash:
+        """The root of this namespace's segment keys (a separate key domain, see module docstring)."""
+        return ChunkHash(hashlib.sha256(_SEGMENT_DOMAIN + self.encode()).digest())
+
+    def segment_hash(self, tokens: Tokens, base_position: int) -> ChunkHash:
+        """The key of the KV of ``tokens`` computed alone, the first at position ``base_position``."""
+        data = token_array(tokens)
+        h = hashlib.sha256(self.segment_root)
+        h.update(_U32.pack(base_position))
+        h.update(_U32.pack(len(data)))
+        h.update(memoryview(data).cast("B"))
+        return ChunkHash(h.digest())
 
 
 def token_array(tokens: Tokens) -> np.ndarray:

@@ -96,12 +96,19 @@ class Pipeline:
             self._load_window(*tasks[0], keys, token_ids, state, promote, on_error)
         else:
             pool = self._executor()
-            futures = [pool.submit(self._load_window, tier, t, window, keys, token_ids, state, promote, on_error)
-                       for tier, t, window in tasks]
+            # Workers write into the caller's tensors: under inference mode those are inference tensors, which
+            # only code in inference mode may update, and the mode is per thread.
+            mode = torch.is_inference_mode_enabled()
+            futures = [pool.submit(self._load_window_in_mode, mode, tier, t, window, keys, token_ids, state,
+                                   promote, on_error) for tier, t, window in tasks]
             wait(futures)  # all of them, even after one raised: none may touch the sink after we return
             for future in futures:
                 future.result()  # an engine's sink error reaches the caller, as it did without the pipeline
         return state.ok
+
+    def _load_window_in_mode(self, inference_mode: bool, *args) -> None:
+        with torch.inference_mode(inference_mode):
+            self._load_window(*args)
 
     def _load_window(self, tier: Tier, t: int, window: Sequence[int], keys, token_ids, state: _LoadState,
                      promote, on_error) -> None:

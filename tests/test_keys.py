@@ -114,3 +114,35 @@ def test_bad_tokens_are_rejected(bad):
 def test_invalid_namespaces(kwargs):
     with pytest.raises(ConfigError):
         dataclasses.replace(NS, **kwargs)
+
+
+GOLDEN_SEGMENT_ROOT = "b9783ec15ed4259a1ba44a2260172861ec60aa90945c8c93e3f3bbbe7fcc953a"
+GOLDEN_SEGMENT = "99da4e5a6810508f93db4f8d706d68593a034ea9e953637d7ec888f857ad7c1f"
+
+
+def test_segment_keys_golden_vectors_and_formula():
+    assert NS.segment_root.hex() == GOLDEN_SEGMENT_ROOT
+    assert NS.segment_root == hashlib.sha256(b"kvtier/segment/v1" + NS.encode()).digest()
+    tokens = list(range(10))
+    assert NS.segment_hash(tokens, 0).hex() == GOLDEN_SEGMENT
+    body = struct.pack("<II", 7, 10) + struct.pack("<10I", *tokens)
+    assert NS.segment_hash(tokens, 7) == hashlib.sha256(NS.segment_root + body).digest()
+
+
+def test_segment_keys_are_a_separate_domain_from_prefix_chains():
+    tokens = list(range(4))  # one whole chunk: the same bytes a chunk hash covers
+    assert NS.segment_root != NS.root
+    chain = set(NS.chunk_hashes(tokens)) | {NS.root}
+    assert NS.segment_hash(tokens, 0) not in chain
+    assert NS.segment_root not in chain
+
+
+@pytest.mark.parametrize("change", [{"model": "golden/model@rev2"}, {"salt": b"tenant-b"}, {"adapter": "lora-7"},
+                                    {"spec": KVSpec(2, 4, 8, torch.float16)}])
+def test_segment_keys_depend_on_namespace_tokens_and_base_position(change):
+    tokens = list(range(12))
+    key = NS.segment_hash(tokens, 0)
+    assert dataclasses.replace(NS, **change).segment_hash(tokens, 0) != key
+    assert NS.segment_hash(tokens, 1) != key
+    assert NS.segment_hash(tokens[:-1], 0) != key
+    assert NS.segment_hash(np.array(tokens), 0) == key == NS.segment_hash(torch.tensor(tokens), 0)

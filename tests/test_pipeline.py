@@ -170,3 +170,15 @@ def test_a_failing_put_skips_the_rest_of_the_store() -> None:
         assert cache.store(tokens, kv) == 2 * CHUNK  # the two windows put before the failure
         assert cache.metrics.get("kvtier_tier_errors_total", tier="memory", op="put") == 1
         assert cache.lookup(tokens) == 2 * CHUNK
+
+
+def test_many_windows_load_under_the_callers_inference_mode() -> None:
+    """An engine retrieves inside torch.inference_mode: the tensor retrieve allocates is then an inference
+    tensor, which the workers may write only in inference mode too."""
+    tokens, kv = data(3)
+    with memory_cache() as cache:
+        assert cache.store(tokens, kv) == len(tokens)
+        with torch.inference_mode():
+            out, n = cache.retrieve(tokens)
+        assert n == len(tokens) and out.is_inference()
+        assert torch.equal(out, kv)

@@ -75,15 +75,29 @@ class DynamicCacheSource:
         return to_canonical(self.past, start, end)
 
 
+#: ``(start, end)``: a span of prompt tokens (a reusable segment, for blending).
+Span = tuple[int, int]
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  #: prompt tokens whose KV came from kvtier
+    blended_tokens: int = 0  #: prompt tokens whose KV came from cached segments, not recomputed (BlendedLM)
     ttft_s: float = 0.0  #: lookup + retrieve + prefill of the rest + first token
     retrieve_s: float = 0.0
     store_s: float = 0.0
     total_s: float = 0.0
     output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """What a prompt's prefill leaves for decoding and for storing."""
+
+    past: DynamicCache
+    logits: torch.Tensor  #: next-token logits after the prompt's last token, ``[vocab]``
+    exact_tokens: int  #: leading prompt tokens whose KV equals a full prefill's: what may be stored as prefix
 
 
 class PrefixCachedLM:
@@ -100,48 +114,69 @@ class PrefixCachedLM:
         return cls(model, KVCache(kv_spec(model), model_identity(model), config, **kwargs))
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
-                 stop_ids: Sequence[int] = (), sampling: SamplingParams = GREEDY) -> GenerationStats:
+                 stop_ids: Sequence[int] = (), sampling: SamplingParams = GREEDY,
+                 segments: Sequence[Span] = ()) -> GenerationStats:
         stats = GenerationStats()
         for _ in self.stream(prompt_ids, max_new_tokens, salt=salt, stop_ids=stop_ids, stats=stats,
-                             sampling=sampling):
+                             sampling=sampling, segments=segments):
             pass
         return stats
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
                stop_ids: Sequence[int] = (), stats: GenerationStats | None = None,
-               sampling: SamplingParams = GREEDY) -> Iterator[int]:
+               sampling: SamplingParams = GREEDY, segments: Sequence[Span] = ()) -> Iterator[int]:
         """Yield generated token ids one by one; ``stats`` (if given) is filled in as generation proceeds.
 
         Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``. Tokens are chosen
         by ``sampling`` (greedy by default); the prompt's KV stored in the cache is the same either way.
+        ``segments`` are the prompt's reusable passages as token spans; only a blending subclass (BlendedLM)
+        uses them.
         """
         sampler = Sampler(sampling)
         stats = stats if stats is not None else GenerationStats()
         prompt = list(prompt_ids)
-        if not prompt:
-            raise ConfigError("the prompt must hold at least one token")
-        stats.prompt_tokens = len(prompt)
         begin = time.perf_counter()
-        past, n_cached = self._cached_prefix(prompt, salt, stats)
-        ids = torch.tensor([prompt[n_cached:]], device=self.device)
-        # logits_to_keep=1: the LM head only for the last position (for a 49k vocabulary it would otherwise
-        # cost as much as a good part of the prefill).
-        logits = self.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1).logits
-        token = sampler.choose(logits[0, -1])
+        prefill = self.prefill(prompt, salt=salt, segments=segments, stats=stats)
+        past = prefill.past
+        token = sampler.choose(prefill.logits)
         stats.ttft_s = time.perf_counter() - begin
-        stats.cached_tokens = n_cached
         for step in range(max_new_tokens):
             stats.output_ids.append(token)
             yield token
             if step == 0:
-                self._store(prompt, past, salt, stats)
+                self._store(prompt, prefill, salt, stats)
             if token in stop_ids or step + 1 == max_new_tokens:
                 break
             logits = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=past,
                                 use_cache=True).logits
             token = sampler.choose(logits[0, -1])
         stats.total_s = time.perf_counter() - begin
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: Sequence[int], *, salt: bytes = b"", segments: Sequence[Span] = (),
+                stats: GenerationStats | None = None) -> Prefill:
+        """The prompt's KV and next-token logits, reusing what the cache holds. Stores nothing (``stream``
+        stores after the first token). ``stats`` (if given) gets the prompt, cached and blended token counts."""
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise ConfigError("the prompt must hold at least one token")
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(prompt)
+        return self._prefill(prompt, segments, salt, stats)
+
+    def _prefill(self, prompt: list[int], segments: Sequence[Span], salt: bytes, stats: GenerationStats) -> Prefill:
+        """The prompt's KV and next-token logits: its cached prefix, then a prefill of the rest."""
+        past, n_cached = self._cached_prefix(prompt, salt, stats)
+        stats.cached_tokens = n_cached
+        return Prefill(past, self._forward(prompt[n_cached:], past), len(prompt))
+
+    def _forward(self, ids: list[int], past: DynamicCache) -> torch.Tensor:
+        """Run ``ids`` after ``past`` (extending it); the next-token logits after the last one."""
+        # logits_to_keep=1: the LM head only for the last position (for a 49k vocabulary it would otherwise
+        # cost as much as a good part of the prefill).
+        inputs = torch.tensor([ids], device=self.device)
+        return self.model(input_ids=inputs, past_key_values=past, use_cache=True, logits_to_keep=1).logits[0, -1]
 
     def _cached_prefix(self, prompt: list[int], salt: bytes, stats: GenerationStats) -> tuple[DynamicCache, int]:
         if self.cache is None:
@@ -153,9 +188,9 @@ class PrefixCachedLM:
             return DynamicCache(config=self.model.config), 0
         return to_dynamic_cache(kv[:, :, :n].to(self.device), self.model), n
 
-    def _store(self, prompt: list[int], past: DynamicCache, salt: bytes, stats: GenerationStats) -> None:
+    def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats) -> None:
         if self.cache is None:
             return
         start = time.perf_counter()
-        self.cache.store(prompt, DynamicCacheSource(past), salt=salt)
+        self.cache.store(prompt[: prefill.exact_tokens], DynamicCacheSource(prefill.past), salt=salt)
         stats.store_s = time.perf_counter() - start

@@ -2,7 +2,8 @@
 
 Every failure a client can cause is a 4xx with OpenAI's error envelope; a full queue is a 429 with
 ``Retry-After`` (answered at once, never by waiting). Responses carry ``usage.prompt_tokens_details.
-cached_tokens``: the prompt tokens whose KV came from kvtier instead of being recomputed.
+cached_tokens``: the prompt tokens whose KV came from kvtier instead of being recomputed (as a prefix), and
+``blended_tokens``: those that came from cached segments elsewhere in the prompt (``--blend``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvtier.integrations.sampling import SamplingParams
+from kvtier.integrations.transformers import Span
 from kvtier.metrics import CONTENT_TYPE
 from kvtier.server.backend import Backend, tenant_salt
 from kvtier.server.body import decode_json, read_body
@@ -86,7 +88,7 @@ async def _generate(backend: Backend, request: Request, route: Route):
         # /health and other clients' streams go on meanwhile.
         prepared = await asyncio.to_thread(_prepare, backend, raw, route)
         job = Job(prepared.prompt_ids, prepared.max_tokens, salt, backend.stop_ids, asyncio.get_running_loop(),
-                  prepared.sampling)
+                  prepared.sampling, segments=prepared.segments)
         text = TextStream(backend.tokenizer, prepared.stops, skip_ids=backend.stop_ids)
         backend.engine.submit(job)  # last: a request is queued only once nothing about it can fail
     except RequestError as exc:
@@ -124,6 +126,7 @@ class Prepared:
     max_tokens: int
     stops: list[str]
     sampling: SamplingParams
+    segments: tuple[Span, ...]  #: token spans of reusable passages (used when the server blends)
 
 
 def _prepare(backend: Backend, raw: bytes, route: Route) -> Prepared:
@@ -137,7 +140,8 @@ def _prepare(backend: Backend, raw: bytes, route: Route) -> Prepared:
         prompt_ids, limit = backend.chat_prompt(req.template_messages()), req.limit()
     else:
         prompt_ids, limit = backend.completion_prompt(req.prompt_value()), req.max_tokens
-    return Prepared(req, prompt_ids, backend.budget(prompt_ids, limit), req.stop_strings(), req.sampling())
+    return Prepared(req, prompt_ids, backend.budget(prompt_ids, limit), req.stop_strings(), req.sampling(),
+                    tuple(backend.segmenter.spans(req, prompt_ids)))
 
 
 def _api_key(request: Request) -> str | None:
@@ -186,7 +190,7 @@ def _usage(job: Job) -> dict[str, Any]:
     completion = len(stats.output_ids)
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
             "total_tokens": stats.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens, "blended_tokens": stats.blended_tokens}}
 
 
 def _account(backend: Backend, route: Route, job: Job, status: str) -> None:
@@ -194,6 +198,7 @@ def _account(backend: Backend, route: Route, job: Job, status: str) -> None:
     m.inc("kvtier_server_requests_total", endpoint=route.endpoint, status=status)
     m.inc("kvtier_server_prompt_tokens_total", stats.prompt_tokens)
     m.inc("kvtier_server_cached_prompt_tokens_total", stats.cached_tokens)
+    m.inc("kvtier_server_blended_prompt_tokens_total", stats.blended_tokens)
     m.inc("kvtier_server_generation_tokens_total", len(stats.output_ids))
     m.observe("kvtier_server_ttft_seconds", stats.ttft_s)
 

@@ -2,7 +2,8 @@
 
 ``Backend.from_config`` loads a transformers model from a local folder (by default the packaged
 SmolLM2-135M-Instruct) and wraps it in a PrefixCachedLM over a KVCache built from ``CacheConfig``, or over
-no cache at all (``cache=None``: the same server without kvtier, the baseline for comparisons).
+no cache at all (``cache=None``: the same server without kvtier, the baseline for comparisons). With
+``blend`` set it is a BlendedLM, which also reuses cached segments (chat messages, separated passages).
 """
 
 from __future__ import annotations
@@ -14,17 +15,22 @@ from pathlib import Path
 from kvtier.cache import KVCache
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
+from kvtier.integrations.blend import BlendConfig, BlendedLM
 from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity
 from kvtier.metrics import Metrics
 from kvtier.server.body import DEFAULT_MAX_BODY_BYTES
 from kvtier.server.engine import Engine
 from kvtier.server.prompts import encode_within
 from kvtier.server.protocol import RequestError
+from kvtier.server.segments import NoSegments, Segmenter
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How ``kvtier serve`` runs. ``cache=None`` serves without kvtier; ``model_path=None`` is SmolLM2."""
+    """How ``kvtier serve`` runs. ``cache=None`` serves without kvtier; ``model_path=None`` is SmolLM2.
+
+    ``blend`` (needs a cache) turns on reuse of cached segments; ``blend_separator`` splits text prompts.
+    """
 
     model_path: Path | None = None
     served_name: str | None = None
@@ -33,6 +39,12 @@ class ServerConfig:
     default_max_tokens: int = 256
     dtype: str = "float32"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  #: larger request bodies get 413 before they are read
+    blend: BlendConfig | None = None
+    blend_separator: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.blend is not None and self.cache is None:
+            raise ConfigError("blending reuses cached segments: it needs the cache (drop --no-cache)")
 
 
 def tenant_salt(api_key: str | None) -> bytes:
@@ -55,7 +67,11 @@ class Backend:
         self.cache = (KVCache(kv_spec(model), model_identity(model), config.cache)
                       if config.cache is not None else None)
         self.metrics = self.cache.metrics if self.cache is not None else Metrics()
-        self.lm = PrefixCachedLM(model, self.cache)
+        if config.blend is not None and self.cache is not None:
+            self.lm: PrefixCachedLM = BlendedLM(model, self.cache, config.blend)
+            self.segmenter: Segmenter | NoSegments = Segmenter(tokenizer, config.blend_separator)
+        else:
+            self.lm, self.segmenter = PrefixCachedLM(model, self.cache), NoSegments()
         self.engine = Engine(self.lm, self.metrics, max_queue=config.max_queue)
         text_config = model.config.get_text_config(decoder=True)
         self.context = int(getattr(text_config, "max_position_embeddings", 0) or 2048)

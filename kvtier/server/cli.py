@@ -3,6 +3,7 @@
     kvtier serve                                   # SmolLM2-135M-Instruct, memory tier, 127.0.0.1:8000
     kvtier serve --model ./my-llama --config kvtier.yaml --port 9000
     kvtier serve --no-cache --port 8001            # the same server without kvtier, for comparisons
+    kvtier serve --blend                           # also reuse cached passages wherever they sit (RAG)
 
 The cache is configured like the library (``--config`` YAML, else ``KVTIER_CONFIG``, else ``KVTIER_*``
 variables); ``--chunk-size`` and ``--memory-bytes`` override single fields.
@@ -17,6 +18,7 @@ import sys
 
 from kvtier.config import CacheConfig, parse_size
 from kvtier.errors import ConfigError
+from kvtier.segments import BlendConfig
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,6 +32,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, help="tokens per cached chunk (overrides the config)")
     p.add_argument("--memory-bytes", help="capacity of the memory tier, e.g. 2GiB (overrides the config)")
     p.add_argument("--no-cache", action="store_true", help="serve without kvtier (the baseline)")
+    p.add_argument("--blend", action="store_true",
+                   help="reuse cached segments (chat messages; text between --blend-separator) in any position")
+    p.add_argument("--blend-ratio", type=float, default=BlendConfig.recompute_ratio,
+                   help="share of reused tokens recomputed when blending (default %(default)s)")
+    p.add_argument("--blend-max-deviation", type=float, default=BlendConfig.max_deviation,
+                   help="quality gate: a larger measured KV deviation means a full prefill (default %(default)s)")
+    p.add_argument("--blend-separator", help="string separating reusable passages in text prompts")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 429 at once")
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens when a request names none")
     p.add_argument("--max-body", default="8MiB", help="largest request body; larger ones get 413 (default 8MiB)")
@@ -55,6 +64,13 @@ def cache_config(args: argparse.Namespace) -> CacheConfig | None:
     return config
 
 
+def blend_config(args: argparse.Namespace) -> BlendConfig | None:
+    """The BlendConfig the flags describe, or None without ``--blend``."""
+    if not args.blend:
+        return None
+    return BlendConfig(recompute_ratio=args.blend_ratio, max_deviation=args.blend_max_deviation)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -69,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig(model_path=check_model_path(args.model), served_name=args.served_model_name,
                               cache=cache_config(args), max_queue=args.max_queue,
-                              default_max_tokens=args.max_tokens, dtype=args.dtype,
-                              max_body_bytes=parse_size(args.max_body))
+                              default_max_tokens=args.max_tokens, dtype=args.dtype, blend=blend_config(args),
+                              blend_separator=args.blend_separator, max_body_bytes=parse_size(args.max_body))
         backend = Backend.from_config(config)
     except ConfigError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)

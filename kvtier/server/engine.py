@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvtier.integrations.sampling import GREEDY, SamplingParams
-from kvtier.integrations.transformers import GenerationStats, PrefixCachedLM
+from kvtier.integrations.transformers import GenerationStats, PrefixCachedLM, Span
 from kvtier.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class Job:
     started_at: float = 0.0
     finish: str | None = None  #: set by the consumer: "stop" or "length"; None if generation failed
     error: str = ""
+    segments: tuple[Span, ...] = ()  #: token spans of reusable passages (used when the server blends)
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -118,7 +119,7 @@ class Engine:
         self.metrics.observe("kvtier_server_queue_seconds", job.started_at - job.queued_at)
         try:
             for token in self.lm.stream(job.prompt_ids, job.max_tokens, salt=job.salt, stop_ids=job.stop_ids,
-                                        stats=job.stats, sampling=job.sampling):
+                                        stats=job.stats, sampling=job.sampling, segments=job.segments):
                 job.emit(Event(EventKind.TOKEN, token=token))
                 if job.cancelled.is_set():
                     break

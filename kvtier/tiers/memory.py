@@ -54,6 +54,7 @@ class MemoryTier:
         self._entries: dict[ChunkHash, _Entry] = {}
         self._lock = threading.Lock()
         self._on_evict: EvictionListener | None = None
+        self._closed = False
         self._metrics.add_gauges(lambda: stats_gauges(self))
 
     # -- the Tier protocol ---------------------------------------------------------------------------------
@@ -101,8 +102,15 @@ class MemoryTier:
             return TierStats(self._alloc.used, self._alloc.capacity, len(self._entries))
 
     def close(self) -> None:
+        """Forget every entry and give the buffer back now (a process that builds caches one after another
+        must not hold every old buffer until garbage collection finds it). Views handed out earlier stay
+        valid: they keep the old buffer alive until they are dropped. After close, puts are skipped and
+        reads miss."""
         with self._lock:
             self._entries.clear()
+            self._closed = True
+            self._slab = make_slab(0, "cpu", prefault=False)
+            self._buffer = self._slab.buffer
 
     # -- ChainOrdered ---------------------------------------------------------------------------------------
     def order_chain(self, keys: Sequence[ChunkHash]) -> None:
@@ -118,6 +126,8 @@ class MemoryTier:
     def _put_one(self, key: ChunkHash, payload: Payload) -> bool:
         nbytes = payload.nbytes
         with self._lock:
+            if self._closed:
+                return False
             if key in self._entries:
                 self._policy.on_access(key)
                 return True
@@ -128,13 +138,16 @@ class MemoryTier:
             if offset is None:
                 self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="full_of_pinned")
                 return False
+            slab = self._slab  # close() may swap it while this write runs; the write finishes in the old one
         try:
-            self._slab.write(offset, payload)
+            slab.write(offset, payload)
         except BaseException:
             with self._lock:
                 self._alloc.free(offset, nbytes)
             raise
         with self._lock:
+            if self._closed:
+                return False
             if key in self._entries:  # a concurrent put of the same key won
                 self._alloc.free(offset, nbytes)
                 return True

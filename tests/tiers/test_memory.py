@@ -25,6 +25,33 @@ def test_views_point_into_one_preallocated_buffer():
             assert addr == base  # every view is a slice of the one buffer, not a fresh allocation
 
 
+def test_close_gives_the_buffer_back_while_earlier_views_stay_valid():
+    import gc
+    import os
+
+    from tests.conformance.tier_suite import BytesPayload, blob, key
+
+    def rss() -> int:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    tier = memory_tier(64 << 20)  # prefaulted: 64 MiB resident
+    data = blob(1, seal=False)
+    tier.put([(key(1), BytesPayload(data))])
+    with tier.get([key(1)]) as (view,):
+        before = rss()
+        tier.close()
+        gc.collect()
+        assert bytes(view) == data  # a view handed out before close still reads its bytes
+        assert rss() > before - (32 << 20)  # ... so the buffer is still there
+    del view
+    gc.collect()
+    assert rss() < before - (48 << 20)  # given back once the last view went, though the tier object lives on
+    assert tier.put([(key(2), BytesPayload(blob(2, seal=False)))]) == [False]
+    with tier.get([key(1), key(2)]) as views:
+        assert views == [None, None]
+
+
 def test_zero_capacity_tier_stores_nothing():
     from tests.conformance.tier_suite import BytesPayload, blob, key
 
