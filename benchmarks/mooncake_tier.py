@@ -20,8 +20,15 @@ The pool's memory is a second process's (tests/mooncake_master.SegmentHost), and
 client contributes any: every byte of both crosses the transfer engine over TCP, as between replicas. Ratios
 are kvtier throughput / raw throughput (the target is >= 0.8) from the best of interleaved repetitions on both
 sides (interference only adds time); medians are printed too. A bar chart goes to results/mooncake_tier.png.
-The fleet hit-ratio comparison the issue asks for (4 replicas pooling vs 4 private memory tiers) needs
-``kvtier sim``, which is not on main yet: it is reported as not run. Last line: ``RESULT {json}``.
+Fleet hit ratio, through ``kvtier sim`` (kvtier.sim.pooling), in the same run: 4 replicas replay the Mooncake
+synthetic trace (``$KVTIER_WORKLOADS`` or ``../shared/workloads/``) with 1,000 and 10,000 chunks of memory in
+all, kept private (a quarter each), pooled (one shared tier every replica sees, as a Mooncake pool), or mixed
+(each replica keeps 1/8 of its share private in front of a pool of the rest), all LRU, behind round-robin and
+load-bounded affinity routing alike. Printed as chunk hit ratios and pooled / private, mixed / private, with
+an infinite cache as the limit; a chart goes to results/mooncake_fleet.png. ``--fleet-only`` runs just this
+part (no Mooncake master needed); ``--no-fleet`` skips it. Last line: ``RESULT {json}``.
+
+    python benchmarks/mooncake_tier.py [--fleet-only] [--fleet-capacities 1000,10000] [--block-tokens 16]
 """
 
 from __future__ import annotations
@@ -59,7 +66,22 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--fleet-only", action="store_true", help="only the fleet hit ratios (no Mooncake master)")
+    ap.add_argument("--no-fleet", action="store_true", help="skip the fleet hit ratios")
+    ap.add_argument("--fleet-capacities", default="1000,10000", help="chunks of memory of all 4 replicas")
+    ap.add_argument("--private-share", type=float, default=0.125, help="mixed arm: share kept private")
+    ap.add_argument("--block-tokens", type=int, default=16, help="token ids per trace block (= per chunk)")
     args = ap.parse_args()
+    figures: dict = {}
+    if not args.fleet_only:
+        figures.update(run_throughput(args))
+    if not args.no_fleet:
+        figures["fleet_hit_ratio"] = run_fleet(args, Path(args.out) / "mooncake_fleet.png")
+    result(figures)
+    return 0
+
+
+def run_throughput(args) -> dict:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from tests.mooncake_master import MooncakeMaster, SegmentHost
 
@@ -69,10 +91,8 @@ def main() -> int:
         figures = run_mooncake(args, master, prefix)
     if not args.no_redis:
         figures.update(run_redis(args, prefix))
-    figures["fleet_hit_ratio"] = "not run: kvtier sim (issue 11) is not on main"
     plot(figures, Path(args.out) / "mooncake_tier.png")
-    result(figures)
-    return 0
+    return figures
 
 
 class Prefix:
@@ -222,6 +242,67 @@ def run_redis(args, prefix: Prefix) -> dict:
     gbps = {k: prefix.total / best(v) / 1e9 for k, v in times.items()}
     report(runs, times, gbps)
     return {"redis_store_gbps": gbps["redis_store"], "redis_retrieve_gbps": gbps["redis_retrieve"]}
+
+
+def run_fleet(args, png: Path) -> dict:
+    """Pooled vs private vs mixed memory of 4 replicas on the Mooncake trace (kvtier.sim.pooling)."""
+    from tqdm import tqdm
+
+    from kvtier.bench.workloads import find_workload_file
+    from kvtier.router.scoring import Routing
+    from kvtier.sim.pooling import ARMS, compare
+    from kvtier.sim.reference import ideal_hits
+    from kvtier.sim.study import chunk_chains
+    from kvtier.sim.trace import read_mooncake
+
+    trace = find_workload_file("mooncake_synthetic_trace.jsonl")
+    requests = read_mooncake(trace, block_tokens=args.block_tokens)
+    chains = chunk_chains(requests, args.block_tokens)
+    ideal = ideal_hits(chains) / sum(len(c) for c in chains)
+    totals = [int(t) for t in args.fleet_capacities.split(",") if t.strip()]
+    routings = [Routing.ROUND_ROBIN, Routing.LOAD_BOUNDED]
+    with tqdm(total=len(requests) * len(totals) * len(routings) * len(ARMS), unit="req", desc="fleet",
+              mininterval=1.0) as bar:
+        points = compare(requests, args.block_tokens, totals=totals, routings=routings,
+                         private_share=args.private_share, progress=lambda n: bar.update(n - bar.n))
+    print(f"fleet: 4 replicas, {len(requests):,} requests of {trace.name}, chunk hit ratio (infinite cache "
+          f"{ideal:.3f}); mixed keeps {args.private_share:g} of the memory private")
+    print(f"{'chunks':>8} {'routing':<13}{'private':>9}{'pooled':>9}{'mixed':>9}{'pooled/priv':>13}{'mixed/priv':>12}")
+    out: dict = {"replicas": 4, "requests": len(requests), "block_tokens": args.block_tokens,
+                 "private_share": args.private_share, "policy": "lru", "ideal": round(ideal, 4)}
+    for p in points:
+        print(f"{p.total:>8,} {p.routing.value:<13}" + "".join(f"{p.hit[a]:>9.3f}" for a in ARMS)
+              + f"{p.vs_private('pooled') or 0:>13.2f}{p.vs_private('mixed') or 0:>12.2f}")
+        out.setdefault(str(p.total), {})[p.routing.value] = {
+            **{a: round(p.hit[a], 4) for a in ARMS},
+            "pooled_vs_private": round(p.vs_private("pooled") or 0.0, 3),
+            "mixed_vs_private": round(p.vs_private("mixed") or 0.0, 3)}
+    plot_fleet(points, ideal, png)
+    return out
+
+
+def plot_fleet(points, ideal: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvtier.sim.pooling import ARMS
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{p.total:,} chunks\n{p.routing.value}" for p in points]
+    for i, arm in enumerate(ARMS):
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(points))], [p.hit[arm] for p in points], 0.27, label=arm)
+    ax.axhline(ideal, color="#999", linestyle="--", label="infinite cache")
+    ax.set_xticks(range(len(points)), labels)
+    ax.set_ylabel("chunk hit ratio")
+    ax.set_title("4 replicas, same memory in all: private vs pooled vs mixed (Mooncake trace, LRU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")
 
 
 def interleaved(runs, reps: int) -> dict[str, list[float]]:

@@ -28,6 +28,7 @@ from kvtier.blob import encode_blob, parse_blob
 from kvtier.codecs import codec_by_id
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError, InvalidArgument, KVTierError
+from kvtier.events.model import CacheEvents
 from kvtier.keys import ChunkHash, Namespace, Tokens, token_array
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
@@ -109,6 +110,7 @@ class KVCache:
         self.chunk_size = self.config.chunk_size
         self.namespace = Namespace(model, spec, self.chunk_size, tp_rank, tp_size, adapter)
         self.metrics = metrics if metrics is not None else Metrics()
+        self.events = CacheEvents()  #: chunks stored / removed per tier (kvtier.events)
         kv_bytes = self.spec.bytes_per_token if self.spec is not None else 0  # a pure SSM model moves no KV
         self._pipeline = Pipeline(kv_bytes * self.chunk_size, self.chunk_size, self.metrics)
         names = _tier_names([cfg.kind for cfg in self.config.tiers])
@@ -117,6 +119,7 @@ class KVCache:
             for cfg, name in zip(self.config.tiers, names):
                 self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
             self._wire_write_back()
+            self.events.watch(self.tiers)
             self._states = (StateSnapshots(self.model_spec, self.config, self.tiers, self.metrics, self._tier_failed)
                             if self.model_spec.states else NoStates())
         except BaseException:
@@ -322,6 +325,7 @@ class KVCache:
         if not missing:
             return []
         done = self._pipeline.encode_and_put(tier, missing, keys, token_ids, source, self._tier_failed)
+        self.events.stored(tier.name, keys, done, token_ids, size)
         self.metrics.inc("kvtier_stored_tokens_total", len(done) * size, tier=tier.name)
         return done
 
@@ -351,10 +355,13 @@ class KVCache:
         """Encode ``chunk`` for ``tier`` (its codec, sealed where it verifies) and store it; True if stored.
         A failure of the tier is counted under ``op`` and is a False, never an exception."""
         try:
-            return tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])[0]
+            stored = tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])[0]
         except KVTierError as exc:
             self._tier_failed(tier, op, exc)
             return False
+        if stored:
+            self.events.moved_in(tier.name, key)
+        return stored
 
     def _tier_failed(self, tier: Tier, op: str, exc: KVTierError) -> None:
         self.metrics.inc("kvtier_tier_errors_total", tier=tier.name, op=op)

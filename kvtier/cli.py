@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "demo": "kvtier.demo",
     "serve": "kvtier.server.cli",
     "bench": "kvtier.bench.cli",
+    "route": "kvtier.router.cli",
     "sim": "kvtier.sim.cli",
     "calibrate": "kvtier.calibrate",
 }

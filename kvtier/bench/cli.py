@@ -45,6 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m = p.add_argument_group("multiround")
     m.add_argument("--users", type=int, default=2)
     m.add_argument("--rounds", type=int, default=4)
+    m.add_argument("--sessions", action="store_true", help="name each conversation in the user field")
     m.add_argument("--system-words", type=int, default=300)
     m.add_argument("--turn-words", type=int, default=150)
     q = p.add_argument_group("qa (LooGLE long-dependency QA)")
@@ -66,7 +67,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def workload_spec(args: argparse.Namespace):
     if args.workload == "multiround":
         return wl.MultiRoundSpec(args.users, args.rounds, args.system_words, args.turn_words, args.max_tokens,
-                                 args.seed)
+                                 args.seed, args.sessions)
     if args.workload == "qa":
         return wl.QASpec(args.data, args.docs, args.questions, args.doc_chars, args.order, args.max_tokens, args.seed)
     return wl.TraceSpec(args.data, args.requests, args.block_tokens, args.max_prompt_tokens, args.max_tokens,

@@ -32,7 +32,8 @@ def summarize(run: RunResult) -> dict[str, Any]:
     return {
         "target": run.target, "workload": run.workload, "requests": len(run.results), "ok": len(ok),
         "rejected_429": sum(1 for r in run.results if r.status == 429),
-        "failed": sum(1 for r in run.results if r.status not in (200, 429)),
+        # a stream that broke after its 200 (an error event, no first token) failed too
+        "failed": sum(1 for r in run.results if r.status != 429 and not (r.status == 200 and r.ttft_s is not None)),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "wall_s": run.wall_s, "requests_per_s": len(ok) / run.wall_s if run.wall_s else None,

@@ -67,7 +67,8 @@ def find_workload_file(name: str, path: str | None = None) -> Path:
 # -- multi-round chat -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MultiRoundSpec:
-    """``users`` conversations of ``rounds`` turns sharing one system prompt; each turn adds ``turn_words``."""
+    """``users`` conversations of ``rounds`` turns sharing one system prompt; each turn adds ``turn_words``.
+    ``sessions``: each request names its conversation in OpenAI's ``user`` field (for session-sticky routers)."""
 
     users: int = 2
     rounds: int = 4
@@ -75,6 +76,7 @@ class MultiRoundSpec:
     turn_words: int = 150
     max_tokens: int = 16
     seed: int = 0
+    sessions: bool = False
 
 
 async def multiround(runner, spec: MultiRoundSpec) -> None:
@@ -87,6 +89,8 @@ async def multiround(runner, spec: MultiRoundSpec) -> None:
 
     async def one(r: int, u: int) -> None:
         body = {"messages": histories[u], "max_tokens": spec.max_tokens}
+        if spec.sessions:
+            body["user"] = f"user-{u}"
         result = await runner.request("/v1/chat/completions", body, workload="multiround", round=r, user=u)
         histories[u] = histories[u] + [{"role": "assistant", "content": result.text},
                                        {"role": "user", "content": turns[u][r]}]

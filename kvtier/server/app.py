@@ -27,6 +27,7 @@ from kvtier.server.body import decode_json, read_body
 from kvtier.server.engine import Event, EventKind, Job, Overloaded
 from kvtier.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body, parse
 from kvtier.server.textstream import TextStream
+from kvtier.tenants import api_key
 
 
 @dataclass(frozen=True)
@@ -145,13 +146,7 @@ def _prepare(backend: Backend, raw: bytes, route: Route) -> Prepared:
 
 
 def _api_key(request: Request) -> str | None:
-    header = request.headers.get("authorization")
-    if header is None:
-        return None
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        raise RequestError("the Authorization header must be 'Bearer <api key>'", 401)
-    return key.strip()
+    return api_key(request.headers.get("authorization"))
 
 
 async def _deltas(job: Job, text: TextStream) -> AsyncIterator[str]:

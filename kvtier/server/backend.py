@@ -8,7 +8,6 @@ no cache at all (``cache=None``: the same server without kvtier, the baseline fo
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from kvtier.server.engine import Engine
 from kvtier.server.prompts import encode_within
 from kvtier.server.protocol import RequestError
 from kvtier.server.segments import NoSegments, Segmenter
+from kvtier.tenants import tenant_salt  # noqa: F401  (re-exported: app.py and others import it from here)
 
 
 @dataclass(frozen=True)
@@ -45,16 +45,6 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.blend is not None and self.cache is None:
             raise ConfigError("blending reuses cached segments: it needs the cache (drop --no-cache)")
-
-
-def tenant_salt(api_key: str | None) -> bytes:
-    """The cache salt of a caller: a digest of its API key (empty for callers without one).
-
-    Derived from the Authorization header only, so one tenant can never name another's cache entries.
-    """
-    if not api_key:
-        return b""
-    return hashlib.sha256(b"kvtier-tenant\x00" + api_key.encode()).digest()
 
 
 class Backend:

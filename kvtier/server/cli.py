@@ -45,6 +45,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    e = p.add_argument_group("cache events (for kvtier route; see /kvtier/info)")
+    e.add_argument("--events-port", type=int, default=0, help="ZMQ PUB port of the event stream (default: any free)")
+    e.add_argument("--events-control-port", type=int, default=0, help="ZMQ port answering snapshot requests")
+    e.add_argument("--no-events", action="store_true", help="publish no cache events")
     p.set_defaults(func=run)
     return p
 
@@ -74,8 +78,10 @@ def blend_config(args: argparse.Namespace) -> BlendConfig | None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvtier.events.publisher import PublisherConfig
     from kvtier.server.app import create_app
     from kvtier.server.backend import Backend, ServerConfig, check_model_path
+    from kvtier.server.events import attach_events
 
     if args.threads is not None:
         import torch
@@ -93,9 +99,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tiers = ", ".join(t.kind for t in config.cache.tiers) if config.cache else "off"
     print(f"kvtier serve: {backend.name} on http://{args.host}:{args.port} (kvtier cache: {tiers})", flush=True)
+    app = create_app(backend)
     try:
-        uvicorn.run(create_app(backend), host=args.host, port=args.port, log_level=args.log_level,
+        events = None if args.no_events else PublisherConfig(args.host, args.events_port, args.events_control_port)
+        publisher = attach_events(app, backend, events)
+    except ConfigError as exc:
+        backend.close()
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     access_log=args.log_level == "debug")
     finally:
+        if publisher is not None:
+            publisher.close()
         backend.close()
     return 0

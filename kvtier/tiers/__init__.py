@@ -7,6 +7,10 @@ from kvtier.tiers.base import (
     EvictionListener,
     EvictionReporter,
     Flushable,
+    Listable,
+    RemovalListener,
+    RemovalReporter,
+    SharedStore,
     Tier,
     TierConfig,
     TierContext,
@@ -22,7 +26,7 @@ from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is importe
 
 __all__ = [
     "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter",
-    "Flushable", "MemoryTier", "MemoryTierConfig", "MooncakeTier", "MooncakeTierConfig", "RedisTier",
-    "RedisTierConfig", "Tier", "TierConfig",
+    "Flushable", "Listable", "MemoryTier", "MemoryTierConfig", "MooncakeTier", "MooncakeTierConfig", "RedisTier",
+    "RedisTierConfig", "RemovalListener", "RemovalReporter", "SharedStore", "Tier", "TierConfig",
     "TierContext", "TierStats", "WriteMode", "register_tier", "stats_gauges",
 ]

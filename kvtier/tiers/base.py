@@ -13,7 +13,8 @@ conformance suite in tests/conformance checks them):
 * Backend failures surface as misses / skipped stores, counted in metrics; a tier never raises into the
   cache except ``KVTierError`` subclasses from programming errors.
 * Every tier is built as ``XTier(config, ctx)``: its ``TierConfig`` subclass and the ``TierContext`` of the
-  cache that owns it. Optional capabilities are the protocols ``EvictionReporter`` and ``Flushable``.
+  cache that owns it. Optional capabilities are the protocols ``EvictionReporter``, ``Flushable``,
+  ``RemovalReporter``, ``Listable`` and ``SharedStore``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,45 @@ class Flushable(Protocol):
     """
 
     def flush(self) -> None: ...
+
+
+#: Receives the key of an entry that left its tier (see RemovalReporter).
+RemovalListener = Callable[[ChunkHash], None]
+
+
+@runtime_checkable
+class RemovalReporter(Protocol):
+    """Optional capability: a tier that tells which keys leave it, so the cache's event stream (and a router
+    reading it) knows where prefixes are.
+
+    Contract: the listener is called once for every entry that stops being visible, whatever the cause
+    (evicted, deleted, found lost or unreadable), possibly from the tier's own threads and while it holds its
+    lock: the listener must be quick, must not call back into the tier and must not raise. Entries dropped by
+    ``close`` are not reported. Setting a listener replaces the previous one; None removes it.
+    """
+
+    def set_removal_listener(self, listener: RemovalListener | None) -> None: ...
+
+
+@runtime_checkable
+class Listable(Protocol):
+    """Optional capability: a tier that can list what it holds (for snapshots of the cache's contents)."""
+
+    def list_keys(self) -> list[ChunkHash]:
+        """Every key the tier holds now, or has accepted to store in the background (a store that then fails
+        is reported by a RemovalReporter), in no particular order."""
+
+
+@runtime_checkable
+class SharedStore(Protocol):
+    """Optional capability: a tier whose entries live in a store other processes read too (Redis/Valkey).
+
+    ``store_id`` names the store and key space: two tiers with the same id see the same entries, so a chunk
+    one replica stored there is a hit for every replica configured with it. No secrets go into the id.
+    """
+
+    @property
+    def store_id(self) -> str: ...
 
 
 def stats_gauges(tier: Tier, stats: TierStats | None = None) -> Iterator[tuple[str, dict[str, str], float]]:

@@ -22,6 +22,7 @@ from kvtier.policy import DEFAULT_POLICY, make_policy
 from kvtier.tiers.allocator import Allocator
 from kvtier.tiers.base import (
     EvictionListener,
+    RemovalListener,
     TierConfig,
     TierContext,
     TierStats,
@@ -39,7 +40,8 @@ class _Entry:
 
 
 class MemoryTier:
-    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter`` and ``ChainOrdered``."""
+    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter``, ``ChainOrdered``, a
+    ``RemovalReporter`` and ``Listable``."""
 
     verifies = False
 
@@ -55,6 +57,7 @@ class MemoryTier:
         self._lock = threading.Lock()
         self._on_evict: EvictionListener | None = None
         self._closed = False
+        self._on_remove: RemovalListener | None = None
         self._metrics.add_gauges(lambda: stats_gauges(self))
 
     # -- the Tier protocol ---------------------------------------------------------------------------------
@@ -122,6 +125,15 @@ class MemoryTier:
         """See ``EvictionReporter``: called from ``put`` for each entry evicted to make room."""
         self._on_evict = listener
 
+    # -- RemovalReporter and Listable ----------------------------------------------------------------------
+    def set_removal_listener(self, listener: RemovalListener | None) -> None:
+        """See ``RemovalReporter``: called under the tier's lock for each entry evicted or deleted."""
+        self._on_remove = listener
+
+    def list_keys(self) -> list[ChunkHash]:
+        with self._lock:
+            return list(self._entries)
+
     # -- internals -----------------------------------------------------------------------------------------
     def _put_one(self, key: ChunkHash, payload: Payload) -> bool:
         nbytes = payload.nbytes
@@ -174,6 +186,8 @@ class MemoryTier:
         if entry is None:
             return
         self._policy.on_remove(key)
+        if self._on_remove is not None:
+            self._on_remove(key)
         if entry.pins:
             entry.doomed = True  # freed by the last reader
         else:

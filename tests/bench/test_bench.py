@@ -12,7 +12,8 @@ import pytest
 from kvtier.bench import report
 from kvtier.bench import workloads as wl
 from kvtier.bench.cli import bench
-from kvtier.bench.client import Target
+from kvtier.bench.client import RequestResult, Target
+from kvtier.bench.runner import RunResult
 from tests.server.conftest import start_server
 
 
@@ -43,6 +44,14 @@ def test_multiround_hits_the_cache_only_with_kvtier(servers, tmp_path):
     assert len(doc["runs"][0]["requests"]) == 6 and doc["summaries"][1]["cached_share"] == 0
     report.plot([on, off], tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_stream_that_breaks_after_its_200_counts_as_failed():
+    results = [RequestResult("t", "multiround", 0, 0, status=200, ttft_s=0.1, prompt_tokens=10, cached_tokens=5),
+               RequestResult("t", "multiround", 0, 1, status=200, error='{"message": "generation failed"}'),
+               RequestResult("t", "multiround", 0, 2, status=429), RequestResult("t", "multiround", 0, 3, status=503)]
+    summary = report.summarize(RunResult("t", "multiround", results))
+    assert (summary["ok"], summary["rejected_429"], summary["failed"]) == (1, 1, 2)
 
 
 def write_loogle(path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Subclass ``TierConformance`` in a test module and implement ``make_tier``; pytest collects the inherited
 tests. A tier that evicts by itself to stay under its capacity subclasses ``EvictingTierConformance`` instead;
-one that reports evictions (to feed a write-back tier) also mixes in ``EvictionListenerConformance``. A shared
+one that reports evictions (to feed a write-back tier) also mixes in ``EvictionListenerConformance``, and one
+that reports removals and lists its keys (for the cache's event stream) ``RemovalListenerConformance``. A shared
 store whose server does the evicting (Redis with maxmemory) stays with the base class.
 """
 
@@ -235,3 +236,28 @@ class EvictionListenerConformance:
         for i in range(3):
             self._put(tier, [i])
         assert seen == {key(0): blob(0, seal=tier.verifies)}
+
+
+class RemovalListenerConformance:
+    """Mix in (with EvictingTierConformance) for tiers that are RemovalReporter and Listable: every key that
+    leaves is reported once, and the listing matches what is held."""
+
+    def test_removals_are_reported_and_listing_matches(self, new_tier):
+        tier = new_tier(3 * BLOB_BYTES + 100)
+        gone: list[bytes] = []
+        tier.set_removal_listener(lambda k: gone.append(bytes(k)))
+        self._put(tier, [0, 1, 2])
+        assert sorted(tier.list_keys()) == sorted([key(0), key(1), key(2)])
+        self._put(tier, [3])  # evicts one of the first three, whichever the tier's policy picks
+        self.settle(tier)
+        held = {bytes(k) for k in tier.list_keys()}
+        evicted = {key(0), key(1), key(2)} - held
+        assert len(evicted) == 1 and key(3) in held and gone == list(evicted)
+        deleted, kept = sorted(held - {key(3)})
+        tier.delete([deleted, key(42)])
+        self.settle(tier)
+        assert gone == [*evicted, deleted]
+        assert sorted(tier.list_keys()) == sorted([kept, key(3)])
+        tier.set_removal_listener(None)
+        tier.delete([kept])
+        assert gone == [*evicted, deleted]

@@ -43,9 +43,10 @@ def engine(workdir: Path):
 
     @cache
     def run(name: str, kvtier: str | None, steps: tuple[str, ...], in_process: bool = False,
-            log_stats: bool = False) -> dict:
+            log_stats: bool = False, kv_events: bool = False) -> dict:
         spec = {"model": str(workdir / "model"), "prompts": PROMPTS, "steps": list(steps),
-                "kvtier": None if kvtier is None else json.loads(kvtier), "log_stats": log_stats}
+                "kvtier": None if kvtier is None else json.loads(kvtier), "log_stats": log_stats,
+                "kv_events_port": free_port() if kv_events else None}
         spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -71,11 +72,11 @@ def baseline(engine) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def with_kvtier(engine, workdir) -> dict:
-    """Scheduler and worker in different processes (vLLM's default on CPU); vLLM's stats on, and the worker
-    serving its cache's metrics on a port of its own."""
+    """Scheduler and worker in different processes (vLLM's default on CPU); vLLM's stats on, the worker
+    serving its cache's metrics on a port of its own, and vLLM publishing KV events over ZMQ."""
     tiers = {**json.loads(kvtier_tiers(workdir)), "metrics_port": free_port()}
-    steps = ("gen:cold", "reset", "gen:warm", "reset", "gen:again", "prom:vllm", "scrape:worker")
-    return engine("kvtier", json.dumps(tiers), steps, log_stats=True)
+    steps = ("gen:cold", "reset", "events:tiers", "gen:warm", "reset", "gen:again", "prom:vllm", "scrape:worker")
+    return engine("kvtier", json.dumps(tiers), steps, log_stats=True, kv_events=True)
 
 
 def tokens(outputs: list[dict]) -> list[list[int]]:
@@ -146,3 +147,21 @@ def test_worker_serves_its_full_metrics_on_the_configured_port(with_kvtier):
     assert families["kvtier_hit_tokens"].type == "counter"  # the parser names a counter without _total
     hits = {s.labels["tier"]: s.value for s in families["kvtier_hit_tokens"].samples if s.name.endswith("_total")}
     assert hits["memory"] > 0
+
+
+
+def test_kvtier_tiers_reach_vllms_kv_event_stream(with_kvtier):
+    """What kvtier stored reaches the KV events vLLM publishes, with the tier as the medium: one block per
+    kvtier chunk, carrying the chunk's tokens and chained to the chunk before it by its hash."""
+    events = with_kvtier["tiers"]
+    assert events and all(e["type"] == "BlockStored" and e["ownership"] == "kvtier" for e in events)
+    for tier in ("memory", "disk"):
+        stored = [e for e in events if e["medium"] == tier]
+        assert all(e["block_size"] == CHUNK and len(e["tokens"]) == CHUNK * len(e["hashes"]) for e in stored)
+        blocks = {h: e["tokens"][i * CHUNK:(i + 1) * CHUNK] for e in stored for i, h in enumerate(e["hashes"])}
+        assert sorted(map(tuple, blocks.values())) == sorted(
+            tuple(p[i * CHUNK:(i + 1) * CHUNK]) for p in PROMPTS for i in range(len(p) // CHUNK))
+        assert all(len(bytes.fromhex(h)) == 32 for h in blocks)
+        firsts = [e for e in stored if e["parent"] is None]  # chains start at each prompt's first chunk
+        assert sorted(e["tokens"][:CHUNK] for e in firsts) == sorted(p[:CHUNK] for p in PROMPTS)
+        assert all(e["parent"] in blocks for e in stored if e["parent"] is not None)

@@ -10,7 +10,9 @@ lists), ``max_tokens``, ``kvtier`` (the connector's extra config, or null for pl
   ``p`` in the worker's memory tier, as a bit flip would, so that chunk no longer verifies;
 * ``"metrics:<label>"`` (in-process engines only) record the worker's kvtier counters;
 * ``"prom:<label>"``  record the ``vllm:kvtier_*`` series of vLLM's Prometheus registry (needs ``log_stats``);
-* ``"scrape:<label>"`` record the text a worker serves on the connector's ``metrics_port`` (over HTTP).
+* ``"scrape:<label>"`` record the text a worker serves on the connector's ``metrics_port`` (over HTTP);
+* ``"events:<label>"`` record the KV events vLLM published (``kv_events_port`` in SPEC turns vLLM's ZMQ
+  publisher on) since the last such step, other than vLLM's own GPU blocks.
 """
 
 from __future__ import annotations
@@ -63,6 +65,55 @@ def _vllm_kvtier_series() -> dict[str, float]:
     return out
 
 
+class _EventLog:
+    """Subscribes to vLLM's KV event publisher and keeps every event not about vLLM's own GPU blocks."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        import zmq
+
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._sub = zmq.Context.instance().socket(zmq.SUB)
+        self._sub.connect(f"tcp://127.0.0.1:{port}")
+        self._sub.subscribe(b"")
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        while True:
+            _, _, payload = self._sub.recv_multipart()
+            for event in decoder.decode(payload).events:
+                if getattr(event, "medium", None) in (None, "GPU"):
+                    continue
+                record = {"type": type(event).__name__, "medium": event.medium, "ownership": event.ownership,
+                          "hashes": [h.hex() for h in event.block_hashes]}
+                if isinstance(event, BlockStored):
+                    record.update(parent=event.parent_block_hash.hex() if event.parent_block_hash else None,
+                                  tokens=list(event.token_ids), block_size=event.block_size)
+                with self._lock:
+                    self.events.append(record)
+
+    def take(self) -> list[dict]:
+        """Events so far, once none arrived for a second (at most 30 s)."""
+        deadline, seen, quiet_since = time.monotonic() + 30, -1, time.monotonic()
+        while time.monotonic() < deadline:
+            with self._lock:
+                n = len(self.events)
+            if n != seen:
+                seen, quiet_since = n, time.monotonic()
+            elif n and time.monotonic() - quiet_since > 1.0:
+                break
+            time.sleep(0.1)
+        with self._lock:
+            taken, self.events = self.events, []
+        return taken
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -73,11 +124,19 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("kvtier") is not None:
         transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
                                     kv_role="kv_both", kv_connector_extra_config=spec["kvtier"])
+    extra = {}
+    log = None
+    if spec.get("kv_events_port"):
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                   endpoint=f"tcp://*:{spec['kv_events_port']}")
+        log = _EventLog(spec["kv_events_port"])
     started = time.monotonic()
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), block_size=spec.get("block_size", 32),
               max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=True, seed=0,
               kv_transfer_config=transfer, max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
-              enforce_eager=spec.get("enforce_eager", True), disable_log_stats=not spec.get("log_stats", False))
+              enforce_eager=spec.get("enforce_eager", True), disable_log_stats=not spec.get("log_stats", False), **extra)
     print(f"engine started in {time.monotonic() - started:.1f} s", file=sys.stderr)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
@@ -96,6 +155,9 @@ def main(spec_path: str, out_path: str) -> None:
         elif kind == "scrape":
             url = f"http://127.0.0.1:{spec['kvtier']['metrics_port']}/metrics"
             out[arg] = urllib.request.urlopen(url, timeout=10).read().decode()
+        elif kind == "events":
+            assert log is not None, "events need kv_events_port in the spec"
+            out[arg] = log.take()
         elif kind == "corrupt":
             p, c = (int(x) for x in arg.split(":"))
             _corrupt(spec["prompts"][p], c)

@@ -12,11 +12,11 @@ from kvtier.codecs import BytesPayload
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers import DiskTier, DiskTierConfig
-from tests.conformance.tier_suite import BLOB_BYTES, EvictingTierConformance, blob, key
+from tests.conformance.tier_suite import BLOB_BYTES, EvictingTierConformance, RemovalListenerConformance, blob, key
 from tests.tiers.disk_helpers import disk_tier, put, read
 
 
-class TestDiskTierConformance(EvictingTierConformance):
+class TestDiskTierConformance(EvictingTierConformance, RemovalListenerConformance):
     @pytest.fixture(autouse=True)
     def _root(self, tmp_path):
         self.root = tmp_path

@@ -1,14 +1,19 @@
 import pytest
 
 from kvtier.tiers import MemoryTier, MemoryTierConfig
-from tests.conformance.tier_suite import EvictingTierConformance, EvictionListenerConformance, tier_context
+from tests.conformance.tier_suite import (
+    EvictingTierConformance,
+    EvictionListenerConformance,
+    RemovalListenerConformance,
+    tier_context,
+)
 
 
 def memory_tier(capacity_bytes: int) -> MemoryTier:
     return MemoryTier(MemoryTierConfig(capacity_bytes=capacity_bytes), tier_context("memory"))
 
 
-class TestMemoryTierConformance(EvictingTierConformance, EvictionListenerConformance):
+class TestMemoryTierConformance(EvictingTierConformance, EvictionListenerConformance, RemovalListenerConformance):
     def make_tier(self, capacity_bytes: int) -> MemoryTier:
         return memory_tier(capacity_bytes)
 
@@ -38,12 +43,12 @@ def test_close_gives_the_buffer_back_while_earlier_views_stay_valid():
     tier = memory_tier(64 << 20)  # prefaulted: 64 MiB resident
     data = blob(1, seal=False)
     tier.put([(key(1), BytesPayload(data))])
+    gc.collect()  # earlier tests' garbage goes now, not during the measurement
+    before = rss()
     with tier.get([key(1)]) as (view,):
-        before = rss()
         tier.close()
         gc.collect()
-        assert bytes(view) == data  # a view handed out before close still reads its bytes
-        assert rss() > before - (32 << 20)  # ... so the buffer is still there
+        assert bytes(view) == data  # a view handed out before close still reads its bytes (unmapped: a crash)
     del view
     gc.collect()
     assert rss() < before - (48 << 20)  # given back once the last view went, though the tier object lives on

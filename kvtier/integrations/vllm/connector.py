@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +23,7 @@ from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
 from kvtier.metrics import MetricsServer
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, TierEvents
 from kvtier.integrations.vllm.lookup import LookupClient, socket_path
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.paged import PagedKV
@@ -32,6 +34,7 @@ from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -70,6 +73,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._feed: MetricsFeed | None = None
+        self._tier_events: TierEvents | None = None  # worker side, rank 0: kvtier's tier events for vLLM's
+        self._scheduler_events = SchedulerEvents()  # scheduler side: what the workers sent
         self._metrics_server: MetricsServer | None = None
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
@@ -96,6 +101,9 @@ class KVTierConnector(KVConnectorBase_V1):
         # a lookup never covers more than a whole request: a longer one is not the scheduler asking
         self._worker = WorkerSide(paged, cache, path, self._vllm_config.model_config.max_model_len)
         self._feed = MetricsFeed(cache.metrics)
+        events = self._vllm_config.kv_events_config
+        if rank == 0 and events is not None and events.enable_kv_cache_events:
+            self._tier_events = TierEvents(cache)
         if self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(cache.metrics, self.config.metrics_port + rank,
                                                  self.config.metrics_host)
@@ -133,6 +141,12 @@ class KVTierConnector(KVConnectorBase_V1):
         data = {**self._worker.take_counts(), **self._feed.take()}
         return KVTierStats(data=data) if any(data.values()) else None
 
+    def get_kv_connector_kv_cache_events(self) -> KVTierKVEvents | None:
+        return self._tier_events.take() if self._tier_events is not None else None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler_events.take()
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
         return KVTierStats(data=dict(data or {}))
@@ -147,6 +161,9 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None
+        if self._tier_events is not None:
+            self._tier_events.close()
+            self._tier_events = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -169,6 +186,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is None:
             return
+        self._scheduler_events.add(connector_output.kv_cache_events)
         if connector_output.invalid_block_ids:
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
         if connector_output.finished_sending:

@@ -9,6 +9,9 @@ An entry is *pending* from ``reserve`` until its writer ``publish``-es it: it co
 and a second store of the key is a no-op, but it is not visible (``contains`` False, ``pin`` skips it), so a
 chunk is visible only once its file is complete.
 
+Every entry that leaves the index (evicted, deleted, forgotten, or a queued store abandoned) is reported to
+``on_drop`` (the tier's RemovalReporter listener), under the index lock.
+
 Eviction order. ``reserve`` takes a batch in chain order (a request's chunks, root first), so that a full
 write queue drops the deepest chunks, and reports the batch to the policy deepest chunk first (policy/base.py):
 a pending entry is known to the policy from its reservation, never proposed as a victim, and goes on in the
@@ -29,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.policy import EvictionPolicy
-from kvtier.tiers.base import TierStats
+from kvtier.tiers.base import RemovalListener, TierStats
 
 #: Apart from each other, the mtimes of one batch: files of one request keep their order on any filesystem
 #: whose timestamps have microseconds (ext4, xfs, btrfs, tmpfs: nanoseconds).
@@ -97,6 +100,7 @@ class DiskIndex:
         self.queued = 0  #: pending stores not yet published or abandoned
         self.closed = False  #: no more file operations are submitted
         self._metrics, self._name = metrics, name
+        self.on_drop: RemovalListener | None = None  #: told of every key that leaves the index
 
     # -- queries -------------------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
@@ -137,6 +141,11 @@ class DiskIndex:
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(self.used, self.capacity, len(self._entries))
+
+    def keys(self) -> list[ChunkHash]:
+        """Stored and queued keys (a queued store that fails is reported to ``on_drop``)."""
+        with self._lock:
+            return list(self._entries)
 
     # -- stores --------------------------------------------------------------------------------------------
     def reserve(self, items: Sequence[tuple[ChunkHash, int]]) -> list[Pending | Declined]:
@@ -243,3 +252,8 @@ class DiskIndex:
         self._policy.on_remove(key)  # pending entries too: the policy knows them from their reservation
         if unlink and not self.closed:
             self._submit_unlink(key)
+        self._report(key)
+
+    def _report(self, key: ChunkHash) -> None:
+        if self.on_drop is not None and not self.closed:
+            self.on_drop(key)

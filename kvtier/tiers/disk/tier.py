@@ -42,7 +42,7 @@ from kvtier.codecs import Payload, get_codec
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkHash
 from kvtier.policy import make_policy
-from kvtier.tiers.base import TierContext, TierStats, stats_gauges
+from kvtier.tiers.base import RemovalListener, TierContext, TierStats, stats_gauges
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.files import (
     AlignedBufferPool,
@@ -66,7 +66,8 @@ STAGING_POOL_RETAIN = 128 << 20
 
 class DiskTier:
     """The Tier protocol over one directory of chunk files; ``Flushable`` (stores are written in the
-    background) and ``ChainOrdered``."""
+    background), ``ChainOrdered``, a ``RemovalReporter`` and ``Listable`` (both count queued stores as held:
+    see index.py)."""
 
     verifies = True
 
@@ -150,6 +151,13 @@ class DiskTier:
 
     def stats(self) -> TierStats:
         return self._index.stats()
+
+    def set_removal_listener(self, listener: RemovalListener | None) -> None:
+        """See ``RemovalReporter``: called under the index lock, from any thread that changes the index."""
+        self._index.on_drop = listener
+
+    def list_keys(self) -> list[ChunkHash]:
+        return self._index.keys()
 
     def flush(self) -> None:
         """Wait until every store queued so far is on disk (or failed)."""

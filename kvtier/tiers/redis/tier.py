@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from time import monotonic
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -109,7 +110,7 @@ def _stages(todo: list[int], sizes: list[int], capacity: int) -> Iterator[list[i
 
 
 class RedisTier:
-    """The Tier protocol over a Redis/Valkey server or cluster (see the module docstring)."""
+    """The Tier protocol over a Redis/Valkey server or cluster (see the module docstring); a ``SharedStore``."""
 
     verifies = True
 
@@ -135,6 +136,13 @@ class RedisTier:
         })
         self._servers = Servers(endpoint, config, self._metrics, self.name)
         self._last_stats = TierStats(0, 0, 0)
+
+    @property
+    def store_id(self) -> str:
+        """The server (its URL without credentials or query; a cluster's: the node named) and the key space."""
+        where = urlsplit(self.config.url)
+        server = f"{where.hostname}:{where.port or 6379}{where.path or '/0'}" if where.hostname else where.path
+        return f"redis:{server}#{self._prefix.decode()}"
 
     # -- the Tier protocol ---------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:

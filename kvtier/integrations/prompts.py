@@ -1,0 +1,42 @@
+"""Prompt token ids as an OpenAI-compatible server computes them, for a router that must hash the same chunks.
+
+``kvtier serve`` (and vLLM) turn a chat request into ids by rendering the model's chat template with the
+generation prompt and encoding the text without adding special tokens, and a text completion by encoding the
+text with them. ``PromptTokenizer`` does exactly that from the same tokenizer files, so the router's chunk
+keys equal the replica's. Loading a tokenizer needs transformers, hence this module's place.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+
+class PromptTokenizer:
+    """A model folder's tokenizer and chat template (default: the packaged SmolLM2-135M-Instruct)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from kvtier.models import ensure_smollm2
+
+        folder = Path(path).expanduser() if path is not None else ensure_smollm2()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}") from None
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int] | None:
+        """Ids of ``messages`` (role and text content) ready for the assistant's turn; None without a template."""
+        tokenizer = self._tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            return None
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def text(self, prompt: str) -> list[int]:
+        """Ids of a completion's text prompt."""
+        return list(self._tokenizer.encode(prompt))

@@ -1,0 +1,118 @@
+"""kvtier's tier events through vLLM's own KV-events mechanism, so routers that read vLLM's events (llm-d,
+Dynamo, ``vllm serve --kv-events-config``) see what kvtier's tiers hold.
+
+* Worker side: ``TierEvents`` subscribes to the worker's ``KVCache.events`` and turns them into vLLM's
+  ``BlockStored`` / ``BlockRemoved`` with the tier as the ``medium`` (``memory``, ``disk``, ``redis`` ...),
+  ``ownership="kvtier"``, one block per kvtier chunk (``block_size`` is the chunk size, ``block_hashes`` the
+  32-byte chunk keys, ``parent_block_hash`` the previous chunk's key, ``token_ids`` the chunk's tokens). A run
+  of chunks stored together in one chain becomes one ``BlockStored``. vLLM collects them after each step
+  (``get_kv_connector_kv_cache_events``) and ships them to the scheduler with the step's output.
+* Scheduler side: ``update_connector_output`` hands them to ``SchedulerEvents``; vLLM's scheduler takes them
+  (``take_events``) and publishes them with its own KV events (ZMQ, when ``--kv-events-config`` enables it).
+
+Only tensor-parallel rank 0 reports: every rank's chunks carry its rank in their keys, so ranks never hold
+the same keys, and the ranks' caches change together.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
+
+from kvtier.cache import KVCache
+from kvtier.events.model import ChunkEvent, ChunkEventKind
+
+OWNERSHIP = "kvtier"
+MAX_PENDING = 100_000  # events kept between two steps; beyond, the oldest are dropped
+
+
+class KVTierKVEvents(KVConnectorKVEvents):
+    """A worker's events of one step (vLLM's container type); no aggregation across workers (see above)."""
+
+    def __init__(self, events: list[KVCacheEvent] | None = None, workers: int = 1) -> None:
+        self._events = list(events or [])
+        self._workers = workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> KVTierKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events.clear()
+
+
+def to_vllm(events: Sequence[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]:
+    """vLLM events for a batch of kvtier events, consecutive stores of one chain joined into one."""
+    out: list[KVCacheEvent] = []
+    for event in events:
+        if event.kind is ChunkEventKind.REMOVED:
+            out.append(BlockRemoved(block_hashes=[bytes(event.key)], medium=event.tier, ownership=OWNERSHIP))
+            continue
+        tokens = np.frombuffer(event.tokens, "<u4").tolist() if event.tokens is not None else []
+        last = out[-1] if out else None
+        if (isinstance(last, BlockStored) and last.medium == event.tier and event.parent is not None
+                and last.block_hashes[-1] == event.parent and len(last.token_ids) == chunk_size * len(last.block_hashes)
+                and len(tokens) == chunk_size):
+            last.block_hashes.append(bytes(event.key))
+            last.token_ids.extend(tokens)
+            continue
+        out.append(BlockStored(block_hashes=[bytes(event.key)],
+                               parent_block_hash=bytes(event.parent) if event.parent is not None else None,
+                               token_ids=tokens, block_size=chunk_size, lora_id=None, medium=event.tier,
+                               lora_name=None, ownership=OWNERSHIP))
+    return out
+
+
+class TierEvents:
+    """Worker side: collects a cache's events between steps (they come from the save thread, the disk tier's
+    threads and the forward path alike)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self._chunk_size = cache.chunk_size
+        self._pending: list[ChunkEvent] = []
+        self._lock = threading.Lock()
+        self._unsubscribe = cache.events.subscribe(self._collect)
+
+    def _collect(self, events: Sequence[ChunkEvent]) -> None:
+        with self._lock:
+            self._pending.extend(events)
+            if len(self._pending) > MAX_PENDING:
+                del self._pending[: len(self._pending) - MAX_PENDING]
+
+    def take(self) -> KVTierKVEvents | None:
+        """The events since the last call, as vLLM events, or None."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        return KVTierKVEvents(to_vllm(pending, self._chunk_size)) if pending else None
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
+class SchedulerEvents:
+    """Scheduler side: what the workers sent, until vLLM's scheduler takes it."""
+
+    def __init__(self) -> None:
+        self._events: list[KVCacheEvent] = []
+
+    def add(self, events: KVConnectorKVEvents | None) -> None:
+        if isinstance(events, KVTierKVEvents):
+            self._events.extend(events.get_all_events())
+
+    def take(self) -> Iterable[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events

@@ -1,0 +1,51 @@
+"""kvtier's tier events as vLLM KV events: chains joined, removals per tier, the scheduler's hand-over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+
+from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
+from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, TierEvents  # noqa: E402
+from kvtier.tiers import MemoryTierConfig  # noqa: E402
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+CHUNK = 16
+
+
+def test_a_stored_chain_is_one_block_stored_and_evictions_are_block_removed():
+    chunk_bytes = SPEC.bytes_per_token * CHUNK + 320
+    cache = KVCache(SPEC, "m@1", CacheConfig(chunk_size=CHUNK, tiers=(
+        MemoryTierConfig(capacity_bytes=4 * chunk_bytes, prefault=False),)))
+    events = TierEvents(cache)
+    tokens = list(range(3 * CHUNK))
+    cache.store(tokens, torch.zeros(SPEC.chunk_shape(3 * CHUNK), dtype=SPEC.dtype))
+    taken = events.take()
+    assert isinstance(taken, KVTierKVEvents)
+    (stored,) = taken.get_all_events()
+    keys = [bytes(k) for k in cache.keys(tokens)]
+    assert isinstance(stored, BlockStored) and stored.medium == "memory" and stored.ownership == "kvtier"
+    assert stored.block_hashes == keys and stored.parent_block_hash is None
+    assert stored.token_ids == tokens and stored.block_size == CHUNK
+    other = list(range(1000, 1000 + 2 * CHUNK))  # 5 chunks in a 4-chunk tier: one of the first chain goes
+    cache.store(other, torch.zeros(SPEC.chunk_shape(2 * CHUNK), dtype=SPEC.dtype))
+    removed = [e for e in events.take().get_all_events() if isinstance(e, BlockRemoved)]
+    held = cache.tiers[0].contains(cache.keys(tokens))
+    gone = [key for key, kept in zip(keys, held) if not kept]  # whichever the tier's policy chose
+    assert len(gone) == 1 and [e.block_hashes for e in removed] == [gone] and removed[0].medium == "memory"
+    assert events.take() is None
+    events.close()
+    cache.close()
+
+
+def test_the_scheduler_side_hands_each_event_over_once():
+    scheduler = SchedulerEvents()
+    event = BlockRemoved(block_hashes=[b"k" * 32], medium="disk")
+    scheduler.add(KVTierKVEvents([event]))
+    scheduler.add(None)
+    assert list(scheduler.take()) == [event]
+    assert list(scheduler.take()) == []
