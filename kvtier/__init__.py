@@ -6,10 +6,13 @@ from kvtier.errors import BlobError, CodecError, ConfigError, InvalidArgument, K
 from kvtier.keys import ChunkHash, Namespace
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
+from kvtier.state import ModelStateSpec, SnapshotPolicy, StateKind, StateSpec
+from kvtier.state_cache import PrefixState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlobError", "CacheConfig", "ChunkHash", "CodecError", "ConfigError", "InvalidArgument", "KVCache", "KVSink",
-    "KVSource", "KVSpec", "KVTierError", "Metrics", "Namespace", "TensorSink", "TensorSource", "TierError",
+    "KVSource", "KVSpec", "KVTierError", "Metrics", "ModelStateSpec", "Namespace", "PrefixState", "SnapshotPolicy",
+    "StateKind", "StateSpec", "TensorSink", "TensorSource", "TierError",
 ]

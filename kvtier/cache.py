@@ -9,6 +9,10 @@
   engine recomputes from there. Hits in slower tiers are promoted into the faster ones.
 
 Failures of a tier (``KVTierError``) become misses or skipped stores plus a metric; they never propagate.
+
+Models with SSM layers (a ``ModelStateSpec`` instead of a ``KVSpec``) also keep state snapshots at chunk
+boundaries (``store_states`` / ``retrieve_states``, logic in state_cache.py); their ``lookup`` counts only
+prefixes whose every kind is cached: the KV of each chunk up to a boundary and the snapshot at it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from kvtier.keys import ChunkHash, Namespace, Tokens, token_array
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
 from kvtier.pipeline import Pipeline
+from kvtier.state import ModelStateSpec
+from kvtier.state_cache import NoStates, PrefixState, Snapshot, StateSnapshots
 from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, TierContext, WriteMode
 
 log = logging.getLogger(__name__)
@@ -89,7 +95,7 @@ class KVCache:
 
     def __init__(
         self,
-        spec: KVSpec,
+        spec: KVSpec | ModelStateSpec,
         model: str,
         config: CacheConfig | None = None,
         *,
@@ -99,12 +105,14 @@ class KVCache:
         metrics: Metrics | None = None,
     ) -> None:
         self.config = config if config is not None else CacheConfig()
-        self.spec = spec
+        self.model_spec = ModelStateSpec.of(spec)
+        self.spec = self.model_spec.attention  #: None for models without attention layers (pure SSM)
         self.chunk_size = self.config.chunk_size
         self.namespace = Namespace(model, spec, self.chunk_size, tp_rank, tp_size, adapter)
         self.metrics = metrics if metrics is not None else Metrics()
         self.events = CacheEvents()  #: chunks stored / removed per tier (kvtier.events)
-        self._pipeline = Pipeline(spec.bytes_per_token * self.chunk_size, self.chunk_size, self.metrics)
+        kv_bytes = self.spec.bytes_per_token if self.spec is not None else 0  # a pure SSM model moves no KV
+        self._pipeline = Pipeline(kv_bytes * self.chunk_size, self.chunk_size, self.metrics)
         names = _tier_names([cfg.kind for cfg in self.config.tiers])
         self.tiers: list[Tier] = []
         try:
@@ -112,6 +120,8 @@ class KVCache:
                 self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
             self._wire_write_back()
             self.events.watch(self.tiers)
+            self._states = (StateSnapshots(self.model_spec, self.config, self.tiers, self.metrics, self._tier_failed)
+                            if self.model_spec.states else NoStates())
         except BaseException:
             self.close()
             raise
@@ -125,7 +135,7 @@ class KVCache:
         """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size)."""
         with self.metrics.timer("kvtier_lookup_seconds"):
             keys = self.keys(tokens, salt=salt)
-            n = self._prefix(self._locate(keys))
+            n = self._states.usable(keys, self._kv_prefix(keys))
         self.metrics.inc("kvtier_lookups_total")
         self.metrics.inc("kvtier_lookup_tokens_total", len(keys) * self.chunk_size)
         return n * self.chunk_size
@@ -136,6 +146,7 @@ class KVCache:
         Returns the number of tokens newly written to at least one tier. Never raises for tier failures.
         """
         with self.metrics.timer("kvtier_store_seconds"):
+            self._require_attention()
             token_ids = token_array(tokens)
             keys = self.keys(token_ids, salt=salt)
             if isinstance(kv, torch.Tensor):
@@ -168,6 +179,7 @@ class KVCache:
         allocated. Returns ``(tensor or None for a sink, n_tokens)``; only the first ``n_tokens`` are valid.
         """
         with self.metrics.timer("kvtier_retrieve_seconds"):
+            self._require_attention()
             token_ids = token_array(tokens)
             keys = self.keys(token_ids, salt=salt)
             if max_tokens is not None:
@@ -197,6 +209,25 @@ class KVCache:
         """For each key, the index of the fastest tier holding it, up to the first key no tier holds (then
         None). No side effects: what a router or a simulator asks before choosing where a request goes."""
         return self._locate(keys)
+
+    # -- state beyond attention KV (SSM layers; see kvtier.state) ---------------------------------------------
+    def store_states(self, tokens: Tokens, snapshots: dict[int, Snapshot], *, salt: bytes = b"") -> int:
+        """Store state snapshots ``{k: {kind: tensor}}``, each taken after the first ``k`` full chunks of
+        ``tokens``; store their KV chunks with ``store``. Returns how many boundaries were newly stored."""
+        token_ids = token_array(tokens)
+        return self._states.store(self.keys(token_ids, salt=salt), token_ids, snapshots)
+
+    def retrieve_states(self, tokens: Tokens, *, salt: bytes = b"", max_tokens: int | None = None) -> PrefixState:
+        """Restore the longest prefix of ``tokens`` (at most ``max_tokens``) whose attention KV and state
+        snapshot are all cached and verify: a hit at boundary ``k`` needs the KV of chunks ``1..k`` and the
+        snapshot at ``k``. A miss is ``PrefixState()`` (0 tokens)."""
+        with self.metrics.timer("kvtier_retrieve_seconds"):
+            token_ids = token_array(tokens)
+            limit = len(token_ids) if max_tokens is None else max(max_tokens, 0)
+            keys = self.keys(token_ids, salt=salt)[: limit // self.chunk_size]
+            load_kv = (None if self.spec is None else
+                       lambda n: self.retrieve(token_ids, salt=salt, max_tokens=n))
+            return self._states.restore(keys, token_ids, self._kv_prefix(keys), load_kv)
 
     def close(self) -> None:
         self._pipeline.close()
@@ -242,6 +273,14 @@ class KVCache:
             while start < len(keys) and where[start] is not None:
                 start += 1
         return where
+
+    def _kv_prefix(self, keys: Sequence[ChunkHash]) -> int:
+        """Leading chunks whose KV some tier holds; all of them for models without attention layers."""
+        return self._prefix(self._locate(keys)) if self.spec is not None else len(keys)
+
+    def _require_attention(self) -> None:
+        if self.spec is None:
+            raise ConfigError("this model has no attention layers: use store_states / retrieve_states")
 
     @staticmethod
     def _prefix(where: Sequence[int | None]) -> int:

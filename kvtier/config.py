@@ -12,6 +12,9 @@ YAML (or a dict)::
         codec: lossless
         write: back
 
+Models with SSM layers also read ``state_snapshots: last`` (or ``every``, ``every-8``, ``last+every-16``;
+see kvtier.state.SnapshotPolicy), ``KVTIER_STATE_SNAPSHOTS`` in the environment.
+
 Environment: ``KVTIER_CHUNK_SIZE=256``, ``KVTIER_TIERS=memory,disk`` (default ``memory``) and one variable
 per tier field, ``KVTIER_<KIND>_<FIELD>``, e.g. ``KVTIER_MEMORY_CAPACITY_BYTES=4GiB``,
 ``KVTIER_DISK_PATH=/var/cache/kvtier``. Sizes accept ``4GiB``, ``512MB``, ``1_000_000`` and plain ints.
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.state import SnapshotPolicy
 from kvtier.tiers import TIER_KINDS, MemoryTierConfig, TierConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -123,10 +127,12 @@ def tier_config(spec: Mapping[str, Any] | TierConfig) -> TierConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """``chunk_size``: tokens per chunk (the unit of hashing, storage and hits); ``tiers``: fastest first."""
+    """``chunk_size``: tokens per chunk (the unit of hashing, storage and hits); ``tiers``: fastest first;
+    ``state_snapshots``: where models with SSM layers store state snapshots (kvtier.state.SnapshotPolicy)."""
 
     chunk_size: int = 256
     tiers: tuple[TierConfig, ...] = (MemoryTierConfig(),)
+    state_snapshots: SnapshotPolicy = SnapshotPolicy()
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -135,6 +141,7 @@ class CacheConfig:
         if not tiers:
             raise ConfigError("at least one tier is needed")
         object.__setattr__(self, "tiers", tiers)
+        object.__setattr__(self, "state_snapshots", SnapshotPolicy.parse(self.state_snapshots))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> CacheConfig:
@@ -156,6 +163,8 @@ class CacheConfig:
         values: dict[str, Any] = {}
         if "KVTIER_CHUNK_SIZE" in env:
             values["chunk_size"] = env["KVTIER_CHUNK_SIZE"]
+        if "KVTIER_STATE_SNAPSHOTS" in env:
+            values["state_snapshots"] = env["KVTIER_STATE_SNAPSHOTS"]
         kinds = [k.strip() for k in env.get("KVTIER_TIERS", "memory").split(",") if k.strip()]
         tiers = []
         for kind in kinds:
@@ -172,5 +181,6 @@ class CacheConfig:
         base = cls.from_yaml(path) if path else cls.from_env()
         if not overrides:
             return base
-        merged = {"chunk_size": base.chunk_size, "tiers": list(base.tiers), **overrides}
+        merged = {"chunk_size": base.chunk_size, "tiers": list(base.tiers),
+                  "state_snapshots": base.state_snapshots, **overrides}
         return cls.from_dict(merged)

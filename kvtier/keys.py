@@ -31,13 +31,16 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, InvalidArgument
-from kvtier.layout import KVSpec, dtype_name
+from kvtier.layout import KVSpec
+
+if TYPE_CHECKING:
+    from kvtier.state import ModelStateSpec
 
 ChunkHash = NewType("ChunkHash", bytes)
 """A 32-byte SHA-256 digest naming one chunk of KV in one namespace, after one exact token history."""
@@ -72,10 +75,11 @@ class Namespace:
 
     ``model`` names the weights exactly: a name plus revision, or a fingerprint of the config and weights.
     ``salt`` separates tenants; it must come from the server's idea of the caller, never from a request body.
+    ``spec`` is the attention KV spec, or a ModelStateSpec for models with state beyond KV (SSM layers).
     """
 
     model: str
-    spec: KVSpec
+    spec: KVSpec | ModelStateSpec
     chunk_size: int
     tp_rank: int = 0
     tp_size: int = 1
@@ -94,13 +98,9 @@ class Namespace:
 
     def encode(self) -> bytes:
         """The exact bytes hashed into ``root``."""
-        spec = self.spec
         fields = [
             _field("model", self.model),
-            _field("layers", spec.num_layers),
-            _field("kv_heads", spec.num_kv_heads),
-            _field("head_dim", spec.head_dim),
-            _field("dtype", dtype_name(spec.dtype)),
+            *(_field(name, value) for name, value in self.spec.key_fields()),
             _field("chunk_size", self.chunk_size),
             _field("tp_rank", self.tp_rank),
             _field("tp_size", self.tp_size),

@@ -7,6 +7,7 @@ Every codec and tier speaks this layout; engine integrations convert to and from
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,13 @@ class KVSpec:
     def chunk_shape(self, n_tokens: int) -> tuple[int, int, int, int, int]:
         """Canonical shape of ``n_tokens`` tokens of KV."""
         return (self.num_layers, 2, n_tokens, self.num_kv_heads, self.head_dim)
+
+    def key_fields(self) -> Iterator[tuple[str, str | int]]:
+        """Named fields hashed into the namespace root (see keys.Namespace)."""
+        yield "layers", self.num_layers
+        yield "kv_heads", self.num_kv_heads
+        yield "head_dim", self.head_dim
+        yield "dtype", dtype_name(self.dtype)
 
     @property
     def bytes_per_token(self) -> int:

@@ -39,6 +39,8 @@ HELP = {
     "kvtier_evictions_total": "Entries evicted, by tier.",
     "kvtier_skipped_stores_total": "Chunks not stored, by tier and reason.",
     "kvtier_corrupt_chunks_total": "Stored chunks that failed verification and were treated as misses.",
+    "kvtier_state_snapshots_stored_total": "SSM state snapshots (one per kind and boundary) written, by tier.",
+    "kvtier_state_snapshots_loaded_total": "SSM state snapshots restored, by tier and kind.",
     "kvtier_tier_errors_total": "Tier failures turned into misses or skipped stores.",
     "kvtier_promotions_total": "Chunks copied into a faster tier after a hit in a slower one.",
     "kvtier_demotions_total": "Chunks written to a slower tier when a faster one evicted them.",

@@ -51,6 +51,8 @@ class Codec(Protocol):
     name: str
     #: Stable id written into every blob header. Never reuse an id for a different format.
     codec_id: int
+    #: True when decode(encode(t)) is bit-identical to t. Only exact codecs may store recurrent (SSM) state.
+    exact: bool
 
     def encode(self, chunk: torch.Tensor) -> Payload:
         """Encode a canonical chunk (any strides) into a payload. May defer the copy to ``write_into``,

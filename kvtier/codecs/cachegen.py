@@ -57,6 +57,7 @@ def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
 
 class CacheGenCodec:
     codec_id = 4
+    exact = False
 
     def __init__(self, anchor: int = 16, k_steps: tuple[float, float] = (0.22, 0.26),
                  v_steps: tuple[float, float] = (0.32, 0.38)) -> None:

@@ -55,6 +55,7 @@ class LosslessCodec:
     """Byte shuffle + zstd (default level 1) or LZ4 via blosc2. Decodes into a new tensor (never a view)."""
 
     codec_id = 1
+    exact = True
 
     def __init__(self, method: int = _ZSTD, level: int = 1) -> None:
         if method not in (_ZSTD, _LZ4) or not 0 <= level <= 9:

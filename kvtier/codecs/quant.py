@@ -43,6 +43,8 @@ DEFAULT_GROUP = 64
 class GroupQuantCodec:
     """Per-group affine quantisation to ``bits`` (8 or 4) bits with group size ``group`` along head_dim."""
 
+    exact = False
+
     def __init__(self, bits: int, group: int = DEFAULT_GROUP, rotate: bool | None = None) -> None:
         if bits not in (4, 8) or not 2 <= group <= 4096 or group % 2:
             raise CodecError(f"int{bits}: group size must be an even number in [2, 4096], got {group}")

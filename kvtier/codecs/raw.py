@@ -28,6 +28,7 @@ class _TensorPayload:
 class RawCodec:
     name = "raw"
     codec_id = 0
+    exact = True
 
     def encode(self, chunk: torch.Tensor) -> _TensorPayload:
         if chunk.device.type != "cpu":

@@ -8,6 +8,9 @@
 * the first token is yielded before the prompt's KV is stored, so storing never delays time to first token;
 * decoding is greedy by default, so outputs with and without the cache are comparable token for token;
   ``sampling=SamplingParams(...)`` samples instead (sampling.py), which never changes what is cached.
+
+Models with SSM layers (Mamba2, hybrids) keep state beyond KV: :func:`prefix_cached_lm` and
+:func:`cache_spec` pick kvtier.integrations.hybrid's StatefulPrefixCachedLM and ModelStateSpec for them.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
 from kvtier.integrations.sampling import GREEDY, Sampler, SamplingParams
 from kvtier.layout import KVSpec
+from kvtier.state import ModelStateSpec
 
 
 def kv_spec(model: PreTrainedModel) -> KVSpec:
@@ -37,6 +42,30 @@ def kv_spec(model: PreTrainedModel) -> KVSpec:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return KVSpec(config.num_hidden_layers, kv_heads, head_dim, model.dtype)
+
+
+def has_recurrent_state(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s cache has SSM (linear-attention) layers, whose state is not per-token KV."""
+    past = DynamicCache(config=model.config)
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in past.layers)
+
+
+def cache_spec(model: PreTrainedModel) -> KVSpec | ModelStateSpec:
+    """What a KVCache for ``model`` holds: its KVSpec, or a ModelStateSpec for models with SSM layers."""
+    if not has_recurrent_state(model):
+        return kv_spec(model)
+    from kvtier.integrations.hybrid import model_state_spec
+
+    return model_state_spec(model)
+
+
+def prefix_cached_lm(model: PreTrainedModel, cache: KVCache | None) -> PrefixCachedLM:
+    """The generator for ``model``: PrefixCachedLM, or StatefulPrefixCachedLM for models with SSM layers."""
+    if not has_recurrent_state(model):
+        return PrefixCachedLM(model, cache)
+    from kvtier.integrations.hybrid import StatefulPrefixCachedLM
+
+    return StatefulPrefixCachedLM(model, cache)
 
 
 def model_identity(model: PreTrainedModel) -> str:
@@ -104,14 +133,21 @@ class PrefixCachedLM:
     """Generation (greedy unless sampling is asked for) for one causal LM, reusing prompt prefixes through a
     KVCache (or none)."""
 
+    #: Subclasses that restore SSM state set this; this class would silently drop it.
+    keeps_recurrent_state = False
+
     def __init__(self, model: PreTrainedModel, cache: KVCache | None) -> None:
+        if not self.keeps_recurrent_state and has_recurrent_state(model):
+            raise ConfigError(f"{type(model).__name__} has SSM layers: use prefix_cached_lm(model, cache)")
         self.model = model
         self.cache = cache
         self.device = model.device
 
     @classmethod
     def with_new_cache(cls, model: PreTrainedModel, config=None, **kwargs) -> PrefixCachedLM:
-        return cls(model, KVCache(kv_spec(model), model_identity(model), config, **kwargs))
+        """A generator for ``model`` over a new KVCache (the stateful one for models with SSM layers)."""
+        cache = KVCache(cache_spec(model), model_identity(model), config, **kwargs)
+        return prefix_cached_lm(model, cache) if cls is PrefixCachedLM else cls(model, cache)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
                  stop_ids: Sequence[int] = (), sampling: SamplingParams = GREEDY,
@@ -148,8 +184,7 @@ class PrefixCachedLM:
                 self._store(prompt, prefill, salt, stats)
             if token in stop_ids or step + 1 == max_new_tokens:
                 break
-            logits = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=past,
-                                use_cache=True).logits
+            logits = self._decode(token, len(prompt) + step, past)
             token = sampler.choose(logits[0, -1])
         stats.total_s = time.perf_counter() - begin
 
@@ -169,7 +204,11 @@ class PrefixCachedLM:
         """The prompt's KV and next-token logits: its cached prefix, then a prefill of the rest."""
         past, n_cached = self._cached_prefix(prompt, salt, stats)
         stats.cached_tokens = n_cached
-        return Prefill(past, self._forward(prompt[n_cached:], past), len(prompt))
+        return Prefill(past, self._prefill_rest(prompt, n_cached, past), len(prompt))
+
+    def _prefill_rest(self, prompt: list[int], start: int, past: DynamicCache) -> torch.Tensor:
+        """The next-token logits after computing ``prompt[start:]`` into ``past`` (a hook for stateful models)."""
+        return self._forward(prompt[start:], past)
 
     def _forward(self, ids: list[int], past: DynamicCache) -> torch.Tensor:
         """Run ``ids`` after ``past`` (extending it); the next-token logits after the last one."""
@@ -177,6 +216,11 @@ class PrefixCachedLM:
         # cost as much as a good part of the prefill).
         inputs = torch.tensor([ids], device=self.device)
         return self.model(input_ids=inputs, past_key_values=past, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+    def _decode(self, token: int, position: int, past: DynamicCache) -> torch.Tensor:
+        """Logits after feeding ``token``, the sequence's ``position``-th, into ``past``."""
+        return self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=past,
+                          use_cache=True).logits
 
     def _cached_prefix(self, prompt: list[int], salt: bytes, stats: GenerationStats) -> tuple[DynamicCache, int]:
         if self.cache is None:

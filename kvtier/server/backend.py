@@ -15,7 +15,7 @@ from kvtier.cache import KVCache
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.blend import BlendConfig, BlendedLM
-from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity
+from kvtier.integrations.transformers import PrefixCachedLM, cache_spec, model_identity, prefix_cached_lm
 from kvtier.metrics import Metrics
 from kvtier.server.body import DEFAULT_MAX_BODY_BYTES
 from kvtier.server.engine import Engine
@@ -54,20 +54,26 @@ class Backend:
         self.config = config
         self.tokenizer = tokenizer
         self.name = name
-        self.cache = (KVCache(kv_spec(model), model_identity(model), config.cache)
+        self.cache = (KVCache(cache_spec(model), model_identity(model), config.cache)
                       if config.cache is not None else None)
         self.metrics = self.cache.metrics if self.cache is not None else Metrics()
-        if config.blend is not None and self.cache is not None:
-            self.lm: PrefixCachedLM = BlendedLM(model, self.cache, config.blend)
-            self.segmenter: Segmenter | NoSegments = Segmenter(tokenizer, config.blend_separator)
-        else:
-            self.lm, self.segmenter = PrefixCachedLM(model, self.cache), NoSegments()
+        try:
+            self.lm, self.segmenter = self._generator(model, tokenizer, config)
+        except BaseException:  # e.g. --blend with a model it does not support: the cache's tiers are ours to close
+            self._close_cache()
+            raise
         self.engine = Engine(self.lm, self.metrics, max_queue=config.max_queue)
         text_config = model.config.get_text_config(decoder=True)
         self.context = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
         self.vocab_size = int(text_config.vocab_size)
         self.stop_ids = sorted({i for i in (tokenizer.eos_token_id, _token_id(tokenizer, "<|im_end|>"))
                                 if i is not None})
+
+    def _generator(self, model, tokenizer, config: ServerConfig) -> tuple[PrefixCachedLM, Segmenter | NoSegments]:
+        """The generator (BlendedLM with ``blend``; else prefix_cached_lm's pick) and its prompt segmenter."""
+        if config.blend is not None and self.cache is not None:
+            return BlendedLM(model, self.cache, config.blend), Segmenter(tokenizer, config.blend_separator)
+        return prefix_cached_lm(model, self.cache), NoSegments()
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> Backend:
@@ -79,6 +85,9 @@ class Backend:
 
     def close(self) -> None:
         self.engine.close()
+        self._close_cache()
+
+    def _close_cache(self) -> None:
         if self.cache is not None:
             self.cache.close()
 

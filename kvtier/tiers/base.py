@@ -30,6 +30,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkHash
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
+from kvtier.state import ModelStateSpec
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ class WriteMode(enum.Enum):
 class TierContext:
     """What a tier needs from the cache that builds it."""
 
-    spec: KVSpec
+    #: What the cache holds: attention KV, or a ModelStateSpec for models with SSM state as well.
+    spec: KVSpec | ModelStateSpec
     metrics: Metrics
     name: str
     #: The cache's tensor-parallel rank and size: a tier private to one process (disk) keeps ranks apart.

@@ -29,6 +29,15 @@ def test_registry_ids_are_stable() -> None:
     assert codec_by_id(3) is get_codec("int4")
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_exact_flag_matches_the_round_trip(name: str) -> None:
+    """``exact`` decides whether a codec may hold SSM state: it must be true exactly for bit-exact codecs."""
+    codec = get_codec(name)
+    chunk = kv_like(dtype=torch.float32, seed=3)
+    back, _ = roundtrip(codec, chunk)
+    assert codec.exact == torch.equal(back, chunk) == (name not in LOSSY)
+
+
 def test_variants_by_name() -> None:
     codec = get_codec("int4-g32")
     assert (codec.codec_id, codec.group, codec.name) == (3, 32, "int4-g32")

@@ -27,7 +27,8 @@ from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
 from kvtier.integrations.blend.prefill import BlendConfig, BlendResult, ReusedSpan, blended_prefill
 from kvtier.integrations.blend.rope import Rerotator, UnsupportedModel
-from kvtier.integrations.transformers import GenerationStats, Prefill, PrefixCachedLM, Span, to_canonical
+from kvtier.integrations.transformers import (GenerationStats, Prefill, PrefixCachedLM, Span, has_recurrent_state,
+                                               to_canonical)
 from kvtier.segments import SegmentCache
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class BlendedLM(PrefixCachedLM):
     sit in the prompt."""
 
     def __init__(self, model, cache: KVCache, config: BlendConfig | None = None) -> None:
+        if has_recurrent_state(model):  # a segment computed alone has KV to reuse, but no SSM state to start from
+            raise ConfigError(f"blending supports attention-only models; {type(model).__name__} has SSM layers "
+                              "(serve it without --blend: its prefixes are still cached)")
         super().__init__(model, cache)
         self.config = config if config is not None else BlendConfig()
         self.segments = SegmentCache(cache, self.config.base_position)

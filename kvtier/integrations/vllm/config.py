@@ -45,6 +45,18 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.metrics_port must be a port number, got {port!r}")
         return cls(cache=CacheConfig.from_dict(values), metrics_port=port, **own)
 
+    @staticmethod
+    def check_model(model_config: Any) -> None:
+        """Refuse models whose layers keep recurrent state (Mamba, hybrids): the connector moves attention KV
+        only, and vLLM 0.32 gives a connector no SSM state at chunk boundaries to store or restore."""
+        if model_config.has_inner_state or model_config.is_hybrid or model_config.is_attention_free:
+            arch = ", ".join(getattr(model_config, "architectures", None) or [str(model_config.model)])
+            raise ConfigError(
+                f"KVTierConnector supports attention-only models; {arch} keeps SSM (Mamba) state, which this "
+                "connector cannot cache on vLLM 0.32. Serve it without --kv-transfer-config, or with "
+                "`kvtier serve`, which caches SSM and hybrid models exactly"
+            )
+
     def check_block_size(self, block_size: int) -> None:
         """Chunks must be whole vLLM blocks: a chunk is loaded and reported (on failure) block by block."""
         if self.cache.chunk_size % block_size:

@@ -60,6 +60,7 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self.config.check_model(vllm_config.model_config)
         self.block_size = vllm_config.cache_config.block_size
         self.config.check_block_size(self.block_size)
         parallel = vllm_config.parallel_config
