@@ -19,7 +19,7 @@ Targets at the default r: TTFT >= 2x faster than prefix caching, top-1 agreement
 naive concatenation. Writes a table, ``<out>/blend_rag.json`` and ``<out>/blend_rag.png`` (quality against
 TTFT per method); last line: RESULT {json}.
 
-    PYTHONPATH=. python benchmarks/blend_rag.py [--docs 5 --questions 3 --threads 1]
+    python benchmarks/blend_rag.py [--docs 5 --questions 3 --threads 1]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +38,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks._util import result
-from kvtier import CacheConfig, KVCache
-from kvtier.integrations.blend import BlendConfig, BlendedLM
-from kvtier.integrations.transformers import GenerationStats, Prefill, PrefixCachedLM, kv_spec, model_identity
-from kvtier.models import load_model
-from kvtier.server.segments import Segmenter
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import result  # noqa: E402
+
+from kvtier import CacheConfig, KVCache  # noqa: E402
+from kvtier.integrations.blend import BlendConfig, BlendedLM  # noqa: E402
+from kvtier.integrations.transformers import (  # noqa: E402
+    GenerationStats, Prefill, PrefixCachedLM, kv_spec, model_identity)
+from kvtier.models import load_model  # noqa: E402
+from kvtier.server.segments import Segmenter  # noqa: E402
 
 SYSTEM = "Answer the question using only the documents provided."
 RATIOS = (0.05, 0.10, 0.15, 0.30, 0.50)
