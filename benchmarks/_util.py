@@ -6,19 +6,9 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-
-def timed(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> list[float]:
-    """Wall-clock seconds of ``reps`` calls of ``fn``; ``setup`` runs untimed before each."""
-    out = []
-    for _ in range(reps):
-        if setup is not None:
-            setup()
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
+from kvtier.calibration import timed  # noqa: F401  (re-exported: every benchmark times with it)
 
 
 def best(values: list[float]) -> float:

@@ -114,8 +114,9 @@ def synthetic_kv(spec: KVSpec, tokens: int, seed: int = 0) -> torch.Tensor:
     return x.to(spec.dtype)
 
 
-def _best(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> float:
-    """Fastest of ``reps`` timed calls (on a shared machine interference only adds time)."""
+def timed(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> list[float]:
+    """Wall-clock seconds of ``reps`` calls of ``fn``; ``setup`` runs untimed before each (the benchmarks
+    time with this too)."""
     times = []
     for _ in range(reps):
         if setup is not None:
@@ -123,7 +124,12 @@ def _best(fn: Callable[[], object], reps: int, setup: Callable[[], object] | Non
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def _best(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> float:
+    """Fastest of ``reps`` timed calls (on a shared machine interference only adds time)."""
+    return min(timed(fn, reps, setup))
 
 
 def measure_codec(name: str, chunks: Sequence[torch.Tensor], reps: int, pool: ThreadPoolExecutor) -> CodecSpeed:
