@@ -182,3 +182,50 @@ def test_many_windows_load_under_the_callers_inference_mode() -> None:
             out, n = cache.retrieve(tokens)
         assert n == len(tokens) and out.is_inference()
         assert torch.equal(out, kv)
+
+
+class ConcurrencySink:
+    """A thread-safe sink without a destination: records how many writes ran at once and which buffers the
+    chunks came in."""
+
+    concurrent_writes = True
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out, self.active, self.most, self.buffers = out, 0, 0, set()
+        self._lock = threading.Lock()
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        with self._lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            self.buffers.add(chunk.data_ptr())
+        time.sleep(0.005)  # a slow engine copy: writers that may overlap do
+        self.out[:, :, start:end].copy_(chunk)
+        with self._lock:
+            self.active -= 1
+
+
+@pytest.mark.parametrize("decoders", [1, 2])
+def test_windows_decode_in_at_most_one_slot_per_core_while_others_read_ahead(monkeypatch, decoders: int) -> None:
+    monkeypatch.setattr(kvtier.pipeline, "DECODERS", decoders)
+    monkeypatch.setattr(kvtier.pipeline, "WORKERS", decoders + 3)
+    with memory_cache("int8") as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        sink = ConcurrencySink(torch.empty_like(kv))
+        assert cache.retrieve(tokens, sink) == (None, len(tokens))
+        assert sink.most == decoders
+        assert torch.equal(sink.out, cache.retrieve(tokens)[0])
+
+
+def test_a_sink_without_a_destination_gets_chunks_in_reused_buffers() -> None:
+    """Decoding allocates no chunk per chunk: each worker decodes into its own scratch chunk, again and again."""
+    with memory_cache("int8") as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        sink = ConcurrencySink(torch.empty_like(kv))
+        assert cache.retrieve(tokens, sink) == (None, len(tokens))
+        assert len(sink.buffers) <= kvtier.pipeline.WORKERS < N_CHUNKS
+        for i in range(N_CHUNKS):
+            part = slice(i * CHUNK, (i + 1) * CHUNK)
+            assert torch.equal(sink.out[:, :, part], cache_roundtrip("int8", kv[:, :, part]))
