@@ -229,3 +229,28 @@ def test_a_sink_without_a_destination_gets_chunks_in_reused_buffers() -> None:
         for i in range(N_CHUNKS):
             part = slice(i * CHUNK, (i + 1) * CHUNK)
             assert torch.equal(sink.out[:, :, part], cache_roundtrip("int8", kv[:, :, part]))
+
+
+class ThreadSink:
+    """Records the thread of every write."""
+
+    concurrent_writes = True
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out, self.threads = out, set()
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.threads.add(threading.get_ident())
+        self.out[:, :, start:end].copy_(chunk)
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_copy_only_windows_run_in_the_calling_thread_and_decoding_ones_on_the_pool(codec: str) -> None:
+    """raw chunks in memory are one copy each, with nothing to overlap: no thread hop. Decoding is spread."""
+    with memory_cache(codec) as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        sink = ThreadSink(torch.empty_like(kv))
+        assert cache.retrieve(tokens, sink) == (None, len(tokens))
+        assert (sink.threads == {threading.get_ident()}) == (codec == "raw")
+        assert torch.equal(sink.out, cache.retrieve(tokens)[0])

@@ -70,6 +70,9 @@ class Codec(Protocol):
         """Decode a payload into a tensor of ``shape``/``dtype``. The result may view ``payload`` (no copy),
         so it is valid only while the payload's memory is; copy out of it before releasing that memory."""
 
+    # Optional: copies_only: bool -- True for a codec whose encode and decode only copy bytes (raw), which the
+    # pipeline then runs in the calling thread instead of on its pool.
+    #
     # Optional: def decode_into(self, payload, shape, dtype, out: torch.Tensor) -> None
     #     Decode into ``out`` (``shape``, on the CPU, any floating dtype the codec accepts, any strides: a
     #     token range of a larger tensor). The same checks and errors as ``decode``; on a CodecError ``out``
