@@ -111,7 +111,7 @@ class Pipeline:
         ``promote(i, tokens, chunk, tier_index)`` is called (from a worker, before the chunk's pins are
         released) for chunks found below the first tier; ``on_error`` for a tier that failed.
         """
-        state = _LoadState(len(keys), sink)
+        state = _LoadState(len(keys), sink, self._chunk[0] if self._chunk is not None else None)
         tasks = []
         for t, tier in enumerate(tiers):
             idx = [i for i, w in enumerate(where) if w == t]
@@ -267,8 +267,9 @@ def _copies_only(tier: Tier) -> bool:
 class _LoadState:
     """What the windows of one retrieve share: which chunks arrived, the first failure, the sink's lock."""
 
-    def __init__(self, n: int, sink) -> None:
+    def __init__(self, n: int, sink, chunk_shape: tuple[int, ...] | None) -> None:
         self.ok = [False] * n
+        self._shape = chunk_shape
         self.first_bad = n
         self._sink = sink
         self._lend = getattr(sink, "destination", None)  # KVSink's optional capability (kvtier.cache)
@@ -280,7 +281,13 @@ class _LoadState:
             self.first_bad = min(self.first_bad, i)
 
     def destination(self, start: int, end: int) -> torch.Tensor | None:
-        return self._lend(start, end) if self._lend is not None else None
+        """The sink's memory for tokens ``[start, end)``, if it lends it. One of the wrong shape or device is the
+        sink's error (ValueError, to the caller), never taken for a corrupt chunk."""
+        dest = self._lend(start, end) if self._lend is not None else None
+        if dest is not None and (tuple(dest.shape) != self._shape or dest.device.type != "cpu"):
+            raise ValueError(f"sink lent a {tuple(dest.shape)} tensor on {dest.device} for tokens [{start}, {end}), "
+                             f"not {self._shape} on the CPU")
+        return dest
 
     def arrived(self, i: int, start: int, end: int, chunk: torch.Tensor, *, written: bool) -> None:
         """Chunk ``i`` decoded and verified: hand it to the sink unless it was decoded into the sink already."""

@@ -258,3 +258,27 @@ def test_copy_only_windows_run_in_the_calling_thread_and_decoding_ones_on_the_po
         assert cache.retrieve(tokens, sink) == (None, len(tokens))
         assert (sink.threads == {threading.get_ident()}) == (codec == "raw")
         assert torch.equal(sink.out, cache.retrieve(tokens)[0])
+
+
+class WrongDestinationSink:
+    """Lends memory of the wrong shape (a bug in an engine's sink)."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.out[:, :, start:end].copy_(chunk)
+
+    def destination(self, start: int, end: int) -> torch.Tensor:
+        return self.out[:, :, start : end + 1]
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_a_sink_lending_the_wrong_memory_is_its_error_and_the_chunks_stay_cached(codec: str) -> None:
+    with memory_cache(codec) as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        with pytest.raises(ValueError, match="sink lent"):
+            cache.retrieve(tokens, WrongDestinationSink(torch.empty_like(kv)))
+        assert cache.lookup(tokens) == len(tokens)  # nothing was taken for a corrupt chunk and deleted
+        assert cache.metrics.get("kvtier_corrupt_chunks_total", tier="memory") == 0
