@@ -8,7 +8,8 @@
    interleaved within each repetition; the best of ``--reps`` per (tier, codec) is kept, and each codec's
    figure is raw's time over its own (>1: it loads faster than raw).
 2. **Codec speed.** Each codec's encode and decode GB/s (of KV) on one thread and on every core (a thread
-   pool; the codecs release the GIL), against a plain copy of the same bytes (``kvtier.calibration``).
+   pool; the codecs release the GIL), decoding into reused tensors as a retrieve does, against a plain copy
+   of the same bytes into reused tensors (``kvtier.calibration``).
 
 Run as root for the cold disk reads (else they are warm and the output says so). Prints tables with the
 load average next to them, writes ``--plot`` (PNG), and ends with ``RESULT {json}``.
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _util import best, drop_caches, result, timed  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
-from kvtier.calibration import measure_codec, synthetic_kv  # noqa: E402
+from kvtier.calibration import measure_codec, plain_copy_seconds, synthetic_kv  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tiers import Flushable  # noqa: E402
 
@@ -163,7 +164,7 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         speeds = {c: measure_codec(c, chunks[:16], 3, pool) for c in tqdm(args.codecs, desc="codec speed", leave=False)}
-    memcpy = sum(c.numel() * 2 for c in chunks[:16]) / best(timed(lambda: [c.clone() for c in chunks[:16]], 5)) / 1e9
+    memcpy = sum(c.numel() * 2 for c in chunks[:16]) / plain_copy_seconds(chunks[:16], 5) / 1e9
     print(f"\ncodec speed, GB/s of KV (load average {load0:.1f} -> {os.getloadavg()[0]:.1f}); plain copy {memcpy:.2f}")
     print(f"{'codec':<10}{'ratio':>7}{'encode':>8}{'decode':>8}{'decode all cores':>18}{'decode/memcpy':>15}")
     for c, s in speeds.items():

@@ -34,6 +34,7 @@ import torch
 import xxhash
 
 from kvtier.codecs import Codec, Payload, codec_by_id
+from kvtier.codecs.base import decode_into
 from kvtier.errors import BlobError
 from kvtier.keys import ChunkHash
 from kvtier.layout import DTYPE_CODES, DTYPES_BY_CODE
@@ -195,15 +196,23 @@ def decode_blob(
     *,
     codec: Codec | None = None,
     verify: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Parse, check and decode a blob into its canonical tensor (possibly a view of ``data``).
 
     ``codec``, when given, is the only codec family accepted: a blob written with another is a BlobError. A
     variant of the same family (``int4-g32`` read by an ``int4`` tier) is accepted: its payload carries its
     parameters, and the family's codec (the one registered under the id) decodes it.
+
+    With ``out`` (a CPU tensor of the chunk's shape, any strides) the chunk is decoded into it and ``out`` is
+    returned. ``out`` is written only after the header, tokens and checksum have passed; a payload the codec
+    then rejects (BlobError) may leave part of a chunk there.
     """
     header, payload = parse_blob(data, key, tokens, verify=verify)
     found = codec_by_id(header.codec_id)
     if codec is not None and header.codec_id != codec.codec_id:
         raise BlobError(f"blob was written with codec {found.name!r}, expected {codec.name!r}")
-    return found.decode(payload, header.shape, header.dtype)
+    if out is None:
+        return found.decode(payload, header.shape, header.dtype)
+    decode_into(found, payload, header.shape, header.dtype, out)
+    return out

@@ -48,7 +48,14 @@ class KVSource(Protocol):
 
 
 class KVSink(Protocol):
-    """Where ``retrieve`` writes KV to, one chunk at a time."""
+    """Where ``retrieve`` writes KV to, one chunk at a time.
+
+    Optional: ``destination(start, end) -> torch.Tensor | None``, a CPU tensor (canonical shape for tokens
+    ``[start, end)``, any strides) that the retrieve decodes straight into instead of calling ``write``: no
+    temporary chunk and no extra copy. The sink then promises that disjoint token ranges may be written from
+    several threads at once. A chunk that fails after verification may leave partial bytes there; as with
+    ``write``, only the prefix ``retrieve`` returns is valid.
+    """
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
         """Copy canonical KV of tokens ``[start, end)`` out of ``chunk`` (valid only during the call)."""
@@ -75,6 +82,10 @@ class TensorSink:
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
         self.out[:, :, start:end].copy_(chunk)
+
+    def destination(self, start: int, end: int) -> torch.Tensor | None:
+        """The token range itself, where ``out`` is on the CPU (codecs decode into it)."""
+        return self.out[:, :, start:end] if self.out.device.type == "cpu" else None
 
 
 def _tier_names(kinds: Sequence[str]) -> list[str]:
@@ -111,8 +122,7 @@ class KVCache:
         self.namespace = Namespace(model, spec, self.chunk_size, tp_rank, tp_size, adapter)
         self.metrics = metrics if metrics is not None else Metrics()
         self.events = CacheEvents()  #: chunks stored / removed per tier (kvtier.events)
-        kv_bytes = self.spec.bytes_per_token if self.spec is not None else 0  # a pure SSM model moves no KV
-        self._pipeline = Pipeline(kv_bytes * self.chunk_size, self.chunk_size, self.metrics)
+        self._pipeline = Pipeline(self.spec, self.chunk_size, self.metrics)  # a pure SSM model moves no KV
         names = _tier_names([cfg.kind for cfg in self.config.tiers])
         self.tiers: list[Tier] = []
         try:

@@ -29,6 +29,7 @@ import torch
 
 from kvtier.cache import KVCache
 from kvtier.codecs import get_codec
+from kvtier.codecs.base import decode_into
 from kvtier.config import CacheConfig
 from kvtier.layout import KVSpec
 from kvtier.tiers import Flushable, TierConfig
@@ -133,6 +134,9 @@ def _best(fn: Callable[[], object], reps: int, setup: Callable[[], object] | Non
 
 
 def measure_codec(name: str, chunks: Sequence[torch.Tensor], reps: int, pool: ThreadPoolExecutor) -> CodecSpeed:
+    """Ratio, and encode / decode GB/s of KV on one thread and on ``pool``. Decodes go into reused tensors, as
+    the retrieve pipeline decodes into the sink or a reused buffer (a fresh tensor per chunk would time the
+    kernel faulting its pages in)."""
     codec = get_codec(name)
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
     payloads = []
@@ -146,14 +150,22 @@ def measure_codec(name: str, chunks: Sequence[torch.Tensor], reps: int, pool: Th
         payload = codec.encode(chunk)
         payload.write_into(memoryview(bytearray(payload.nbytes)))
 
+    outs = [torch.zeros_like(c) for c in chunks]
+
     def decode(i: int) -> None:
-        codec.decode(memoryview(payloads[i]), tuple(chunks[i].shape), chunks[i].dtype)
+        decode_into(codec, memoryview(payloads[i]), tuple(chunks[i].shape), chunks[i].dtype, outs[i])
 
     one = _best(lambda: [decode(i) for i in range(len(chunks))], reps)
     every = _best(lambda: list(pool.map(decode, range(len(chunks)))), reps)
     enc = _best(lambda: [encode(c) for c in chunks], reps)
     return CodecSpeed(name, nbytes / sum(map(len, payloads)), nbytes / enc / 1e9, nbytes / one / 1e9,
                       nbytes / every / 1e9)
+
+
+def plain_copy_seconds(chunks: Sequence[torch.Tensor], reps: int) -> float:
+    """Best seconds to copy ``chunks`` into tensors that already exist: the limit a decode is compared with."""
+    outs = [torch.zeros_like(c) for c in chunks]
+    return _best(lambda: [o.copy_(c) for o, c in zip(outs, chunks)], reps)
 
 
 def _sized(cfg: TierConfig, sample_bytes: int, codec: str) -> TierConfig:
@@ -221,7 +233,7 @@ def calibrate(tiers: Sequence[tuple[str, TierConfig]], *, spec: KVSpec = DEFAULT
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread means one thread: torch's intra-op pool would blur the figures
     try:
-        memcpy = _best(lambda: [c.clone() for c in chunks], reps)
+        memcpy = plain_copy_seconds(chunks, reps)
         with ThreadPoolExecutor(cores) as pool:
             speeds = []
             for name in codecs:

@@ -122,8 +122,11 @@ def test_pins_are_released_when_the_sink_raises() -> None:
         assert cache.tiers[0].stats().used_bytes == 0  # a pinned entry would keep its bytes until released
 
 
-def test_a_failing_get_ends_the_prefix_at_its_window() -> None:
-    with memory_cache() as cache:
+@pytest.mark.parametrize("codec", ["int8", "raw"])
+def test_a_failing_get_ends_the_prefix_at_its_window(codec: str) -> None:
+    """Decoded chunks load in windows, so a get that fails ends the prefix at its window. Raw chunks of the
+    memory tier are one window (checked together, then copied back to back), so it ends the tier's part."""
+    with memory_cache(codec) as cache:
         tokens, kv = data()
         cache.store(tokens, kv)
         keys = cache.keys(tokens)
@@ -136,8 +139,9 @@ def test_a_failing_get_ends_the_prefix_at_its_window() -> None:
             return real_get(ks)
 
         tier.get = get
-        out, n = cache.retrieve(tokens)
-        assert n == 7 * CHUNK and torch.equal(out[:, :, :n], kv[:, :, :n])
+        out, n = cache.retrieve(tokens, torch.zeros_like(kv))
+        assert n == (7 * CHUNK if codec == "int8" else 0)
+        assert torch.equal(out[:, :, :n], cache_roundtrip(codec, kv[:, :, :n]))
         assert cache.metrics.get("kvtier_tier_errors_total", tier="memory", op="get") == 1
 
 
@@ -182,3 +186,99 @@ def test_many_windows_load_under_the_callers_inference_mode() -> None:
             out, n = cache.retrieve(tokens)
         assert n == len(tokens) and out.is_inference()
         assert torch.equal(out, kv)
+
+
+class ConcurrencySink:
+    """A thread-safe sink without a destination: records how many writes ran at once and which buffers the
+    chunks came in."""
+
+    concurrent_writes = True
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out, self.active, self.most, self.buffers = out, 0, 0, set()
+        self._lock = threading.Lock()
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        with self._lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            self.buffers.add(chunk.data_ptr())
+        time.sleep(0.005)  # a slow engine copy: writers that may overlap do
+        self.out[:, :, start:end].copy_(chunk)
+        with self._lock:
+            self.active -= 1
+
+
+@pytest.mark.parametrize("decoders", [1, 2])
+def test_windows_decode_in_at_most_one_slot_per_core_while_others_read_ahead(monkeypatch, decoders: int) -> None:
+    monkeypatch.setattr(kvtier.pipeline, "DECODERS", decoders)
+    monkeypatch.setattr(kvtier.pipeline, "WORKERS", decoders + 3)
+    with memory_cache("int8") as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        sink = ConcurrencySink(torch.empty_like(kv))
+        assert cache.retrieve(tokens, sink) == (None, len(tokens))
+        assert sink.most == decoders
+        assert torch.equal(sink.out, cache.retrieve(tokens)[0])
+
+
+def test_a_sink_without_a_destination_gets_chunks_in_reused_buffers() -> None:
+    """Decoding allocates no chunk per chunk: each worker decodes into its own scratch chunk, again and again."""
+    with memory_cache("int8") as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        sink = ConcurrencySink(torch.empty_like(kv))
+        assert cache.retrieve(tokens, sink) == (None, len(tokens))
+        assert len(sink.buffers) <= kvtier.pipeline.WORKERS < N_CHUNKS
+        for i in range(N_CHUNKS):
+            part = slice(i * CHUNK, (i + 1) * CHUNK)
+            assert torch.equal(sink.out[:, :, part], cache_roundtrip("int8", kv[:, :, part]))
+
+
+class ThreadSink:
+    """Records the thread of every write."""
+
+    concurrent_writes = True
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out, self.threads = out, set()
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.threads.add(threading.get_ident())
+        self.out[:, :, start:end].copy_(chunk)
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_copy_only_windows_run_in_the_calling_thread_and_decoding_ones_on_the_pool(codec: str) -> None:
+    """raw chunks in memory are one copy each, with nothing to overlap: no thread hop. Decoding is spread."""
+    with memory_cache(codec) as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        sink = ThreadSink(torch.empty_like(kv))
+        assert cache.retrieve(tokens, sink) == (None, len(tokens))
+        assert (sink.threads == {threading.get_ident()}) == (codec == "raw")
+        assert torch.equal(sink.out, cache.retrieve(tokens)[0])
+
+
+class WrongDestinationSink:
+    """Lends memory of the wrong shape (a bug in an engine's sink)."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.out[:, :, start:end].copy_(chunk)
+
+    def destination(self, start: int, end: int) -> torch.Tensor:
+        return self.out[:, :, start : end + 1]
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_a_sink_lending_the_wrong_memory_is_its_error_and_the_chunks_stay_cached(codec: str) -> None:
+    with memory_cache(codec) as cache:
+        tokens, kv = data()
+        cache.store(tokens, kv)
+        with pytest.raises(ValueError, match="sink lent"):
+            cache.retrieve(tokens, WrongDestinationSink(torch.empty_like(kv)))
+        assert cache.lookup(tokens) == len(tokens)  # nothing was taken for a corrupt chunk and deleted
+        assert cache.metrics.get("kvtier_corrupt_chunks_total", tier="memory") == 0

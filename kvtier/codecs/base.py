@@ -4,6 +4,12 @@ A codec never sees keys, tokens or headers (blob.py owns those); it only turns a
 kv_heads, head_dim]`` tensor into bytes and back. ``decode`` receives the shape and dtype recorded in the blob
 header and must raise CodecError (never crash, never allocate beyond what the shape implies) when the payload
 does not fit them.
+
+A codec may also decode straight into memory the caller owns (``decode_into``; call it through the function
+of that name here, which falls back to ``decode`` and one copy): the retrieve pipeline decodes into the
+engine's destination or a reused buffer, so loading a chunk allocates nothing and makes no extra pass over
+its bytes. Fresh chunk-sized tensors cost the kernel a zeroed page per 4 KiB (about 1 GB/s here), more than
+int8's whole decode.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from kvtier.errors import CodecError
 
 
 @runtime_checkable
@@ -61,3 +69,29 @@ class Codec(Protocol):
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Decode a payload into a tensor of ``shape``/``dtype``. The result may view ``payload`` (no copy),
         so it is valid only while the payload's memory is; copy out of it before releasing that memory."""
+
+    # Optional: copies_only: bool -- True for a codec whose encode and decode only copy bytes (raw), which the
+    # pipeline then runs in the calling thread instead of on its pool.
+    #
+    # Optional: def decode_into(self, payload, shape, dtype, out: torch.Tensor) -> None
+    #     Decode into ``out`` (``shape``, on the CPU, any floating dtype the codec accepts, any strides: a
+    #     token range of a larger tensor). The same checks and errors as ``decode``; on a CodecError ``out``
+    #     may hold part of the chunk. Never writes outside ``out``.
+
+
+def check_destination(out: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    """CodecError unless ``out`` can take a decoded chunk of ``shape``: that shape, on the CPU."""
+    if tuple(out.shape) != tuple(shape) or out.device.type != "cpu":
+        raise CodecError(f"{what}: cannot decode {tuple(shape)} into a {tuple(out.shape)} tensor on {out.device}")
+
+
+def decode_into(codec: Codec, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
+                out: torch.Tensor) -> None:
+    """Decode ``payload`` into ``out`` with ``codec``'s own ``decode_into`` where it has one, else ``decode``
+    and one copy (a codec registered from outside need not implement it)."""
+    direct = getattr(codec, "decode_into", None)
+    if direct is not None:
+        direct(payload, shape, dtype, out)
+        return
+    check_destination(out, shape, codec.name)
+    out.copy_(codec.decode(payload, shape, dtype))

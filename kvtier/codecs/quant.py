@@ -30,8 +30,9 @@ import struct
 import numpy as np
 import torch
 
-from kvtier.codecs._blocks import BLOCK_ELEMS, blocks
+from kvtier.codecs._blocks import BLOCK_ELEMS, blocks, destination_blocks
 from kvtier.codecs._wire import PartsPayload, PayloadReader, can_rotate, check_canonical, fp16_scale, hadamard
+from kvtier.codecs.base import check_destination
 from kvtier.errors import CodecError
 
 _VERSION = 1
@@ -105,6 +106,21 @@ class GroupQuantCodec:
         np.copyto(codes.numpy(), q.contiguous().view(-1).numpy(), casting="unsafe")
 
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        parts = self._parts(payload, shape, dtype)  # every check, before anything is allocated
+        out = torch.empty(shape, dtype=dtype)
+        self._dequantise(*parts, out)
+        return out
+
+    def decode_into(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor) -> None:
+        """Decode straight into ``out`` (see ``Codec``): each block of groups is dequantised in an L2-sized
+        float32 scratch and converted into its place in ``out``, with no chunk-sized temporary."""
+        check_destination(out, shape, self.name)
+        if not out.dtype.is_floating_point:
+            raise CodecError(f"{self.name}: cannot decode into {out.dtype}")
+        self._dequantise(*self._parts(payload, shape, dtype), out)
+
+    def _parts(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
+        """``(codes, scale, zero, group, rotate_dim)`` of a payload, checked to fit ``shape``/``dtype``."""
         layers, two, tokens, heads, dim = check_canonical(shape, self.name)
         if not dtype.is_floating_point:
             raise CodecError(f"{self.name}: cannot decode into {dtype}")
@@ -122,17 +138,21 @@ class GroupQuantCodec:
         zero = reader.tensor(groups, np.uint8).float()
         codes = reader.tensor((numel * bits + 7) // 8, np.uint8)
         reader.finish()
-        out = torch.empty(shape, dtype=dtype)
-        if numel:
-            self._dequantise(codes, scale, zero, g, dim if rotated else 0, out.view(-1, g))
-        return out
+        return codes, scale, zero, g, dim if rotated else 0
 
     def _dequantise(self, codes, scale, zero, g: int, rotate_dim: int, out: torch.Tensor) -> None:
-        """``out`` (``[groups, g]``) = (codes - zero) * scale, rotated back when ``rotate_dim``, block by block."""
+        """``out`` (canonical) = (codes - zero) * scale, rotated back when ``rotate_dim``, block by block."""
+        if out.numel() == 0:
+            return
         dim = rotate_dim or g
         scratch = torch.empty(min(BLOCK_ELEMS + dim, out.numel()), dtype=torch.float32)
         rot = torch.empty_like(scratch) if rotate_dim else None
-        for g0, g1 in blocks(out.shape[0], g, dim // g):
+        parts = destination_blocks(out, g, dim // g)
+        flat = None
+        if parts is None:  # slabs not contiguous: decode into a contiguous tensor, then one copy
+            flat = torch.empty(out.shape, dtype=out.dtype)
+            parts = destination_blocks(flat, g, dim // g)
+        for g0, g1, dest in parts:
             block = scratch[: (g1 - g0) * g].view(-1, g)
             if self.bits == 8:
                 block.copy_(codes[g0 * g : g1 * g].view(-1, g))
@@ -143,7 +163,9 @@ class GroupQuantCodec:
                 pairs[:, 1].copy_(packed >> 4)
             block.sub_(zero[g0:g1, None]).mul_(scale[g0:g1, None])
             if rot is not None:
-                dest = rot[: block.numel()].view(-1, dim)
-                torch.matmul(block.view(-1, dim), hadamard(dim), out=dest)  # H is its own inverse
-                block = dest
-            out[g0:g1].copy_(block.view(-1, g))
+                rotated = rot[: block.numel()].view(-1, dim)
+                torch.matmul(block.view(-1, dim), hadamard(dim), out=rotated)  # H is its own inverse
+                block = rotated
+            dest.copy_(block.view(dest.shape))
+        if flat is not None:
+            out.copy_(flat)

@@ -29,6 +29,9 @@ class RawCodec:
     name = "raw"
     codec_id = 0
     exact = True
+    #: encode defers its one copy to the tier (``write_into``) and decode views the payload: the codec itself
+    #: does no work, so the pipeline has nothing to spread over threads (see ``Codec``)
+    copies_only = True
 
     def encode(self, chunk: torch.Tensor) -> _TensorPayload:
         if chunk.device.type != "cpu":

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.codecs import codec_by_id, get_codec
+from kvtier.codecs.base import decode_into
 from kvtier.errors import CodecError
 from tests.codecs.conftest import kv_like, roundtrip
 
@@ -19,11 +20,24 @@ FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthChe
 
 
 def _decode_or_codec_error(codec, data: bytes, shape, dtype) -> None:
+    """``decode`` raises CodecError or returns the declared shape and dtype; ``decode_into`` a token range of
+    a larger tensor gives the same verdict, the same bits, and leaves the rest of that tensor alone."""
     try:
         out = codec.decode(memoryview(bytearray(data)), tuple(shape), dtype)
     except CodecError:
+        out = None
+    else:
+        assert tuple(out.shape) == tuple(shape) and out.dtype == dtype
+    wide = torch.zeros(shape[0], 2, shape[2] + 2, *shape[3:], dtype=dtype)
+    try:
+        decode_into(codec, memoryview(bytearray(data)), tuple(shape), dtype, wide[:, :, 1 : 1 + shape[2]])
+    except CodecError:
+        assert out is None, "decode_into refused what decode accepted"
         return
-    assert tuple(out.shape) == tuple(shape) and out.dtype == dtype
+    assert out is not None, "decode_into accepted what decode refused"
+    as_bytes = lambda t: t.contiguous().view(-1).view(torch.uint8)  # noqa: E731  (NaNs compare by their bits)
+    assert torch.equal(as_bytes(wide[:, :, 1 : 1 + shape[2]]), as_bytes(out))
+    assert not wide[:, :, 0].any() and not wide[:, :, -1].any()
 
 
 @pytest.mark.parametrize("codec_id", [0, 1, 2, 3, 4])
