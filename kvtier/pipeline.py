@@ -6,7 +6,7 @@ slots (one per core), verifies and decodes each chunk, and writes it to the sink
 than slots are in flight, so the next windows are being read from a slow tier while the cores decode, and
 windows decode in parallel (the codecs release the GIL). Measured on 1 GiB of int8 from disk with the page
 cache dropped (2 cores): one extra task and no slots took 0.46-0.62 s, three read ahead with two slots
-0.35-0.44 s, against 0.45-0.58 s for raw. Correctness does not depend on the overlap:
+0.35-0.44 s, against 0.45-0.65 s for raw. Correctness does not depend on the overlap:
 
 * a chunk reaches the sink only after ``decode_blob`` verified it (tokens always, checksum where sealed);
 * pins are released by the task's own ``with tier.get(...)`` block, on every path, errors included;
