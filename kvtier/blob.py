@@ -112,6 +112,24 @@ class BlobPayload:
     def write_into(self, out: memoryview) -> None:
         hl = self._header_len
         plen = self._payload.nbytes
+        self._write_header(out)
+        self._payload.write_into(out[hl : hl + plen])
+        if self._seal:
+            out[_CHECKSUM_AT:_CHECKSUM_END] = _checksum(self._key, out[: hl + plen])
+
+    def deferred_copies(self, out: memoryview) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The header now, the codec payload's bulk copies for later (see ``Payload``). A sealed blob is written
+        whole: its checksum covers the payload."""
+        defer = getattr(self._payload, "deferred_copies", None)
+        if self._seal or defer is None:
+            self.write_into(out)
+            return []
+        self._write_header(out)
+        return defer(out[self._header_len : self._header_len + self._payload.nbytes])
+
+    def _write_header(self, out: memoryview) -> None:
+        hl = self._header_len
+        plen = self._payload.nbytes
         flags = FLAG_SEALED if self._seal else 0
         fixed = _FIXED.pack(
             MAGIC, VERSION, self._codec_id, DTYPE_CODES[self._dtype], len(self._shape), flags, 0,
@@ -122,9 +140,6 @@ class BlobPayload:
         head = fixed + shape + tokens
         out[: len(head)] = head
         out[len(head) : hl] = bytes(hl - len(head))
-        self._payload.write_into(out[hl : hl + plen])
-        if self._seal:
-            out[_CHECKSUM_AT:_CHECKSUM_END] = _checksum(self._key, out[: hl + plen])
 
 
 def encode_blob(

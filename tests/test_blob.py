@@ -122,3 +122,19 @@ def test_fuzz_mutated_blobs_are_misses_or_exact(data):
 
 def test_magic_is_stable():
     assert MAGIC == b"KVTB"
+
+
+@pytest.mark.parametrize("codec,seal", [("raw", False), ("raw", True), ("int8", False)])
+def test_payloads_written_together_hold_what_each_writes_alone(codec: str, seal: bool) -> None:
+    """write_payloads defers raw chunks' copies to one call at the end; the bytes are write_into's. A sealed
+    blob is written whole (its checksum covers the payload), so it defers nothing."""
+    from kvtier.codecs.base import write_payloads
+
+    chunks = [torch.randn(2, 2, 8, 2, 16).to(torch.bfloat16)[:, :, 1:7] for _ in range(3)]  # strided sources
+    blobs = [encode_blob(bytes([i]) * 32, np.arange(6, dtype=np.uint32), get_codec(codec), c, seal=seal)
+             for i, c in enumerate(chunks)]
+    outs = [bytearray(b.nbytes) for b in blobs]
+    deferred = [b.deferred_copies(memoryview(bytearray(b.nbytes))) for b in blobs]
+    assert all(len(d) == (1 if codec == "raw" and not seal else 0) for d in deferred)
+    write_payloads([(memoryview(o), b) for o, b in zip(outs, blobs)])
+    assert outs == [blob_bytes(b) for b in blobs]

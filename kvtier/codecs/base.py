@@ -14,6 +14,7 @@ int8's whole decode.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -34,6 +35,11 @@ class Payload(Protocol):
 
     def write_into(self, out: memoryview) -> None:
         """Write exactly ``nbytes`` bytes into ``out`` (a writable, C-contiguous byte view of that length)."""
+
+    # Optional: def deferred_copies(self, out: memoryview) -> list[tuple[torch.Tensor, torch.Tensor]]
+    #     Write into ``out`` what is cheap now and return the ``(destination, source)`` tensor copies still
+    #     to do; once they are done ``out`` holds what ``write_into`` writes. Lets a tier that writes many
+    #     payloads do all their bulk copies in one call (``write_payloads``).
 
 
 class BytesPayload:
@@ -95,3 +101,30 @@ def decode_into(codec: Codec, payload: memoryview, shape: tuple[int, ...], dtype
         return
     check_destination(out, shape, codec.name)
     out.copy_(codec.decode(payload, shape, dtype))
+
+
+def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dest.copy_(src)`` for every pair, in one call into torch where it has one (``_foreach_copy_``, which
+    torch's optimizers use; a loop otherwise). Python work between large copies slowed them by 5-10% here
+    (the memory tier's retrieve: 0.85-0.88 of one flat copy in a loop, 0.91-0.94 in one call)."""
+    if not pairs:
+        return
+    copy_all = getattr(torch, "_foreach_copy_", None)
+    if copy_all is not None:
+        copy_all([d for d, _ in pairs], [s for _, s in pairs])
+    else:
+        for dest, src in pairs:
+            dest.copy_(src)
+
+
+def write_payloads(items: Sequence[tuple[memoryview, Payload]]) -> None:
+    """``payload.write_into(out)`` for every item, with the bulk copies of payloads that can defer them
+    (``deferred_copies``) done together at the end in one call."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for out, payload in items:
+        defer = getattr(payload, "deferred_copies", None)
+        if defer is not None:
+            pairs += defer(out)
+        else:
+            payload.write_into(out)
+    copy_tensors(pairs)

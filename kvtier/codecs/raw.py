@@ -19,10 +19,15 @@ class _TensorPayload:
         return self._chunk.numel() * self._chunk.element_size()
 
     def write_into(self, out: memoryview) -> None:
+        for dest, src in self.deferred_copies(out):
+            dest.copy_(src)
+
+    def deferred_copies(self, out: memoryview) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The one copy this payload is: the chunk into ``out`` (see ``Payload``)."""
         chunk = self._chunk
         if chunk.numel() == 0:
-            return
-        tensor_view(out, chunk.dtype, tuple(chunk.shape)).copy_(chunk)
+            return []
+        return [(tensor_view(out, chunk.dtype, tuple(chunk.shape)), chunk)]
 
 
 class RawCodec:

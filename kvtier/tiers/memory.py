@@ -92,8 +92,28 @@ class MemoryTier:
                         self._alloc.free(entry.offset, entry.nbytes)
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
-        """Stores a batch deepest chunk first, so the policy learns a chain from its end (policy/base.py)."""
-        return [self._put_one(key, payload) for key, payload in reversed(items)][::-1]
+        """Stores a batch deepest chunk first, so the policy learns a chain from its end (policy/base.py).
+
+        In three steps: slots are reserved (evicting as needed), then the payloads are written together (their
+        bulk copies in one call: Python between the copies of a batch had slowed them by ~10%), then the
+        entries are published. A reserved slot is in no entry, so nothing can evict or read it early. When
+        the batch itself fills the tier, what is reserved so far is written and published first, so later
+        chunks may evict it as they would one by one."""
+        done = [False] * len(items)
+        pending: list[tuple[int, int, int, object]] = []  # (item index, offset, nbytes, slab)
+        for i in reversed(range(len(items))):
+            key, payload = items[i]
+            slot = self._reserve(key, payload.nbytes, last_try=not pending)
+            if slot is None:  # full of pending slots: publish them (they become evictable) and try again
+                self._commit(items, pending, done)
+                pending = []
+                slot = self._reserve(key, payload.nbytes, last_try=True)
+            if isinstance(slot, tuple):
+                pending.append((i, *slot))
+            else:
+                done[i] = bool(slot)
+        self._commit(items, pending, done)
+        return done
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
         with self._lock:
@@ -135,8 +155,9 @@ class MemoryTier:
             return list(self._entries)
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _put_one(self, key: ChunkHash, payload: Payload) -> bool:
-        nbytes = payload.nbytes
+    def _reserve(self, key: ChunkHash, nbytes: int, *, last_try: bool) -> bool | tuple[int, int, object] | None:
+        """A slot for ``key``: ``(offset, nbytes, slab)``; True (already stored) or False (skipped); None when no
+        room could be made and this is not the ``last_try`` (the caller holds unpublished slots)."""
         with self._lock:
             if self._closed:
                 return False
@@ -148,24 +169,39 @@ class MemoryTier:
                 return False
             offset = self._allocate(nbytes)
             if offset is None:
+                if not last_try:
+                    return None
                 self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="full_of_pinned")
                 return False
-            slab = self._slab  # close() may swap it while this write runs; the write finishes in the old one
+            return offset, nbytes, self._slab  # close() may swap the slab while the write runs: it lands in this one
+
+    def _commit(self, items: Sequence[tuple[ChunkHash, Payload]], pending: list[tuple[int, int, int, object]],
+                done: list[bool]) -> None:
+        """Write the reserved slots' payloads (each into the slab it was reserved in), then publish them."""
         try:
-            slab.write(offset, payload)
+            for slab in {id(p[3]): p[3] for p in pending}.values():  # one slab, unless close() swapped it
+                slab.write_many([(offset, items[i][1]) for i, offset, _, s in pending if s is slab])
         except BaseException:
             with self._lock:
-                self._alloc.free(offset, nbytes)
+                for _, offset, nbytes, _ in pending:
+                    self._alloc.free(offset, nbytes)
             raise
         with self._lock:
-            if self._closed:
-                return False
-            if key in self._entries:  # a concurrent put of the same key won
-                self._alloc.free(offset, nbytes)
-                return True
-            self._entries[key] = _Entry(offset, nbytes)
-            self._policy.on_insert(key)
-        self._metrics.inc("kvtier_written_bytes_total", nbytes, tier=self.name)
+            for i, offset, nbytes, _ in pending:
+                done[i] = self._publish(items[i][0], offset, nbytes)
+        for i, _, nbytes, _ in pending:
+            if done[i]:
+                self._metrics.inc("kvtier_written_bytes_total", nbytes, tier=self.name)
+
+    def _publish(self, key: ChunkHash, offset: int, nbytes: int) -> bool:
+        """Make a written slot ``key``'s entry. Caller holds the lock."""
+        if self._closed:
+            return False
+        if key in self._entries:  # a concurrent put of the same key won
+            self._alloc.free(offset, nbytes)
+            return True
+        self._entries[key] = _Entry(offset, nbytes)
+        self._policy.on_insert(key)
         return True
 
     def _allocate(self, nbytes: int) -> int | None:

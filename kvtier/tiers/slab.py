@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Sequence
 
 import torch
 
 from kvtier.codecs import Payload
+from kvtier.codecs.base import write_payloads
 from kvtier.errors import ConfigError
 
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
@@ -38,6 +40,10 @@ class HostSlab:
     def write(self, offset: int, payload: Payload) -> None:
         payload.write_into(self._view[offset : offset + payload.nbytes])
 
+    def write_many(self, items: Sequence[tuple[int, Payload]]) -> None:
+        """Write payloads at their offsets, their bulk copies together in one call (``write_payloads``)."""
+        write_payloads([(self._view[offset : offset + payload.nbytes], payload) for offset, payload in items])
+
     def read(self, offset: int, nbytes: int) -> memoryview:
         """A view of the entry: valid while the entry's slot is not reused (the tier pins it)."""
         return self._view[offset : offset + nbytes]
@@ -58,6 +64,10 @@ class DeviceSlab:
                 self._staging = torch.empty(n, dtype=torch.uint8, pin_memory=True)
             payload.write_into(memoryview(self._staging.numpy())[:n])
             self.buffer[offset : offset + n].copy_(self._staging[:n])  # synchronous: staging is reused next
+
+    def write_many(self, items: Sequence[tuple[int, Payload]]) -> None:
+        for offset, payload in items:
+            self.write(offset, payload)
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """A host copy of the entry: valid for as long as the caller keeps the view."""

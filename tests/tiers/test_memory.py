@@ -73,3 +73,44 @@ def test_allocator_coalesces(align):
     assert a.largest_free() == 10 * align and a.used == 0
     with pytest.raises(ValueError):
         a.free(0, align)
+
+
+class _FailingPayload:
+    """A payload whose write fails, as a broken codec or source would."""
+
+    nbytes = 4096
+
+    def write_into(self, out: memoryview) -> None:
+        raise RuntimeError("source gone")
+
+
+def test_a_batch_whose_write_fails_frees_every_slot_it_reserved():
+    from tests.conformance.tier_suite import BytesPayload, blob, key
+
+    tier = memory_tier(1 << 20)
+    tier.put([(key(0), BytesPayload(blob(0, seal=False)))])
+    used = tier.stats().used_bytes
+    with pytest.raises(RuntimeError, match="source gone"):
+        tier.put([(key(1), BytesPayload(blob(1, seal=False))), (key(2), _FailingPayload())])
+    assert tier.stats().used_bytes == used and tier.contains([key(0), key(1), key(2)]) == [True, False, False]
+
+
+def test_a_batch_larger_than_the_tier_keeps_its_shallowest_chunks_as_one_by_one_puts_do():
+    """Slots are reserved for a batch before anything is written; when the batch itself fills the tier, what
+    it reserved so far is written and published, so its later (shallower) chunks can evict its deeper ones."""
+    import torch
+
+    from kvtier.blob import blob_bytes, encode_blob
+    from kvtier.codecs import get_codec
+    from tests.conformance.tier_suite import key
+
+    chunks = [torch.full((1, 2, 4, 1, 1024), float(i), dtype=torch.bfloat16) for i in range(6)]
+    blobs = [encode_blob(key(i), torch.arange(4).numpy(), get_codec("raw"), c, seal=False) for i, c in enumerate(chunks)]
+    batched, one_by_one = memory_tier(3 * 17 << 10), memory_tier(3 * 17 << 10)
+    assert all(batched.put([(key(i), b) for i, b in enumerate(blobs)]))
+    for i in reversed(range(6)):  # what put promises: deepest first
+        one_by_one.put([(key(i), blobs[i])])
+    keys = [key(i) for i in range(6)]
+    assert batched.contains(keys) == one_by_one.contains(keys) == [True, True, True, False, False, False]
+    with batched.get(keys[:3]) as views:
+        assert [bytes(v) for v in views] == [bytes(blob_bytes(b)) for b in blobs[:3]]
