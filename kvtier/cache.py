@@ -35,7 +35,7 @@ from kvtier.metrics import Metrics
 from kvtier.pipeline import Pipeline
 from kvtier.state import ModelStateSpec
 from kvtier.state_cache import NoStates, PrefixState, Snapshot, StateSnapshots
-from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, TierContext, WriteMode
+from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, TierContext, WriteMode, locate_keys
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +216,8 @@ class KVCache:
         return tensor, good * self.chunk_size
 
     def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
-        """For each key, the index of the fastest tier holding it, up to the first key no tier holds (then
-        None). No side effects: what a router or a simulator asks before choosing where a request goes."""
+        """For each key, the index of the fastest tier holding it (None where no tier does; a prefix ends at the
+        first None). No side effects: what a router or a simulator asks before choosing where a request goes."""
         return self._locate(keys)
 
     # -- state beyond attention KV (SSM layers; see kvtier.state) ---------------------------------------------
@@ -265,24 +265,8 @@ class KVCache:
             upper.set_eviction_listener(lambda key, blob, target=target: self._demote(key, blob, target))
 
     def _locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
-        """For each key, the index of the fastest tier holding it, up to the first key no tier holds."""
-        where: list[int | None] = [None] * len(keys)
-        start = 0
-        for t, tier in enumerate(self.tiers):
-            todo = [i for i in range(start, len(keys)) if where[i] is None]
-            if not todo:
-                break
-            try:
-                present = tier.contains([keys[i] for i in todo])
-            except KVTierError as exc:
-                self._tier_failed(tier, "contains", exc)
-                continue
-            for i, hit in zip(todo, present):
-                if hit:
-                    where[i] = t
-            while start < len(keys) and where[start] is not None:
-                start += 1
-        return where
+        """For each key, the index of the fastest tier holding it (None where no tier does)."""
+        return locate_keys(self.tiers, keys, self._tier_failed)
 
     def _kv_prefix(self, keys: Sequence[ChunkHash]) -> int:
         """Leading chunks whose KV some tier holds; all of them for models without attention layers."""

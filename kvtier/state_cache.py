@@ -31,7 +31,7 @@ from kvtier.errors import BlobError, ConfigError, InvalidArgument, KVTierError
 from kvtier.keys import ChunkHash
 from kvtier.metrics import Metrics
 from kvtier.state import ModelStateSpec, StateKind, StateSpec, state_key
-from kvtier.tiers import Tier, WriteMode
+from kvtier.tiers import Tier, WriteMode, locate_keys
 
 log = logging.getLogger(__name__)
 
@@ -97,20 +97,7 @@ class StateSnapshots:
 
     def _locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
         """For each key, the index of the fastest tier holding it (None where no tier does)."""
-        where: list[int | None] = [None] * len(keys)
-        for t, tier in enumerate(self._tiers):
-            todo = [i for i, w in enumerate(where) if w is None]
-            if not todo:
-                break
-            try:
-                present = tier.contains([keys[i] for i in todo])
-            except KVTierError as exc:
-                self._tier_failed(tier, "contains", exc)
-                continue
-            for i, hit in zip(todo, present):
-                if hit:
-                    where[i] = t
-        return where
+        return locate_keys(self._tiers, keys, self._tier_failed)
 
     # -- loading -------------------------------------------------------------------------------------------
     def restore(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, n_kv: int, load_kv: LoadKV | None) -> PrefixState:

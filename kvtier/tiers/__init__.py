@@ -16,6 +16,7 @@ from kvtier.tiers.base import (
     TierContext,
     TierStats,
     WriteMode,
+    locate_keys,
     register_tier,
     stats_gauges,
 )
@@ -28,5 +29,5 @@ __all__ = [
     "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter",
     "Flushable", "Listable", "MemoryTier", "MemoryTierConfig", "MooncakeTier", "MooncakeTierConfig", "RedisTier",
     "RedisTierConfig", "RemovalListener", "RemovalReporter", "SharedStore", "Tier", "TierConfig",
-    "TierContext", "TierStats", "WriteMode", "register_tier", "stats_gauges",
+    "TierContext", "TierStats", "WriteMode", "locate_keys", "register_tier", "stats_gauges",
 ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
 from kvtier.codecs import Codec, Payload, get_codec
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import ChunkHash
 from kvtier.layout import KVSpec
 from kvtier.metrics import Metrics
@@ -62,6 +62,27 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Release resources; flush pending writes where the tier has them."""
+
+
+def locate_keys(tiers: Sequence[Tier], keys: Sequence[ChunkHash],
+           on_error: Callable[[Tier, str, KVTierError], None]) -> list[int | None]:
+    """For each key, the index of the fastest of ``tiers`` holding it (None where none does). Each tier is asked
+    only about the keys no faster tier holds; one that fails goes to ``on_error(tier, "contains", exc)`` and
+    counts as holding nothing. No side effects on eviction order."""
+    where: list[int | None] = [None] * len(keys)
+    for t, tier in enumerate(tiers):
+        todo = [i for i, w in enumerate(where) if w is None]
+        if not todo:
+            break
+        try:
+            present = tier.contains([keys[i] for i in todo])
+        except KVTierError as exc:
+            on_error(tier, "contains", exc)
+            continue
+        for i, hit in zip(todo, present):
+            if hit:
+                where[i] = t
+    return where
 
 
 #: Receives an entry its tier evicts: (key, blob), the blob valid only during the call (see EvictionReporter).
