@@ -195,7 +195,7 @@ class ConcurrencySink:
     concurrent_writes = True
 
     def __init__(self, out: torch.Tensor) -> None:
-        self.out, self.active, self.most, self.buffers = out, 0, 0, set()
+        self.out, self.active, self.most, self.buffers, self.seen = out, 0, 0, set(), []
         self._lock = threading.Lock()
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
@@ -203,6 +203,7 @@ class ConcurrencySink:
             self.active += 1
             self.most = max(self.most, self.active)
             self.buffers.add(chunk.data_ptr())
+            self.seen.append(chunk)  # held, so a fresh tensor per chunk could not reuse a freed one's address
         time.sleep(0.005)  # a slow engine copy: writers that may overlap do
         self.out[:, :, start:end].copy_(chunk)
         with self._lock:
