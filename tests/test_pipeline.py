@@ -14,6 +14,7 @@ from kvtier import CacheConfig, KVCache, KVSpec
 from kvtier.blob import parse_blob
 from kvtier.codecs import BytesPayload
 from kvtier.errors import TierError
+from kvtier.metrics import Metrics
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig
 from tests.codecs.conftest import kv_like
 from tests.codecs.test_cache import cache_roundtrip
@@ -27,6 +28,7 @@ N_CHUNKS = 12
 def one_chunk_windows(monkeypatch):
     """Every chunk its own window, so a dozen small chunks exercise many tasks in flight."""
     monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 1)
+    monkeypatch.setattr(kvtier.pipeline, "MAX_WINDOW_BYTES", 1)
 
 
 def memory_cache(codec: str = "raw", **kw) -> KVCache:
@@ -283,3 +285,44 @@ def test_a_sink_lending_the_wrong_memory_is_its_error_and_the_chunks_stay_cached
             cache.retrieve(tokens, WrongDestinationSink(torch.empty_like(kv)))
         assert cache.lookup(tokens) == len(tokens)  # nothing was taken for a corrupt chunk and deleted
         assert cache.metrics.get("kvtier_corrupt_chunks_total", tier="memory") == 0
+
+
+def test_load_windows_grow_with_the_prefix_up_to_the_cap_and_store_windows_do_not(monkeypatch) -> None:
+    chunk_bytes = SPEC.bytes_per_token * CHUNK
+    monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 2 * chunk_bytes)
+    monkeypatch.setattr(kvtier.pipeline, "MAX_WINDOW_BYTES", 8 * chunk_bytes)
+    pipeline = kvtier.pipeline.Pipeline(SPEC, CHUNK, Metrics(), workers=5)  # 3 windows per worker: 15 at least
+    for n, size in [(0, 2), (1, 2), (29, 2), (45, 3), (90, 6), (120, 8), (1000, 8)]:
+        idx = list(range(n))
+        windows = list(pipeline.windows(idx, grow=True))
+        assert [i for w in windows for i in w] == idx  # every chunk once, in order
+        assert [len(w) for w in windows] == [size] * (n // size) + ([n % size] if n % size else [])
+        assert [len(w) for w in pipeline.windows(idx, grow=False)] == [2] * (n // 2) + [1] * (n % 2)  # stores
+    pipeline.close()
+
+
+def test_a_long_load_reads_in_grown_windows_and_gives_the_same_bytes(monkeypatch) -> None:
+    """Through a real cache: the store puts one-chunk windows, the load gets three chunks at a time (12 chunks,
+    two workers, two windows per worker), and every chunk arrives as it decodes alone."""
+    chunk_bytes = SPEC.bytes_per_token * CHUNK
+    monkeypatch.setattr(kvtier.pipeline, "MAX_WINDOW_BYTES", 3 * chunk_bytes)
+    monkeypatch.setattr(kvtier.pipeline, "WORKERS", 2)
+    monkeypatch.setattr(kvtier.pipeline, "WINDOWS_PER_WORKER", 2)
+    with memory_cache("int8") as cache:
+        tokens, kv = data(5)
+        tier = cache.tiers[0]
+        puts: list[int] = []
+        gets: list[int] = []
+        real_put, real_get = tier.put, tier.get
+        tier.put = lambda items: (puts.append(len(items)), real_put(items))[1]
+        tier.get = lambda keys: (gets.append(len(keys)), real_get(keys))[1]
+        assert cache.store(tokens, kv) == len(tokens)
+        out, n = cache.retrieve(tokens)
+        assert n == len(tokens)
+        assert puts == [1] * N_CHUNKS and gets == [3] * (N_CHUNKS // 3)
+        for i in range(N_CHUNKS):
+            part = slice(i * CHUNK, (i + 1) * CHUNK)
+            assert torch.equal(out[:, :, part], cache_roundtrip("int8", kv[:, :, part]))
+        gets.clear()
+        assert cache.retrieve(tokens[: 6 * CHUNK])[1] == 6 * CHUNK  # six chunks: too few to grow
+        assert gets == [1] * 6
