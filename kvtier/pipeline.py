@@ -1,11 +1,11 @@
 """Moving chunk bytes between tiers and the engine in overlapping windows, on a small thread pool.
 
 Retrieve: the chunks a tier holds are cut into windows of ``WINDOW_BYTES`` of KV, larger for a long prefix
-(up to ``MAX_WINDOW_BYTES``, see ``Pipeline.windows``); each window is one task that reads its blobs
-(``tier.get``, pinned until the task ends), then takes one of ``DECODERS`` decode slots (one per core),
-verifies and decodes each chunk, and writes it to the sink. ``READ_AHEAD`` more tasks than slots are in
-flight, so the next windows are being read from a slow tier while the cores decode, and windows decode in
-parallel (the codecs release the GIL). Measured on 1 GiB of int8 from disk with the page
+from a tier with ``large_load_windows`` (up to ``MAX_WINDOW_BYTES``, see ``Pipeline.windows``); each window
+is one task that reads its blobs (``tier.get``, pinned until the task ends), then takes one of ``DECODERS``
+decode slots (one per core), verifies and decodes each chunk, and writes it to the sink. ``READ_AHEAD`` more
+tasks than slots are in flight, so the next windows are being read from a slow tier while the cores decode,
+and windows decode in parallel (the codecs release the GIL). Measured on 1 GiB of int8 from disk with the page
 cache dropped (2 cores): one extra task and no slots took 0.46-0.62 s, three read ahead with two slots
 0.35-0.44 s, against 0.45-0.65 s for raw. Correctness does not depend on the overlap:
 
@@ -63,8 +63,8 @@ log = logging.getLogger(__name__)
 #: KV bytes per task, at least: big enough that a task's overhead is noise, small enough that a few windows are
 #: in flight for a prefix of a hundred MiB.
 WINDOW_BYTES = 16 << 20
-#: KV bytes per task, at most. A long prefix gets windows up to this size, as long as every worker still has
-#: ``WINDOWS_PER_WORKER`` of them. See ``Pipeline.windows``.
+#: KV bytes per task, at most: a long prefix loaded from a tier with ``large_load_windows`` gets windows up to
+#: this size, as long as every worker still has ``WINDOWS_PER_WORKER`` of them. See ``Pipeline.windows``.
 MAX_WINDOW_BYTES = 64 << 20
 #: windows per worker a long prefix is cut into, at least (enough that reads and decodes overlap to the end)
 WINDOWS_PER_WORKER = 3
@@ -112,14 +112,17 @@ class Pipeline:
         """``idx`` cut in order into windows of equal size: ``per_window`` chunks, or with ``grow`` more (up to
         ``max_per_window``) while every worker still gets ``WINDOWS_PER_WORKER`` windows.
 
-        Loads grow their windows. Each window costs thread hand-offs (a task, a decode slot, a ``get`` whose
-        reads fan out to the tier's readers), and the more threads want the GIL, the longer the cores sit idle.
-        On 1 GiB of SmolLM2 KV from disk (2 cores, page cache dropped, 20 interleaved runs), lossless took a
-        median of 0.512 s in 16 MiB windows and 0.450 s in 64 MiB ones, using 1.72 cores instead of 1.56 and
-        0.72 s of CPU instead of 0.93; raw and int8 did not change. Fixed 64 MiB windows made 256 MiB slower
-        (four windows for five workers), and windows that shrank towards the end of the prefix were slower
-        than equal ones. Stores keep ``per_window``: they put windows in order, and 64 MiB windows made a
-        1 GiB store to disk slower (lossless 1.32 -> 1.68 s, int8 0.87 -> 1.10 s, medians of four)."""
+        Loads from a tier with ``large_load_windows`` grow their windows. Each window costs thread hand-offs
+        (a task, a decode slot, a ``get`` whose reads fan out to the disk tier's readers), and the more threads
+        want the GIL, the longer the cores sit idle. On 1 GiB of SmolLM2 KV from disk (2 cores, page cache
+        dropped, 20 interleaved runs), lossless took a median of 0.512 s in 16 MiB windows and 0.450 s in
+        64 MiB ones, using 1.72 cores instead of 1.56 and 0.72 s of CPU instead of 0.93; raw and int8 did not
+        change. From the memory tier int8 and lossless gained 3-5%. From Redis, whose ``get`` is one reply
+        stream per server that must arrive whole before its chunks decode, raw lost a third (median 0.56 ->
+        0.76 s), so network tiers keep ``per_window``. Fixed 64 MiB windows made 256 MiB slower (four windows
+        for five workers), and windows that shrank towards the end of the prefix were slower than equal ones.
+        Stores keep ``per_window`` too: they put windows in order, and 64 MiB windows made a 1 GiB store to
+        disk slower (lossless 1.32 -> 1.68 s, int8 0.87 -> 1.10 s, medians of four)."""
         per = self.per_window
         if grow:
             per = min(self.max_per_window, max(per, len(idx) // (WINDOWS_PER_WORKER * self._workers)))
@@ -142,7 +145,7 @@ class Pipeline:
             if idx and _copies_only(tier):  # one window: its chunks are all checked, then copied back to back
                 tasks.append((tier, t, idx))
                 continue
-            for window in self.windows(idx, grow=True):
+            for window in self.windows(idx, grow=getattr(tier, "large_load_windows", False)):
                 tasks.append((tier, t, window))
         # A single window, and copy-only windows, run in the calling thread: there is nothing to overlap (torch
         # spreads a copy over the cores itself), and a thread hop costs ~0.1 ms per window.

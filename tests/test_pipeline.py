@@ -303,7 +303,8 @@ def test_load_windows_grow_with_the_prefix_up_to_the_cap_and_store_windows_do_no
 
 def test_a_long_load_reads_in_grown_windows_and_gives_the_same_bytes(monkeypatch) -> None:
     """Through a real cache: the store puts one-chunk windows, the load gets three chunks at a time (12 chunks,
-    two workers, two windows per worker), and every chunk arrives as it decodes alone."""
+    two workers, two windows per worker), and every chunk arrives as it decodes alone. A tier without
+    ``large_load_windows`` (a network tier) keeps one-chunk windows."""
     chunk_bytes = SPEC.bytes_per_token * CHUNK
     monkeypatch.setattr(kvtier.pipeline, "MAX_WINDOW_BYTES", 3 * chunk_bytes)
     monkeypatch.setattr(kvtier.pipeline, "WORKERS", 2)
@@ -326,3 +327,7 @@ def test_a_long_load_reads_in_grown_windows_and_gives_the_same_bytes(monkeypatch
         gets.clear()
         assert cache.retrieve(tokens[: 6 * CHUNK])[1] == 6 * CHUNK  # six chunks: too few to grow
         assert gets == [1] * 6
+        gets.clear()
+        tier.large_load_windows = False
+        assert cache.retrieve(tokens)[1] == len(tokens)
+        assert gets == [1] * N_CHUNKS

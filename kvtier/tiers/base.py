@@ -14,7 +14,8 @@ conformance suite in tests/conformance checks them):
   cache except ``KVTierError`` subclasses from programming errors.
 * Every tier is built as ``XTier(config, ctx)``: its ``TierConfig`` subclass and the ``TierContext`` of the
   cache that owns it. Optional capabilities are the protocols ``EvictionReporter``, ``Flushable``,
-  ``RemovalReporter``, ``Listable`` and ``SharedStore``.
+  ``RemovalReporter``, ``Listable`` and ``SharedStore``, and the attribute ``large_load_windows`` (True where
+  a long load should ask ``get`` for fewer, larger windows: see ``kvtier.pipeline.Pipeline.windows``).
 """
 
 from __future__ import annotations

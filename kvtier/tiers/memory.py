@@ -44,6 +44,8 @@ class MemoryTier:
     ``RemovalReporter`` and ``Listable``."""
 
     verifies = False
+    #: a get costs no round trip: fewer, larger windows spare a long load thread hand-offs (kvtier.pipeline)
+    large_load_windows = True
 
     def __init__(self, config: MemoryTierConfig, ctx: TierContext) -> None:
         self.name = ctx.name

@@ -70,6 +70,9 @@ class DiskTier:
     see index.py)."""
 
     verifies = True
+    #: a get fans its reads out to the readers: fewer, larger windows spare a long load thread hand-offs
+    #: (kvtier.pipeline)
+    large_load_windows = True
 
     def __init__(self, config: DiskTierConfig, ctx: TierContext) -> None:
         assert config.path is not None  # DiskTierConfig requires it
