@@ -116,7 +116,7 @@ class Pipeline:
         (a task, a decode slot, a ``get`` whose reads fan out to the disk tier's readers), and the more threads
         want the GIL, the longer the cores sit idle. On 1 GiB of SmolLM2 KV from disk (2 cores, page cache
         dropped, 20 interleaved runs), lossless took a median of 0.512 s in 16 MiB windows and 0.450 s in
-        64 MiB ones, using 1.72 cores instead of 1.56 and 0.72 s of CPU instead of 0.93; raw and int8 did not
+        windows grown to 64 MiB, using 1.72 cores instead of 1.56 and 0.72 s of CPU instead of 0.93; raw and int8 did not
         change. From the memory tier int8 and lossless gained 3-5%. From Redis, whose ``get`` is one reply
         stream per server that must arrive whole before its chunks decode, raw lost a third (median 0.56 ->
         0.76 s), so network tiers keep ``per_window``. Fixed 64 MiB windows made 256 MiB slower (four windows

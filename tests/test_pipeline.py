@@ -288,6 +288,8 @@ def test_a_sink_lending_the_wrong_memory_is_its_error_and_the_chunks_stay_cached
 
 
 def test_load_windows_grow_with_the_prefix_up_to_the_cap_and_store_windows_do_not(monkeypatch) -> None:
+    """Windows of two chunks at least and eight at most, equal in size, and never fewer than 15 (3 per worker)
+    while they can grow."""
     chunk_bytes = SPEC.bytes_per_token * CHUNK
     monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 2 * chunk_bytes)
     monkeypatch.setattr(kvtier.pipeline, "MAX_WINDOW_BYTES", 8 * chunk_bytes)
