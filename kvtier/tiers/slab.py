@@ -37,9 +37,6 @@ class HostSlab:
             self.buffer.zero_()  # fault the pages in now, not on the first stores
         self._view = memoryview(self.buffer.numpy()) if capacity else memoryview(b"")
 
-    def write(self, offset: int, payload: Payload) -> None:
-        payload.write_into(self._view[offset : offset + payload.nbytes])
-
     def write_many(self, items: Sequence[tuple[int, Payload]]) -> None:
         """Write payloads at their offsets, their bulk copies together in one call (``write_payloads``)."""
         write_payloads([(self._view[offset : offset + payload.nbytes], payload) for offset, payload in items])
@@ -57,7 +54,7 @@ class DeviceSlab:
         self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=True)
         self._lock = threading.Lock()  # one staged write at a time: the staging buffer is shared
 
-    def write(self, offset: int, payload: Payload) -> None:
+    def _write(self, offset: int, payload: Payload) -> None:
         n = payload.nbytes
         with self._lock:
             if self._staging.numel() < n:
@@ -66,8 +63,9 @@ class DeviceSlab:
             self.buffer[offset : offset + n].copy_(self._staging[:n])  # synchronous: staging is reused next
 
     def write_many(self, items: Sequence[tuple[int, Payload]]) -> None:
+        """Write payloads at their offsets, each staged through the pinned buffer."""
         for offset, payload in items:
-            self.write(offset, payload)
+            self._write(offset, payload)
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """A host copy of the entry: valid for as long as the caller keeps the view."""
