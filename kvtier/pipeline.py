@@ -112,17 +112,17 @@ class Pipeline:
         """``idx`` cut in order into windows of equal size: ``per_window`` chunks, or with ``grow`` more (up to
         ``max_per_window``) while every worker still gets ``WINDOWS_PER_WORKER`` windows.
 
-        Loads from a tier with ``large_load_windows`` grow their windows. Each window costs thread hand-offs
-        (a task, a decode slot, a ``get`` whose reads fan out to the disk tier's readers), and the more threads
-        want the GIL, the longer the cores sit idle. On 1 GiB of SmolLM2 KV from disk (2 cores, page cache
-        dropped, 20 interleaved runs), lossless took a median of 0.512 s in 16 MiB windows and 0.450 s in
-        windows grown to 64 MiB, using 1.72 cores instead of 1.56 and 0.72 s of CPU instead of 0.93; raw and int8 did not
-        change. From the memory tier int8 and lossless gained 3-5%. From Redis, whose ``get`` is one reply
-        stream per server that must arrive whole before its chunks decode, raw lost a third (median 0.56 ->
-        0.76 s), so network tiers keep ``per_window``. Fixed 64 MiB windows made 256 MiB slower (four windows
-        for five workers), and windows that shrank towards the end of the prefix were slower than equal ones.
-        Stores keep ``per_window`` too: they put windows in order, and 64 MiB windows made a 1 GiB store to
-        disk slower (lossless 1.32 -> 1.68 s, int8 0.87 -> 1.10 s, medians of four)."""
+        Loads from a tier with ``large_load_windows`` grow their windows. Each window costs thread hand-offs (a
+        task, a decode slot, a ``get`` whose reads fan out to the disk tier's readers), and the more threads want
+        the GIL, the longer the cores sit idle. On 1 GiB of SmolLM2 KV from disk (2 cores, page cache dropped, 20
+        interleaved runs), lossless took a median of 0.512 s in 16 MiB windows and 0.450 s in windows grown to 64
+        MiB, using 1.72 cores instead of 1.56 and 0.72 s of CPU instead of 0.93; raw and int8 did not change. From
+        the memory tier int8 and lossless gained 3-5%. From Redis, whose ``get`` is one reply stream per server that
+        must arrive whole before its chunks decode, raw lost a third (median 0.56 -> 0.76 s), so network tiers keep
+        ``per_window``. Fixed 64 MiB windows made 256 MiB slower (four windows for five workers), and windows that
+        shrank towards the end of the prefix were slower than equal ones. Stores keep ``per_window`` too: they put
+        windows in order, and 64 MiB windows made a 1 GiB store to disk slower (lossless 1.32 -> 1.68 s, int8 0.87
+        -> 1.10 s, medians of four)."""
         per = self.per_window
         if grow:
             per = min(self.max_per_window, max(per, len(idx) // (WINDOWS_PER_WORKER * self._workers)))
@@ -149,8 +149,10 @@ class Pipeline:
                 tasks.append((tier, t, window))
         # A single window, and copy-only windows, run in the calling thread: there is nothing to overlap (torch
         # spreads a copy over the cores itself), and a thread hop costs ~0.1 ms per window.
-        pooled = [task for task in tasks if not _copies_only(task[0])] if len(tasks) > 1 else []
-        inline = [task for task in tasks if task not in pooled]
+        pooled, inline = [], tasks
+        if len(tasks) > 1:
+            pooled = [task for task in tasks if not _copies_only(task[0])]
+            inline = [task for task in tasks if _copies_only(task[0])]
         futures = []
         if pooled:
             pool = self._executor()
