@@ -33,7 +33,8 @@ def blocks(n_items: int, item_len: int, unit: int = 1) -> Iterator[tuple[int, in
         yield start, min(n_items, start + per)
 
 
-def destination_blocks(out: torch.Tensor, item_len: int, unit: int = 1) -> Iterator[tuple[int, int, torch.Tensor]] | None:
+def destination_blocks(out: torch.Tensor, item_len: int,
+                       unit: int = 1) -> Iterator[tuple[int, int, torch.Tensor]] | None:
     """Blocks of items (as ``blocks``) paired with the part of ``out`` each decodes into, or None.
 
     ``out`` is a canonical ``[L, 2, T, H, D]`` destination whose ``[T, H, D]`` slab per (layer, K/V) is

@@ -22,7 +22,8 @@ def bits_of(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def decoded_both_ways(name: str, chunk: torch.Tensor, margin: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decoded_both_ways(name: str, chunk: torch.Tensor,
+                      margin: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(decode's result, the wider tensor decode_into wrote a token range of, that range)``."""
     codec = get_codec(name)
     ref, buf = roundtrip(codec, chunk)

@@ -105,7 +105,8 @@ def test_a_batch_larger_than_the_tier_keeps_its_shallowest_chunks_as_one_by_one_
     from tests.conformance.tier_suite import key
 
     chunks = [torch.full((1, 2, 4, 1, 1024), float(i), dtype=torch.bfloat16) for i in range(6)]
-    blobs = [encode_blob(key(i), torch.arange(4).numpy(), get_codec("raw"), c, seal=False) for i, c in enumerate(chunks)]
+    raw = get_codec("raw")
+    blobs = [encode_blob(key(i), torch.arange(4).numpy(), raw, c, seal=False) for i, c in enumerate(chunks)]
     batched, one_by_one = memory_tier(3 * 17 << 10), memory_tier(3 * 17 << 10)
     assert all(batched.put([(key(i), b) for i, b in enumerate(blobs)]))
     for i in reversed(range(6)):  # what put promises: deepest first
