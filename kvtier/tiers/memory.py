@@ -192,9 +192,9 @@ class MemoryTier:
         with self._lock:
             for i, offset, nbytes, _ in pending:
                 done[i] = self._publish(items[i][0], offset, nbytes)
-        for i, _, nbytes, _ in pending:
-            if done[i]:
-                self._metrics.inc("kvtier_written_bytes_total", nbytes, tier=self.name)
+        written = sum(nbytes for i, _, nbytes, _ in pending if done[i])
+        if written:
+            self._metrics.inc("kvtier_written_bytes_total", written, tier=self.name)
 
     def _publish(self, key: ChunkHash, offset: int, nbytes: int) -> bool:
         """Make a written slot ``key``'s entry. Caller holds the lock."""
