@@ -75,8 +75,10 @@ def test_a_host_buffer_of_2_mib_or_more_is_advised_huge_pages_unless_told_not_to
     plain = memory_tier(5 << 20, prefault=prefault, huge_pages=False)
     small = memory_tier(1 << 20, prefault=prefault)
     assert "hg" in _vm_flags(huge._buffer.data_ptr())  # madvise(MADV_HUGEPAGE) on the slab's mapping
-    assert "hg" not in _vm_flags(plain._buffer.data_ptr())
-    assert "hg" not in _vm_flags(small._buffer.data_ptr())  # smaller than one huge page: ordinary memory
+    # The others come from torch's allocator. Their pages may be advised by the process's own malloc (glibc
+    # tunables, torch's THP_MEM_ALLOC_ENABLE: one run of the whole suite saw "hg" there), so what is checked
+    # is that the tier made no mapping of its own for them.
+    assert plain._slab._map is None and small._slab._map is None  # off, and smaller than one huge page
     assert huge.stats().capacity_bytes == plain.stats().capacity_bytes  # rounding the mapping up adds no room
     data = [blob(i, seal=False, shape=(2, 2, 64, 8, 64)) for i in range(40)]  # 20 MiB: evictions reuse slots
     for i, d in enumerate(data):
