@@ -89,7 +89,10 @@ class KVSpec:
 def tensor_view(buffer: memoryview | bytes | bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor that views ``buffer`` without copying. The caller must not write through a view of read-only
     bytes; kvtier only ever copies out of such views."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns about read-only buffers
+    if isinstance(buffer, memoryview) and not buffer.readonly:  # most views: no warning to silence
         flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch warns about read-only buffers
+            flat = torch.frombuffer(buffer, dtype=torch.uint8)
     return flat.view(dtype).view(shape)

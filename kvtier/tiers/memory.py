@@ -1,9 +1,10 @@
 """Memory tier: one preallocated buffer, views handed out, eviction through a policy.
 
 The buffer is allocated (and its pages touched) once at start, in host RAM (pinned when CUDA is available so
-host<->GPU copies can be asynchronous) or, with ``device: cuda:N``, in a GPU's spare memory (slab.py). A chunk
-is written straight into its slot (``Payload.write_into``) and read as a view of its slot: one copy in, one
-copy out, no per-chunk allocation of bytes (a GPU buffer adds a host copy each way).
+host<->GPU copies can be asynchronous, on transparent huge pages otherwise) or, with ``device: cuda:N``, in a
+GPU's spare memory (slab.py). A chunk is written straight into its slot (``Payload.write_into``) and read as a
+view of its slot: one copy in, one copy out, no per-chunk allocation of bytes (a GPU buffer adds a host copy
+each way).
 
 The buffer is private to the process, so blobs here are stored unsealed and read without checksum
 (``verifies = False``); their headers and token ids are still checked by the cache.
@@ -53,7 +54,7 @@ class MemoryTier:
         self._policy = make_policy(config.policy)
         self._metrics = ctx.metrics
         self._alloc = Allocator(config.capacity_bytes, align=64)  # blob payloads start 64-byte aligned
-        self._slab = make_slab(self._alloc.capacity, config.device, config.prefault)
+        self._slab = make_slab(self._alloc.capacity, config.device, config.prefault, config.huge_pages)
         self._buffer = self._slab.buffer
         self._entries: dict[ChunkHash, _Entry] = {}
         self._lock = threading.Lock()
@@ -191,9 +192,9 @@ class MemoryTier:
         with self._lock:
             for i, offset, nbytes, _ in pending:
                 done[i] = self._publish(items[i][0], offset, nbytes)
-        for i, _, nbytes, _ in pending:
-            if done[i]:
-                self._metrics.inc("kvtier_written_bytes_total", nbytes, tier=self.name)
+        written = sum(nbytes for i, _, nbytes, _ in pending if done[i])
+        if written:
+            self._metrics.inc("kvtier_written_bytes_total", written, tier=self.name)
 
     def _publish(self, key: ChunkHash, offset: int, nbytes: int) -> bool:
         """Make a written slot ``key``'s entry. Caller holds the lock."""
@@ -237,13 +238,15 @@ class MemoryTier:
 class MemoryTierConfig(TierConfig):
     """``capacity_bytes``: hard limit of the buffer; ``policy``: eviction policy name; ``prefault``: touch
     every page of the buffer at start (off only where start-up time matters more, as in tests); ``device``:
-    ``cpu`` (host RAM) or ``cuda:N`` (a GPU's spare memory)."""
+    ``cpu`` (host RAM) or ``cuda:N`` (a GPU's spare memory); ``huge_pages``: a host buffer that is not pinned
+    sits on transparent huge pages, which speeds up every copy in and out and may slow the start (slab.py)."""
 
     kind = "memory"
     capacity_bytes: int = 1 << 30
     policy: str = DEFAULT_POLICY
     prefault: bool = True
     device: str = "cpu"
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,7 +1,8 @@
 """Where the memory tier keeps its bytes: one preallocated buffer, in host RAM or on a GPU.
 
-* Host (``cpu``): pinned when CUDA is present, so host<->GPU copies can be asynchronous. An entry is written
-  in place (``Payload.write_into`` its slot) and read as a view of its slot: one copy in, one copy out.
+* Host (``cpu``): pinned when CUDA is present, so host<->GPU copies can be asynchronous; otherwise on
+  transparent huge pages (``huge_pages``). An entry is written in place (``Payload.write_into`` its slot)
+  and read as a view of its slot: one copy in, one copy out.
 * GPU (``cuda:N``), for a node whose spare VRAM should hold KV: the buffer lives on that device. The tier
   protocol hands out bytes the CPU reads (memoryviews), so an entry is staged through a reused pinned host
   buffer on the way in and copied into a new host buffer on the way out: one more copy per hop, over PCIe,
@@ -19,6 +20,7 @@ import torch
 from kvtier.codecs import Payload
 from kvtier.codecs.base import write_payloads
 from kvtier.errors import ConfigError
+from kvtier.tiers.hugepages import HUGE_PAGE, huge_page_map
 
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
@@ -30,9 +32,26 @@ def check_device(device: str, what: str = "device") -> None:
 
 
 class HostSlab:
-    def __init__(self, capacity: int, prefault: bool) -> None:
-        # pinned host memory lets host<->GPU copies run asynchronously; it needs CUDA to exist
-        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    """``huge_pages``: back a buffer of 2 MiB or more with transparent huge pages, unless it is pinned.
+
+    A chunk's copy in or out of the slab walks 32 MiB (an 8B-shaped chunk of 256 tokens), which on 4 KiB pages
+    is 8,192 TLB entries against 16. With the slab on huge pages, 512 MiB stored and retrieved through the
+    memory tier (``benchmarks/memory_tier.py``, 2 cores, 8 runs) ran at 0.93-1.00 (store) and 0.95-1.05
+    (retrieve) of a flat torch copy between two ordinary tensors, against 0.87-0.95 and 0.85-0.94 on 4 KiB
+    pages in runs interleaved with them. The price is at start: on this VM a huge page the host has not
+    backed yet faults at about 1 GB/s, so prefaulting 576 MiB took 0.66-0.79 s against 0.12-0.13 s on 4 KiB
+    pages (10 GB/s once the host has backed the memory). Pinned memory (CUDA present) comes from CUDA's
+    allocator and keeps its own pages.
+    """
+
+    def __init__(self, capacity: int, prefault: bool, huge_pages: bool = True) -> None:
+        pinned = torch.cuda.is_available()  # pinned host memory lets host<->GPU copies run asynchronously
+        self._map = None
+        if huge_pages and not pinned and capacity >= HUGE_PAGE:
+            self._map = huge_page_map(capacity)  # the tensor holds the mapping while any view of it lives
+            self.buffer = torch.frombuffer(self._map, dtype=torch.uint8, count=capacity)
+        else:
+            self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
         if prefault:
             self.buffer.zero_()  # fault the pages in now, not on the first stores
         self._view = memoryview(self.buffer.numpy()) if capacity else memoryview(b"")
@@ -74,10 +93,10 @@ class DeviceSlab:
         return memoryview(host.numpy())
 
 
-def make_slab(capacity: int, device: str, prefault: bool) -> HostSlab | DeviceSlab:
+def make_slab(capacity: int, device: str, prefault: bool, huge_pages: bool = True) -> HostSlab | DeviceSlab:
     check_device(device)
     if device == "cpu":
-        return HostSlab(capacity, prefault)
+        return HostSlab(capacity, prefault, huge_pages)
     if not torch.cuda.is_available():
         raise ConfigError(f"memory tier device {device}: CUDA is not available here")
     if int(device.split(":")[1]) >= torch.cuda.device_count():

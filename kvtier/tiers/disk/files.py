@@ -25,6 +25,7 @@ import threading
 from kvtier.blob import header_length
 from kvtier.errors import ConfigError, TierError
 from kvtier.keys import HASH_BYTES, ChunkHash
+from kvtier.tiers.hugepages import HUGE_PAGE, huge_page_map
 
 TEMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
@@ -35,8 +36,6 @@ MIN_BLOB_BYTES = header_length(1, 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 log = logging.getLogger(__name__)
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-#: Buffers at least this large are backed by transparent huge pages (see ``new_buffer``).
-HUGE_PAGE = 2 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -262,14 +261,9 @@ def new_buffer(nbytes: int) -> mmap.mmap:
     to whole huge pages and advised MADV_HUGEPAGE: one fault per 2 MiB, measured at 4.9-6.3 GiB/s
     (faulted by the O_DIRECT read itself or the staging copy). Smaller ones are populated in one call.
     """
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < HUGE_PAGE:
         return mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)
-    buf = mmap.mmap(-1, round_up(nbytes, HUGE_PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP disabled in this kernel: plain pages, faulted on first use
-        pass
-    return buf
+    return huge_page_map(nbytes)
 
 
 class AlignedBufferPool:
