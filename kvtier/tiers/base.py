@@ -66,7 +66,7 @@ class Tier(Protocol):
 
 
 def locate_keys(tiers: Sequence[Tier], keys: Sequence[ChunkHash],
-           on_error: Callable[[Tier, str, KVTierError], None]) -> list[int | None]:
+                on_error: Callable[[Tier, str, KVTierError], None]) -> list[int | None]:
     """For each key, the index of the fastest of ``tiers`` holding it (None where none does). Each tier is asked
     only about the keys no faster tier holds; one that fails goes to ``on_error(tier, "contains", exc)`` and
     counts as holding nothing. No side effects on eviction order."""
