@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -58,6 +58,7 @@ def _copy_case(draw):
     dtype = draw(st.sampled_from([torch.uint8, torch.bfloat16, torch.float32]))
     ndim = draw(st.integers(1, 4))
     shape = [draw(st.integers(1, 4)) for _ in range(ndim - 1)] + [draw(st.sampled_from([1, 7, 2048, 4099, 9000]))]
+
     def layout():
         pads = [draw(st.integers(0, 2)) for _ in shape]
         starts = [draw(st.integers(0, pad)) for pad in pads]
@@ -115,21 +116,12 @@ def test_version_counter_and_inference_tensors() -> None:
 def test_concurrent_callers_share_the_threads() -> None:
     srcs = [torch.randn(6 << 20) for _ in range(4)]
     dests = [torch.zeros_like(s) for s in srcs]
-    errors: list[BaseException] = []
 
-    def copy(i: int) -> None:
-        try:
-            for _ in range(3):
-                assert bulkcopy.copy_pairs([(dests[i], srcs[i])], threads=2)
-        except BaseException as error:  # noqa: BLE001 (reported below)
-            errors.append(error)
+    def copy(i: int) -> bool:
+        return all(bulkcopy.copy_pairs([(dests[i], srcs[i])], threads=2) for _ in range(3))
 
-    workers = [threading.Thread(target=copy, args=(i,)) for i in range(4)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    assert not errors
+    with ThreadPoolExecutor(4) as callers:  # an exception in a caller is raised here
+        assert all(callers.map(copy, range(4)))
     assert all(torch.equal(d, s) for d, s in zip(dests, srcs))
 
 
