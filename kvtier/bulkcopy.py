@@ -174,9 +174,7 @@ def _runs(dest: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray
         return None
     item = dest.element_size()
     dims = [(size, ds, ss) for size, ds, ss in zip(dest.shape, dest.stride(), src.stride()) if size != 1]
-    if not dims:  # a single element
-        return np.array([dest.data_ptr()], np.int64), np.array([src.data_ptr()], np.int64), item
-    run = 1
+    run = 1  # elements in one run: the innermost dimensions contiguous in both tensors
     while dims and dims[-1][1] == run and dims[-1][2] == run:
         run *= dims.pop()[0]
     if run * item < MIN_RUN_BYTES:
