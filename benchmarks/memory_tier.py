@@ -3,15 +3,16 @@
 A 512 MiB KV (4,096 tokens x 32 layers x 8 KV heads x 128, bf16 -- a Llama-3-8B-shaped cache) is stored into
 and retrieved from a KVCache whose only tier is the memory tier, into reused buffers, and compared with
 ``dst.copy_(src)`` of the same bytes measured in the same run (the limit: one copy per hop is the design).
-Two limits are printed: a copy between two other tensors, and a flat copy between the buffers the tier
-itself uses (the KV into the tier's buffer, and the tier's buffer into the retrieve's output). On this
-machine the same copy ran at 0.91-1.22x of itself from one buffer to another in one process (where a
-buffer's pages land), so the second isolates what kvtier adds to the copy. The tier's buffer sits on huge
-pages (tiers/slab.py), the other tensors on the 4 KiB pages torch gives them; the time to start the tier
-(allocate and prefault its buffer) is printed too, since huge pages move cost there.
+Three more limits are printed: a flat torch copy between the buffers the tier itself uses (the KV into the
+tier's buffer, and the tier's buffer into the retrieve's output; on this machine the same copy ran at
+0.91-1.22x of itself from one buffer to another in one process, where a buffer's pages land), and the
+streaming-store copy the tier uses (kvtier/bulkcopy.py) as one flat copy between those same buffers, which
+isolates what kvtier adds to its own copy. The tier's buffer sits on huge pages (tiers/slab.py), the other
+tensors on the 4 KiB pages torch gives them; the time to start the tier (allocate and prefault its buffer) is
+printed too, since huge pages move cost there.
 Ratios use the best of interleaved repetitions on both sides (on a shared machine, interference only adds
-time); medians are printed too. Lookup is timed for a 128k-token prompt fully cached (hashing 512 chunks plus the index walk), for a numpy
-token array and for a Python list (median).
+time); medians are printed too. Lookup is timed for a 128k-token prompt fully cached (hashing 512 chunks plus
+the index walk), for a numpy token array and for a Python list (median).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import best, median, result, timed  # noqa: E402
 
-from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
+from kvtier import CacheConfig, KVCache, KVSpec, bulkcopy  # noqa: E402
 
 SPEC = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
@@ -56,11 +57,16 @@ def main() -> None:
     # The tier's own buffer, as one flat tensor over the bytes its entries occupy (a benchmark may look inside).
     tier_buffer = cache.tiers[0]._buffer[:n_bytes].view(SPEC.dtype).view(kv.shape)
 
-    copy_t, into_t, out_of_t, store_t, retrieve_t = [], [], [], [], []
+    streaming = bulkcopy.available()
+    copy_t, into_t, out_of_t, store_t, retrieve_t, s_into_t, s_out_of_t = [], [], [], [], [], [], []
     for _ in tqdm(range(args.reps), desc="store/retrieve 512 MiB", unit="rep"):
         copy_t += timed(lambda: copy_dst.copy_(kv), 1)
         into_t += timed(lambda: tier_buffer.copy_(kv), 1, setup=lambda: cache.tiers[0].delete(keys))
         out_of_t += timed(lambda: out.copy_(tier_buffer), 1)
+        if streaming:
+            s_into_t += timed(lambda: bulkcopy.copy_pairs([(tier_buffer, kv)]), 1,
+                              setup=lambda: cache.tiers[0].delete(keys))
+            s_out_of_t += timed(lambda: bulkcopy.copy_pairs([(out, tier_buffer)]), 1)
         store_t += timed(lambda: cache.store(tokens, kv), 1, setup=lambda: cache.tiers[0].delete(keys))
         retrieve_t += timed(lambda: cache.retrieve(tokens, out), 1)
     assert torch.equal(out, kv), "retrieved KV differs from what was stored"
@@ -77,16 +83,23 @@ def main() -> None:
 
     copy_s, store_s, retrieve_s = best(copy_t), best(store_t), best(retrieve_t)
     into_s, out_of_s = best(into_t), best(out_of_t)
+    s_into_s, s_out_of_s = (best(s_into_t), best(s_out_of_t)) if streaming else (float("nan"),) * 2
     gbps = n_bytes / 2**30
-    print(f"KV size {n_bytes / 2**20:.0f} MiB, {len(keys)} chunks of {args.chunk_size} tokens, {args.reps} reps")
-    print(f"{'operation':<34}{'best ms':>10}{'median ms':>11}{'GiB/s':>8}{'vs copy':>9}{'vs same-buffer copy':>21}")
-    rows = (("torch copy (limit)", copy_t, copy_s), ("copy KV into the tier's buffer", into_t, into_s),
-            ("copy the tier's buffer out", out_of_t, out_of_s), ("store", store_t, into_s),
-            ("retrieve", retrieve_t, out_of_s))
-    for name, times, same in rows:
+    print(f"KV size {n_bytes / 2**20:.0f} MiB, {len(keys)} chunks of {args.chunk_size} tokens, {args.reps} reps, "
+          f"streaming copies {'on' if streaming else 'unavailable'}")
+    print(f"{'operation':<40}{'best ms':>9}{'median ms':>11}{'GiB/s':>7}{'vs copy':>9}{'vs same-buffer copy':>21}"
+          f"{'vs streaming':>14}")
+    rows = (("torch copy (limit)", copy_t, copy_s, copy_s), ("copy KV into the tier's buffer", into_t, into_s, into_s),
+            ("copy the tier's buffer out", out_of_t, out_of_s, out_of_s),
+            ("streaming copy into the tier's buffer", s_into_t, into_s, s_into_s),
+            ("streaming copy out of the tier's buffer", s_out_of_t, out_of_s, s_out_of_s),
+            ("store", store_t, into_s, s_into_s), ("retrieve", retrieve_t, out_of_s, s_out_of_s))
+    for name, times, same, stream in rows:
+        if not times:
+            continue
         sec = best(times)
-        print(f"{name:<34}{sec * 1e3:>10.1f}{median(times) * 1e3:>11.1f}{gbps / sec:>8.2f}{copy_s / sec:>9.2f}"
-              f"{same / sec:>21.2f}")
+        print(f"{name:<40}{sec * 1e3:>9.1f}{median(times) * 1e3:>11.1f}{gbps / sec:>7.2f}{copy_s / sec:>9.2f}"
+              f"{same / sec:>21.2f}{stream / sec:>14.2f}")
     print(f"tier start (allocate and prefault {capacity / 2**20:.0f} MiB): {start_s * 1e3:.0f} ms")
     print(f"{'lookup 128k (numpy array)':<28}{median(lookup_array) * 1e3:>12.3f}")
     print(f"{'lookup 128k (Python list)':<28}{median(lookup_list) * 1e3:>12.3f}")
@@ -95,6 +108,9 @@ def main() -> None:
         "retrieve_vs_copy": copy_s / retrieve_s,
         "store_vs_same_buffer_copy": into_s / store_s,
         "retrieve_vs_same_buffer_copy": out_of_s / retrieve_s,
+        "store_vs_streaming_copy": s_into_s / store_s if streaming else None,
+        "retrieve_vs_streaming_copy": s_out_of_s / retrieve_s if streaming else None,
+        "streaming_copies": streaming,
         "copy_gib_s": gbps / copy_s,
         "tier_start_ms": start_s * 1e3,
         "lookup_128k_ms": median(lookup_array) * 1e3,

@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvtier.bulkcopy import copy_pairs
 from kvtier.errors import CodecError
 
 
@@ -104,10 +105,12 @@ def decode_into(codec: Codec, payload: memoryview, shape: tuple[int, ...], dtype
 
 
 def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dest.copy_(src)`` for every pair, in one call into torch where it has one (``_foreach_copy_``, which
-    torch's optimizers use; a loop otherwise). Python work between large copies slowed them by 5-10% here
-    (the memory tier's retrieve: 0.85-0.88 of one flat copy in a loop, 0.91-0.94 in one call)."""
-    if not pairs:
+    """``dest.copy_(src)`` for every pair: with streaming stores over all copy threads where the copies are
+    large and fit (kvtier.bulkcopy: 1.3-1.5x torch's copy here), else in one call into torch where it has one
+    (``_foreach_copy_``, which torch's optimizers use; a loop otherwise). Python work between large copies
+    slowed them by 5-10% here (the memory tier's retrieve: 0.85-0.88 of one flat copy in a loop, 0.91-0.94 in
+    one call)."""
+    if not pairs or copy_pairs(pairs):
         return
     copy_all = getattr(torch, "_foreach_copy_", None)
     if copy_all is not None:
