@@ -8,13 +8,13 @@ hundreds of MiB) that is most of the memory tier's cost. Measured here (2 cores,
 512 KiB runs of a canonical KV chunk copied at 20-22 GiB/s with streaming stores on two threads, against
 14-15 GiB/s for torch's ``copy_`` of the same bytes as one flat tensor.
 
-No package on PyPI offers such a copy, so the kernel is a loop of LLVM IR (below) compiled for this CPU at
-first use by llvmlite, numba's compiler (~20 ms), and called through ctypes, which releases the GIL: the
-threads of one copy run in parallel. ``copy_pairs`` is all or nothing: it returns False having copied
-nothing (the caller copies with torch) when llvmlite is missing or the kernel cannot be built, when the copy
-is under ``MIN_BYTES`` in all (smaller copies may still sit in the caches, where torch's copy is up to 4x
-faster), or when a pair does not fit: not both on the CPU, dtypes or shapes differ, autograd records it,
-contiguous runs shorter than 4 KiB, a destination that overlaps itself or its source.
+We found no package on PyPI that offers such a copy, so the kernel is a loop of LLVM IR (below) compiled for
+this CPU at first use by llvmlite, numba's compiler (~20 ms), and called through ctypes, which releases the
+GIL: the threads of one copy run in parallel. ``copy_pairs`` is all or nothing: it returns False having
+copied nothing (the caller copies with torch) when llvmlite is missing or the kernel cannot be built, when
+the copy is under ``MIN_BYTES`` in all (smaller copies may still sit in the caches, where torch's copy is up
+to 4x faster), or when a pair does not fit: not both on the CPU, dtypes or shapes differ, autograd records
+it, contiguous runs shorter than 4 KiB, a destination that overlaps itself or its source.
 
 ``KVTIER_STREAMING_COPY=0`` in the environment turns it off.
 """
