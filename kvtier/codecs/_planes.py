@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 from kvtier import kernels
 
@@ -176,8 +177,11 @@ def available() -> bool:
 
 
 def _kernel_runs(t: torch.Tensor, op: str) -> tuple[_Fn, np.ndarray, int] | None:
+    """The kernel for ``op`` on ``t`` and ``t``'s runs, or None where torch must do it: another element size,
+    not a plain CPU tensor, autograd or a negative view involved, or runs that repeat or overlap."""
     k = t.element_size()
-    fns = _kernels() if k in KERNEL_ITEMSIZES and t.device.type == "cpu" and t.layout == torch.strided else None
+    plain = t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad and not t.is_neg()
+    fns = _kernels() if k in KERNEL_ITEMSIZES and plain else None
     if fns is None or t.numel() == 0:
         return None
     found = kernels.runs([t])
@@ -203,6 +207,7 @@ def join(dest: torch.Tensor, planes: Sequence[np.ndarray]) -> None:
     fn, starts, run = found
     bases = np.array([p.ctypes.data for p in planes], dtype=np.int64)
     fn(starts.ctypes.data, bases.ctypes.data, run, len(starts))
+    increment_version(dest)  # as torch's own copy would: autograd and views see the write
 
 
 def split(src: torch.Tensor, planes: np.ndarray) -> None:

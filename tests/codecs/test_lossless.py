@@ -168,6 +168,19 @@ def test_planes_split_and_join_any_token_range(dtype, dims, lo: int, hi: int, se
     assert not dest[:, :, :lo].view(bits).any() and not dest[:, :, lo + tokens :].view(bits).any()
 
 
+def test_a_decode_bumps_the_destination_version_and_works_in_inference_mode() -> None:
+    """The kernel writes through raw pointers: views and autograd still see a write, as after torch's copy."""
+    buf, chunk = _v3()
+    dest = torch.zeros_like(chunk)
+    before = dest._version
+    get_codec("lossless").decode_into(memoryview(buf), tuple(chunk.shape), chunk.dtype, dest)
+    assert dest._version > before and torch.equal(dest.view(torch.int16), chunk.view(torch.int16))
+    with torch.inference_mode():  # the retrieve pipeline's workers run under it
+        frozen = torch.zeros_like(chunk)
+        get_codec("lossless").decode_into(memoryview(buf), tuple(chunk.shape), chunk.dtype, frozen)
+    assert torch.equal(frozen.view(torch.int16), chunk.view(torch.int16))
+
+
 def test_the_plane_kernel_builds_on_this_machine() -> None:
     assert _planes.available(), "llvmlite is a dependency: the byte-plane kernel must build on x86-64"
 
