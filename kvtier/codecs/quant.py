@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvtier.codecs._blocks import BLOCK_ELEMS, blocks, destination_blocks
+from kvtier.codecs._dequant import dequantise_int8
 from kvtier.codecs._wire import PartsPayload, PayloadReader, can_rotate, check_canonical, fp16_scale, hadamard
 from kvtier.codecs.base import check_destination
 from kvtier.errors import CodecError
@@ -144,6 +145,8 @@ class GroupQuantCodec:
         """``out`` (canonical) = (codes - zero) * scale, rotated back when ``rotate_dim``, block by block."""
         if out.numel() == 0:
             return
+        if self.bits == 8 and not rotate_dim and dequantise_int8(out, codes, scale, zero, g):
+            return  # one pass, bit-identical to the blocks below
         dim = rotate_dim or g
         scratch = torch.empty(min(BLOCK_ELEMS + dim, out.numel()), dtype=torch.float32)
         rot = torch.empty_like(scratch) if rotate_dim else None
