@@ -48,7 +48,7 @@ _PARAMS = dict(window_log=17, chain_log=6, hash_log=6, search_log=1, min_match=7
                strategy=zstandard.STRATEGY_FAST)
 _MAX_WINDOW = 1 << 20
 _MIN_GAIN = 32  # a plane is stored compressed only if that saves 1/32 of it
-_BLOCK_KINDS_WITH_ONE_BYTE = 1  # zstd block type 1 (RLE): one byte of body whatever its size
+_RLE_BLOCK = 1  # zstd block type 1 (RLE): a body of one byte, whatever the size it stands for
 _LOCAL = threading.local()
 
 
@@ -175,37 +175,42 @@ def _check_frame(frame: memoryview, numel: int) -> None:
         last, kind, size = header & 1, (header >> 1) & 3, header >> 3
         if kind == 3:
             raise CodecError("lossless: zstd block of the reserved type")
-        at += 3 + (1 if kind == _BLOCK_KINDS_WITH_ONE_BYTE else size)
+        at += 3 + (1 if kind == _RLE_BLOCK else size)
     at += 4 if params.has_checksum else 0
     if at != frame.nbytes:
         raise CodecError(f"lossless: a zstd frame of {at} bytes in a plane of {frame.nbytes}")
 
 
 def _unpack(planes: list[tuple[int, memoryview]], numel: int) -> list[np.ndarray]:
-    """Each checked plane's ``numel`` bytes: stored ones viewed in place, zstd frames decompressed into this
-    thread's scratch."""
-    scratch = _scratch("planes", numel * len(planes)).reshape(len(planes), numel)
+    """Each checked plane's ``numel`` bytes: stored ones viewed in place, zstd frames decompressed into rows
+    of this thread's scratch (for bf16 KV, half a chunk)."""
+    packed = sum(stored_as == _ZSTD_FRAME for stored_as, _ in planes)
+    rows = iter(_scratch("planes", numel * packed).reshape(packed, numel))
     decompressor = _local("decompressor", lambda: zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW))
     out = []
-    for j, (stored_as, data) in enumerate(planes):
+    for stored_as, data in planes:
         if stored_as == _RAW:
             out.append(np.frombuffer(data, dtype=np.uint8))
-            continue
-        try:
-            with decompressor.stream_reader(data, read_size=data.nbytes, closefd=False) as reader:
-                filled = 0
-                view = memoryview(scratch[j])
-                while filled < numel:
-                    got = reader.readinto(view[filled:])
-                    if not got:
-                        break
-                    filled += got
-                if filled != numel or reader.read(1):
-                    raise CodecError(f"lossless: a zstd plane decoded to {filled}+ bytes, not {numel}")
-        except zstandard.ZstdError as exc:
-            raise CodecError(f"lossless: corrupt zstd plane: {exc}") from None
-        out.append(scratch[j])
+        else:
+            out.append(_inflate(decompressor, data, next(rows)))
     return out
+
+
+def _inflate(decompressor: zstandard.ZstdDecompressor, frame: memoryview, dest: np.ndarray) -> np.ndarray:
+    """Decompress a checked frame into ``dest``, which it must fill exactly; CodecError otherwise."""
+    try:
+        with decompressor.stream_reader(frame, read_size=frame.nbytes, closefd=False) as reader:
+            view, filled = memoryview(dest), 0
+            while filled < dest.nbytes:
+                got = reader.readinto(view[filled:])
+                if not got:
+                    break
+                filled += got
+            if filled != dest.nbytes or reader.read(1):
+                raise CodecError(f"lossless: a zstd plane decoded to {filled}+ bytes, not {dest.nbytes}")
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"lossless: corrupt zstd plane: {exc}") from None
+    return dest
 
 
 def _local(name: str, make):

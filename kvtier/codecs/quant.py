@@ -18,6 +18,10 @@ Storage per group of g values: g*bits/8 bytes + 2 (scale) + 1 (zero point). With
 1.91x smaller than bf16 for int8 and 3.66x for int4. Names: ``int8``, ``int4`` (g = 64), ``int4-g32`` etc.;
 a group size that does not divide head_dim falls back to gcd(g, head_dim), recorded in the payload.
 
+Decoding int8 into a bf16, fp16 or fp32 destination with groups of a multiple of 16 values takes one pass
+through a native kernel (``kvtier.codecs._dequant``, ~2x the blocks of torch ops below, bit-identical to
+them); everything else is dequantised block by block with torch.
+
 Payload: ``u8 version, u8 bits, u16 group, u8 flags (bit 0: rotated)`` then fp16 scales, u8 zero points
 (one per group, in canonical order) and the codes (int4: two per byte, low nibble first).
 """
