@@ -1,5 +1,6 @@
-"""The int8 dequantisation kernel: bit-identical to the torch path it replaces, inside the destination only,
-and declined (torch decodes) where it does not fit."""
+"""The dequantisation kernels: int8 bit-identical to the torch path it replaces, int4 (a Hadamard transform by
+butterflies instead of a matrix product) equal to float32 rounding; both inside the destination only, and
+declined (torch decodes) where they do not fit."""
 
 from __future__ import annotations
 
@@ -53,20 +54,38 @@ def test_large_values_round_as_torch_rounds(monkeypatch) -> None:
     assert torch.equal(kernel.view(torch.int16), reference.view(torch.int16))
 
 
-@pytest.mark.parametrize("name,out_dtype", [("int8-g8", torch.bfloat16), ("int8", torch.float64)])
-def test_where_the_kernel_does_not_fit_torch_decodes(monkeypatch, name: str, out_dtype: torch.dtype) -> None:
-    """Groups of 8 values (not a multiple of 16) and float64 destinations are declined, and still decode."""
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(["int4", "int4-g32", "int4-g16"]), dims=st.tuples(st.integers(1, 3), st.integers(1, 30),
+       st.integers(1, 3)), dim=st.sampled_from([16, 64, 128, 256]), out_dtype=st.sampled_from([torch.bfloat16,
+       torch.float16, torch.float32]), lo=st.integers(0, 4), hi=st.integers(0, 4), seed=st.integers(0, 1000))
+def test_the_int4_kernel_rotates_back_as_the_matrix_product_does(monkeypatch, name, dims, dim, out_dtype, lo, hi,
+                                                                 seed) -> None:
+    layers, tokens, heads = dims
+    chunk = kv_like(layers=layers, tokens=tokens, heads=heads, dim=dim, seed=seed)
+    kernel, reference = _decode_both(monkeypatch, name, chunk, out_dtype, lo, hi)
+    tolerance = 2.0**-7 if out_dtype.itemsize == 2 else 1e-5  # one bf16 ulp; float32 rounding
+    torch.testing.assert_close(kernel.float(), reference.float(), rtol=tolerance, atol=1e-4 * float(chunk.abs().max()))
+    bits = BITS[out_dtype.itemsize]
+    assert not kernel[:, :, :lo].view(bits).any() and not kernel[:, :, lo + tokens :].view(bits).any()
+
+
+@pytest.mark.parametrize("name,out_dtype,dim", [("int8-g8", torch.bfloat16, 64), ("int8", torch.float64, 64),
+                                                ("int4", torch.bfloat16, 8), ("int4", torch.float64, 64)])
+def test_where_the_kernel_does_not_fit_torch_decodes(monkeypatch, name: str, out_dtype: torch.dtype, dim: int) -> None:
+    """Groups of 8 values (not a multiple of 16), 8-point rotations and float64 destinations are declined, and
+    still decode."""
     calls = []
-    original = _dequant.dequantise_int8
-    monkeypatch.setattr("kvtier.codecs.quant.dequantise_int8", lambda *a: calls.append(original(*a)) or calls[-1])
-    chunk = kv_like(layers=2, tokens=8, heads=2, dim=64)
+    kernel_of = "dequantise_int8" if name.startswith("int8") else "dequantise_int4_rotated"
+    original = getattr(_dequant, kernel_of)
+    monkeypatch.setattr(f"kvtier.codecs.quant.{kernel_of}", lambda *a: calls.append(original(*a)) or calls[-1])
+    chunk = kv_like(layers=2, tokens=8, heads=2, dim=dim)
     out = torch.zeros(chunk.shape, dtype=out_dtype)
     codec = get_codec(name)
     _, buf = roundtrip(codec, chunk)
     calls.clear()
     codec.decode_into(memoryview(buf), tuple(chunk.shape), chunk.dtype, out)
     assert calls == [False]  # declined: torch decoded it
-    monkeypatch.setattr("kvtier.codecs.quant.dequantise_int8", lambda *a: False)
+    monkeypatch.setattr(f"kvtier.codecs.quant.{kernel_of}", lambda *a: False)
     assert torch.equal(out.to(chunk.dtype), codec.decode(memoryview(buf), tuple(chunk.shape), chunk.dtype))
 
 
