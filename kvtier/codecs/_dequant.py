@@ -1,20 +1,22 @@
-"""int8 and int4 dequantisation in one pass, straight into the destination: ``out = (code - zero) * scale``
-per group, and for int4 each head vector rotated back by the Hadamard transform.
+"""int8, int4 and cachegen dequantisation in one pass, straight into the destination: ``out = (code - zero) *
+scale`` per group (cachegen: ``symbol * step`` per vector), and for int4 and cachegen each head vector
+rotated back by the Hadamard transform.
 
 torch does it in passes over an L2-sized float32 scratch (codes to float, minus the zero point, times the
-scale, for int4 a 64x64 matrix product per head vector, converted into place), each a call that holds the GIL
-between its kernels. These kernels of LLVM IR (``kvtier.kernels``) read each code once and write each value
-once, 16 at a time. int8: float32 arithmetic in torch's order, rounded to the destination dtype as torch
-rounds (to nearest, ties to even), so the bytes are identical to the torch path's. int4: the rotation is the
-fast Walsh-Hadamard transform (butterflies: log2(dim) additions per value instead of dim multiply-adds, four
-stages inside a vector register, the rest across a stack buffer of the head vector), scaled by 1/sqrt(dim)
-at the end; it agrees with torch's matrix product to float32 rounding (on SmolLM2's 64-dim heads, to the
-bit). Measured on SmolLM2's KV into token ranges (one thread / two): int8 9.6 / 14 GB/s against 4.3-4.5 /
-6.6-6.8; int4 2.8 / 4.7-4.9 against 0.9 / 0.9-1.6.
+scale, for the rotating codecs a 64x64 matrix product per head vector, converted into place), each a call
+that holds the GIL between its kernels. These kernels of LLVM IR (``kvtier.kernels``) read each code once and
+write each value once, 16 at a time. int8: float32 arithmetic in torch's order, rounded to the destination
+dtype as torch rounds (to nearest, ties to even), so the bytes are identical to the torch path's. int4 and
+cachegen: the rotation is the fast Walsh-Hadamard transform (butterflies: log2(dim) additions per value
+instead of dim multiply-adds, four stages inside a vector register, the rest across a stack buffer of the
+head vector), scaled by 1/sqrt(dim) at the end; it agrees with torch's matrix product to float32 rounding
+(on SmolLM2's 64-dim heads, to the bit). Measured on SmolLM2's KV into token ranges (one thread / two):
+int8 9.6 / 14 GB/s against 4.3-4.5 / 6.6-6.8; int4 2.8 / 4.7-4.9 against 0.9 / 0.9-1.6; cachegen, whose
+zstd and delta decoding stay outside, 1.3 / 1.9-2.1 against 0.4-0.5 / 0.8-1.0.
 
-Handled: bf16, fp16 and fp32 destinations whose runs hold whole groups (int8) or head vectors (int4; dim a
-power of two from 16 to 1024) of a token range of canonical KV, groups a multiple of 16 values. Otherwise
-the codec uses torch.
+Handled: bf16, fp16 and fp32 destinations whose runs hold whole groups (int8) or head vectors (int4,
+cachegen; dim a power of two from 16 to 1024) of a token range of canonical KV, groups a multiple of 16
+values. Otherwise the codec uses torch.
 """
 
 from __future__ import annotations
@@ -133,17 +135,37 @@ def _in_register_butterflies(src: str) -> tuple[str, str]:
     return "\n".join(lines), cur
 
 
-def _ir_int4(kind: str) -> str:
-    """``dequant4r_<kind>(runs, codes, scales, zeros, run_elems, count, group, dim, norm)``: as int8's, with
-    two codes per byte (low nibble first), then each head vector of ``dim`` values (a power of two, 16 to
-    1024) rotated back by the Sylvester-Hadamard transform (butterflies, not a matrix product) times ``norm``
-    (1/sqrt(dim)), in a stack buffer of 1024 floats."""
+def _ir_rotated(kind: str, codes: str) -> str:
+    """``dequant4r_<kind>(runs, codes, scales, zeros, run_elems, count, group, dim, norm)`` (``codes`` "u4":
+    two codes per byte, low nibble first, minus a zero point) or ``dequants8r_<kind>`` (``codes`` "s8": one
+    signed byte per value, no zero point; ``zeros`` unused): as int8's, then each head vector of ``dim``
+    values (a power of two, 16 to 1024) rotated back by the Sylvester-Hadamard transform (butterflies, not a
+    matrix product) times ``norm`` (1/sqrt(dim)), in a stack buffer of 1024 floats."""
     size = {"f32": 4, "f16": 2, "bf16": 2}[kind]
     interleave = ", ".join(f"i32 {i // 2 + (8 if i % 2 else 0)}" for i in range(_LANES))
-    butterflies, rotated = _in_register_butterflies("%v0")
     splat = lambda x: "<" + ", ".join([f"i8 {x}"] * 8) + ">"  # noqa: E731
+    if codes == "u4":
+        name = f"dequant4r_{kind}"
+        load = f"""  %byte = lshr i64 %a, 1
+  %bp = getelementptr i8, ptr %codes, i64 %byte
+  %packed = load <8 x i8>, ptr %bp, align 1
+  %low = and <8 x i8> %packed, {splat(15)}
+  %high = lshr <8 x i8> %packed, {splat(4)}
+  %nib = shufflevector <8 x i8> %low, <8 x i8> %high, <16 x i32> <{interleave}>
+  %cf = uitofp <16 x i8> %nib to <16 x float>
+  %zp = getelementptr float, ptr %zeros, i64 %q
+  %z = load float, ptr %zp
+  %z0 = insertelement <16 x float> poison, float %z, i64 0
+  %zv = shufflevector <16 x float> %z0, <16 x float> poison, <16 x i32> zeroinitializer
+  %diff = fsub <16 x float> %cf, %zv"""
+    else:
+        name = f"dequants8r_{kind}"
+        load = """  %bp = getelementptr i8, ptr %codes, i64 %a
+  %packed = load <16 x i8>, ptr %bp, align 1
+  %diff = sitofp <16 x i8> %packed to <16 x float>"""
+    butterflies, rotated = _in_register_butterflies("%v0")
     return f"""
-define void @dequant4r_{kind}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g, i64 %dim,
+define void @{name}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g, i64 %dim,
                               float %norm) nounwind {{
 entry:
   %buf = alloca [1024 x float], align 64
@@ -169,21 +191,10 @@ unpack:
   %a = add i64 %abs, %c16
   %q = udiv i64 %a, %g
   %sp = getelementptr float, ptr %scales, i64 %q
-  %zp = getelementptr float, ptr %zeros, i64 %q
   %s = load float, ptr %sp
-  %z = load float, ptr %zp
   %s0 = insertelement <16 x float> poison, float %s, i64 0
   %sv = shufflevector <16 x float> %s0, <16 x float> poison, <16 x i32> zeroinitializer
-  %z0 = insertelement <16 x float> poison, float %z, i64 0
-  %zv = shufflevector <16 x float> %z0, <16 x float> poison, <16 x i32> zeroinitializer
-  %byte = lshr i64 %a, 1
-  %bp = getelementptr i8, ptr %codes, i64 %byte
-  %packed = load <8 x i8>, ptr %bp, align 1
-  %low = and <8 x i8> %packed, {splat(15)}
-  %high = lshr <8 x i8> %packed, {splat(4)}
-  %nib = shufflevector <8 x i8> %low, <8 x i8> %high, <16 x i32> <{interleave}>
-  %cf = uitofp <16 x i8> %nib to <16 x float>
-  %diff = fsub <16 x float> %cf, %zv
+{load}
   %v0 = fmul <16 x float> %diff, %sv
 {butterflies}
   %slot = getelementptr float, ptr %buf, i64 %c16
@@ -253,11 +264,11 @@ def _kernels() -> dict | None:
         with _lock:
             if not _tried:
                 kinds = list(_OUT_TYPES.values())
-                names = [f"dequant8_{k}" for k in kinds] + [f"dequant4r_{k}" for k in kinds]
-                ir = "".join(_ir(k) for k in kinds) + "".join(_ir_int4(k) for k in kinds)
+                names = [f"{op}_{k}" for op in ("dequant8", "dequant4r", "dequants8r") for k in kinds]
+                ir = "".join(_ir(k) for k in kinds) + "".join(_ir_rotated(k, c) for c in ("u4", "s8") for k in kinds)
                 found = kernels.build(ir, names, "dequantisation kernels")
                 _built = None if found is None else {
-                    n: (_Fn if n.startswith("dequant8") else _Fn4)(a) for n, a in found.items()}
+                    n: (_Fn if n.startswith("dequant8_") else _Fn4)(a) for n, a in found.items()}
                 _tried = True
     return _built
 
@@ -296,19 +307,34 @@ def dequantise_int4_rotated(out: torch.Tensor, codes: torch.Tensor, scale: torch
     back by the ``dim``-point orthonormal Hadamard transform, and True; or False, having written nothing,
     where the kernel does not fit (``dim`` not a power of two from 16 to 1024, groups not a multiple of 16
     values, or as for int8). Agrees with torch's matrix product to float32 rounding, not bit for bit."""
+    if codes.numel() * 2 != out.numel() or zero.dtype != torch.float32 or not zero.is_contiguous() or zero.numel() != scale.numel():
+        return False
+    return _rotated("dequant4r", out, codes, scale, zero, g, dim)
+
+
+def dequantise_symbols_rotated(out: torch.Tensor, symbols: torch.Tensor, steps: torch.Tensor, dim: int) -> bool:
+    """``out`` = each head vector of ``symbols * step`` (signed bytes, one step per vector) rotated back by the
+    ``dim``-point Hadamard transform (cachegen), and True; or False, having written nothing, where the kernel
+    does not fit (as ``dequantise_int4_rotated``)."""
+    if symbols.numel() != out.numel() or symbols.dtype != torch.int8:
+        return False
+    return _rotated("dequants8r", out, symbols, steps, None, dim, dim)
+
+
+def _rotated(op: str, out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, g: int,
+             dim: int) -> bool:
     kind = _OUT_TYPES.get(out.dtype)
     if (kind is None or g % _LANES or dim < _LANES or dim > 1024 or dim & (dim - 1) or dim % g
             or out.device.type != "cpu" or out.layout != torch.strided or out.requires_grad or out.is_neg()
-            or out.numel() == 0 or codes.numel() * 2 != out.numel() or scale.dtype != torch.float32
-            or zero.dtype != torch.float32 or not scale.is_contiguous() or not zero.is_contiguous()
-            or not codes.is_contiguous() or scale.numel() * g != out.numel() or zero.numel() != scale.numel()):
+            or out.numel() == 0 or scale.dtype != torch.float32 or not scale.is_contiguous()
+            or not codes.is_contiguous() or scale.numel() * g != out.numel()):
         return False
     fns = _kernels()
     found = kernels.runs([out]) if fns is not None else None
     if found is None or found[1] % dim:
         return False
     starts, run = found[0][0], found[1]
-    fns[f"dequant4r_{kind}"](starts.ctypes.data, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), run,
-                              len(starts), g, dim, 1.0 / math.sqrt(dim))
+    fns[f"{op}_{kind}"](starts.ctypes.data, codes.data_ptr(), scale.data_ptr(), 0 if zero is None else zero.data_ptr(),
+                        run, len(starts), g, dim, 1.0 / math.sqrt(dim))
     increment_version(out)
     return True

@@ -25,13 +25,13 @@ payloads (numpy byte planes) still decode, and ``lossless-lz4`` / ``lossless-z<l
 from __future__ import annotations
 
 import struct
-import threading
 
 import numpy as np
 import torch
 import zstandard
 
 from kvtier.codecs import _planes
+from kvtier.codecs._local import inflate_into, local, scratch
 from kvtier.codecs._wire import PartsPayload, PayloadReader, numel_of
 from kvtier.codecs.base import check_destination
 from kvtier.codecs.lossless_blosc2 import LZ4, VERSION as _V2, ZSTD, checked_frame, decode_v2_into, encode_v2
@@ -49,7 +49,6 @@ _PARAMS = dict(window_log=17, chain_log=6, hash_log=6, search_log=1, min_match=7
 _MAX_WINDOW = 1 << 20
 _MIN_GAIN = 32  # a plane is stored compressed only if that saves 1/32 of it
 _RLE_BLOCK = 1  # zstd block type 1 (RLE): a body of one byte, whatever the size it stands for
-_LOCAL = threading.local()
 
 
 class LosslessCodec:
@@ -81,9 +80,9 @@ class LosslessCodec:
         parts: list = [_HEAD.pack(_VERSION, itemsize, _PLANES, 0)]
         if numel == 0:
             return PartsPayload(parts)
-        planes = _scratch("split", itemsize * numel).reshape(itemsize, numel)
+        planes = scratch("lossless_split", itemsize * numel).reshape(itemsize, numel)
         _planes.split(chunk.detach().to("cpu"), planes)
-        compressor = _local("compressor", lambda: zstandard.ZstdCompressor(
+        compressor = local("lossless_compressor", lambda: zstandard.ZstdCompressor(
             compression_params=zstandard.ZstdCompressionParameters(**_PARAMS)))
         for plane in planes:
             packed = compressor.compress(plane)
@@ -122,7 +121,7 @@ def _decode_checked(checked: memoryview | list, shape: tuple[int, ...], dtype: t
     elif checked:
         target = out
         if out.dtype != dtype:
-            target = torch.from_numpy(_scratch("cast", out.numel() * dtype.itemsize)).view(dtype).view(shape)
+            target = torch.from_numpy(scratch("lossless_cast", out.numel() * dtype.itemsize)).view(dtype).view(shape)
         _planes.join(target, _unpack(checked, out.numel()))
         if target is not out:
             out.copy_(target)
@@ -185,48 +184,12 @@ def _unpack(planes: list[tuple[int, memoryview]], numel: int) -> list[np.ndarray
     """Each checked plane's ``numel`` bytes: stored ones viewed in place, zstd frames decompressed into rows
     of this thread's scratch (for bf16 KV, half a chunk)."""
     packed = sum(stored_as == _ZSTD_FRAME for stored_as, _ in planes)
-    rows = iter(_scratch("planes", numel * packed).reshape(packed, numel))
-    decompressor = _local("decompressor", lambda: zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW))
+    rows = iter(scratch("lossless_planes", numel * packed).reshape(packed, numel))
+    decompressor = local("lossless_decompressor", lambda: zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW))
     out = []
     for stored_as, data in planes:
         if stored_as == _RAW:
             out.append(np.frombuffer(data, dtype=np.uint8))
         else:
-            out.append(_inflate(decompressor, data, next(rows)))
+            out.append(inflate_into(decompressor, data, next(rows), "lossless"))
     return out
-
-
-def _inflate(decompressor: zstandard.ZstdDecompressor, frame: memoryview, dest: np.ndarray) -> np.ndarray:
-    """Decompress a checked frame into ``dest``, which it must fill exactly; CodecError otherwise."""
-    try:
-        with decompressor.stream_reader(frame, read_size=frame.nbytes, closefd=False) as reader:
-            view, filled = memoryview(dest), 0
-            while filled < dest.nbytes:
-                got = reader.readinto(view[filled:])
-                if not got:
-                    break
-                filled += got
-            if filled != dest.nbytes or reader.read(1):
-                raise CodecError(f"lossless: a zstd plane decoded to {filled}+ bytes, not {dest.nbytes}")
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"lossless: corrupt zstd plane: {exc}") from None
-    return dest
-
-
-def _local(name: str, make):
-    """This thread's ``name`` (zstd contexts are not thread-safe), made on first use."""
-    value = getattr(_LOCAL, name, None)
-    if value is None:
-        value = make()
-        setattr(_LOCAL, name, value)
-    return value
-
-
-def _scratch(name: str, nbytes: int) -> np.ndarray:
-    """``nbytes`` of this thread's scratch ``name``, grown as needed and kept: reused memory is ~10x faster to
-    write here than freshly faulted pages. Each holds one chunk's bytes per thread."""
-    buf = getattr(_LOCAL, name, None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = np.empty(nbytes, dtype=np.uint8)
-        setattr(_LOCAL, name, buf)
-    return buf[:nbytes]

@@ -22,12 +22,12 @@ CodecErrors.
 from __future__ import annotations
 
 import struct
-import threading
 
 import blosc2
 import numpy as np
 import torch
 
+from kvtier.codecs._local import scratch
 from kvtier.codecs._wire import PartsPayload, PayloadReader, numel_of
 from kvtier.errors import CodecError
 
@@ -79,7 +79,7 @@ def decode_v2_into(frame: memoryview, shape: tuple[int, ...], dtype: torch.dtype
     if out.is_contiguous() and out.dtype == dtype:
         _decompress(frame, out.view(-1).view(torch.uint8).numpy())
     else:
-        dst = _scratch(out.numel() * dtype.itemsize)
+        dst = scratch("blosc2", out.numel() * dtype.itemsize)
         _decompress(frame, dst)
         out.copy_(torch.from_numpy(dst).view(dtype).view(shape))
 
@@ -104,18 +104,6 @@ def _decompress(frame: memoryview, dst: np.ndarray) -> None:
         blosc2.decompress2(frame, dst=dst, nthreads=1)
     except (RuntimeError, ValueError) as exc:
         raise CodecError(f"lossless: corrupt blosc2 chunk: {exc}") from None
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """``nbytes`` of this thread's decode scratch, grown as needed and kept: reused memory is ~10x faster to
-    write here than freshly faulted pages. Holds one chunk's bytes per decoding thread."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = np.empty(nbytes, dtype=np.uint8)
-    return buf[:nbytes]
 
 
 def check_blosc2_chunk(frame: memoryview, nbytes: int, typesize: int, codec: tuple[int, int]) -> None:

@@ -69,15 +69,34 @@ def test_the_int4_kernel_rotates_back_as_the_matrix_product_does(monkeypatch, na
     assert not kernel[:, :, :lo].view(bits).any() and not kernel[:, :, lo + tokens :].view(bits).any()
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(["cachegen", "cachegen-a4"]), dims=st.tuples(st.integers(1, 3), st.integers(1, 40),
+       st.integers(1, 3)), dim=st.sampled_from([16, 64, 128]), out_dtype=st.sampled_from([torch.bfloat16,
+       torch.float16, torch.float32]), lo=st.integers(0, 4), hi=st.integers(0, 4), seed=st.integers(0, 1000))
+def test_the_cachegen_kernel_rotates_back_as_the_matrix_product_does(monkeypatch, name, dims, dim, out_dtype, lo, hi,
+                                                                    seed) -> None:
+    """cachegen's signed symbols times one step per vector, through the same butterflies as int4."""
+    layers, tokens, heads = dims
+    chunk = kv_like(layers=layers, tokens=tokens, heads=heads, dim=dim, seed=seed)
+    kernel, reference = _decode_both(monkeypatch, name, chunk, out_dtype, lo, hi)
+    tolerance = 2.0**-7 if out_dtype.itemsize == 2 else 1e-5
+    torch.testing.assert_close(kernel.float(), reference.float(), rtol=tolerance, atol=1e-4 * float(chunk.abs().max()))
+    bits = BITS[out_dtype.itemsize]
+    assert not kernel[:, :, :lo].view(bits).any() and not kernel[:, :, lo + tokens :].view(bits).any()
+
+
 @pytest.mark.parametrize("name,out_dtype,dim", [("int8-g8", torch.bfloat16, 64), ("int8", torch.float64, 64),
-                                                ("int4", torch.bfloat16, 8), ("int4", torch.float64, 64)])
+                                                ("int4", torch.bfloat16, 8), ("int4", torch.float64, 64),
+                                                ("cachegen", torch.bfloat16, 8), ("cachegen", torch.float64, 64)])
 def test_where_the_kernel_does_not_fit_torch_decodes(monkeypatch, name: str, out_dtype: torch.dtype, dim: int) -> None:
     """Groups of 8 values (not a multiple of 16), 8-point rotations and float64 destinations are declined, and
-    still decode."""
+    still decode (as the torch path decodes them)."""
     calls = []
-    kernel_of = "dequantise_int8" if name.startswith("int8") else "dequantise_int4_rotated"
+    family = name.split("-")[0]
+    kernel_of = {"int8": "dequantise_int8", "int4": "dequantise_int4_rotated", "cachegen": "dequantise_symbols_rotated"}[family]
+    module = "cachegen" if family == "cachegen" else "quant"
     original = getattr(_dequant, kernel_of)
-    monkeypatch.setattr(f"kvtier.codecs.quant.{kernel_of}", lambda *a: calls.append(original(*a)) or calls[-1])
+    monkeypatch.setattr(f"kvtier.codecs.{module}.{kernel_of}", lambda *a: calls.append(original(*a)) or calls[-1])
     chunk = kv_like(layers=2, tokens=8, heads=2, dim=dim)
     out = torch.zeros(chunk.shape, dtype=out_dtype)
     codec = get_codec(name)
@@ -85,7 +104,7 @@ def test_where_the_kernel_does_not_fit_torch_decodes(monkeypatch, name: str, out
     calls.clear()
     codec.decode_into(memoryview(buf), tuple(chunk.shape), chunk.dtype, out)
     assert calls == [False]  # declined: torch decoded it
-    monkeypatch.setattr(f"kvtier.codecs.quant.{kernel_of}", lambda *a: False)
+    monkeypatch.setattr(f"kvtier.codecs.{module}.{kernel_of}", lambda *a: False)
     assert torch.equal(out.to(chunk.dtype), codec.decode(memoryview(buf), tuple(chunk.shape), chunk.dtype))
 
 
