@@ -55,6 +55,45 @@ def build(ir: str, names: Sequence[str], what: str) -> dict[str, int] | None:
         return None
 
 
+def over_runs(signature: str, body: str, *, entry: str = "", done: str = "") -> str:
+    """IR of ``define void @<signature> nounwind``: a loop over runs, the shape every kernel here shares.
+
+    ``signature`` takes ``ptr %runs`` (an i64 array of run start addresses), ``i64 %n`` (elements per run)
+    and ``i64 %count`` (runs). For each run the loop sets ``%r`` (its index), ``%dint`` / ``%d`` (its address
+    as an integer / a pointer) and ``%e0`` (``%r * %n``, its first element) and branches to ``body``, IR that
+    starts with the label ``body:`` and branches to ``%runend`` when the run is done. ``entry`` runs once
+    first (straight-line IR), ``done`` once before returning."""
+    return f"""
+define void @{signature} nounwind {{
+entry:
+{entry}
+  %none = icmp eq i64 %count, 0
+  br i1 %none, label %done, label %run
+run:
+  %r = phi i64 [0, %entry], [%rnext, %runend]
+  %rp = getelementptr i64, ptr %runs, i64 %r
+  %dint = load i64, ptr %rp
+  %d = inttoptr i64 %dint to ptr
+  %e0 = mul i64 %r, %n
+  br label %body
+{body}
+runend:
+  %rnext = add i64 %r, 1
+  %again = icmp ult i64 %rnext, %count
+  br i1 %again, label %run, label %done
+done:
+{done}
+  ret void
+}}
+"""
+
+
+def broadcast(name: str, scalar: str, lanes: int = 16, kind: str = "float") -> str:
+    """IR that sets ``name`` to a ``<lanes x kind>`` vector of ``scalar`` in every lane."""
+    return (f"  {name}.0 = insertelement <{lanes} x {kind}> poison, {kind} {scalar}, i64 0\n"
+            f"  {name} = shufflevector <{lanes} x {kind}> {name}.0, <{lanes} x {kind}> poison, <{lanes} x i32> zeroinitializer")
+
+
 def runs(tensors: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], int] | None:
     """The runs that ``tensors`` (one shape, one element size, strided, on the CPU) share: the start address
     of each run in each tensor, in row-major order of the elements, and the elements per run. A run is the

@@ -63,30 +63,18 @@ def _ir(kind: str) -> str:
     destination run addresses; run ``r`` takes values ``[r * run_elems, (r + 1) * run_elems)``; value ``i``
     is ``(codes[i] - zeros[i / group]) * scales[i / group]`` (float32 scales and zeros)."""
     size = {"f32": 4, "f16": 2, "bf16": 2}[kind]
-    return f"""
-define void @dequant8_{kind}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g) nounwind {{
-entry:
-  %none = icmp eq i64 %count, 0
-  br i1 %none, label %done, label %run
-run:
-  %r = phi i64 [0, %entry], [%rnext, %runend]
-  %rp = getelementptr i64, ptr %runs, i64 %r
-  %dint = load i64, ptr %rp
-  %d = inttoptr i64 %dint to ptr
-  %e0 = mul i64 %r, %n
+    body = f"""body:
   br label %group
 group:
-  %e = phi i64 [0, %run], [%enext, %groupend]
+  %e = phi i64 [0, %body], [%enext, %groupend]
   %abs = add i64 %e0, %e
   %q = udiv i64 %abs, %g
   %sp = getelementptr float, ptr %scales, i64 %q
   %zp = getelementptr float, ptr %zeros, i64 %q
   %s = load float, ptr %sp
   %z = load float, ptr %zp
-  %s0 = insertelement <16 x float> poison, float %s, i64 0
-  %sv = shufflevector <16 x float> %s0, <16 x float> poison, <16 x i32> zeroinitializer
-  %z0 = insertelement <16 x float> poison, float %z, i64 0
-  %zv = shufflevector <16 x float> %z0, <16 x float> poison, <16 x i32> zeroinitializer
+{kernels.broadcast("%sv", "%s")}
+{kernels.broadcast("%zv", "%z")}
   br label %lanes
 lanes:
   %i = phi i64 [0, %group], [%inext, %lanes]
@@ -106,15 +94,9 @@ lanes:
 groupend:
   %enext = add i64 %e, %g
   %emore = icmp ult i64 %enext, %n
-  br i1 %emore, label %group, label %runend
-runend:
-  %rnext = add i64 %r, 1
-  %again = icmp ult i64 %rnext, %count
-  br i1 %again, label %run, label %done
-done:
-  ret void
-}}
-"""
+  br i1 %emore, label %group, label %runend"""
+    return kernels.over_runs(f"dequant8_{kind}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g)",
+                             body)
 
 
 def _in_register_butterflies(src: str) -> tuple[str, str]:
@@ -155,8 +137,7 @@ def _ir_rotated(kind: str, codes: str) -> str:
   %cf = uitofp <16 x i8> %nib to <16 x float>
   %zp = getelementptr float, ptr %zeros, i64 %q
   %z = load float, ptr %zp
-  %z0 = insertelement <16 x float> poison, float %z, i64 0
-  %zv = shufflevector <16 x float> %z0, <16 x float> poison, <16 x i32> zeroinitializer
+{kernels.broadcast("%zv", "%z")}
   %diff = fsub <16 x float> %cf, %zv"""
     else:
         name = f"dequants8r_{kind}"
@@ -164,25 +145,10 @@ def _ir_rotated(kind: str, codes: str) -> str:
   %packed = load <16 x i8>, ptr %bp, align 1
   %diff = sitofp <16 x i8> %packed to <16 x float>"""
     butterflies, rotated = _in_register_butterflies("%v0")
-    return f"""
-define void @{name}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g, i64 %dim,
-                              float %norm) nounwind {{
-entry:
-  %buf = alloca [1024 x float], align 64
-  %chunks = lshr i64 %dim, 4
-  %n0 = insertelement <16 x float> poison, float %norm, i64 0
-  %nv = shufflevector <16 x float> %n0, <16 x float> poison, <16 x i32> zeroinitializer
-  %none = icmp eq i64 %count, 0
-  br i1 %none, label %done, label %run
-run:
-  %r = phi i64 [0, %entry], [%rnext, %runend]
-  %rp = getelementptr i64, ptr %runs, i64 %r
-  %dint = load i64, ptr %rp
-  %d = inttoptr i64 %dint to ptr
-  %e0 = mul i64 %r, %n
+    body = f"""body:
   br label %vector
 vector:
-  %e = phi i64 [0, %run], [%enext, %vectorend]
+  %e = phi i64 [0, %body], [%enext, %vectorend]
   %abs = add i64 %e0, %e
   br label %unpack
 unpack:
@@ -192,8 +158,7 @@ unpack:
   %q = udiv i64 %a, %g
   %sp = getelementptr float, ptr %scales, i64 %q
   %s = load float, ptr %sp
-  %s0 = insertelement <16 x float> poison, float %s, i64 0
-  %sv = shufflevector <16 x float> %s0, <16 x float> poison, <16 x i32> zeroinitializer
+{kernels.broadcast("%sv", "%s")}
 {load}
   %v0 = fmul <16 x float> %diff, %sv
 {butterflies}
@@ -247,15 +212,12 @@ out:
 vectorend:
   %enext = add i64 %e, %dim
   %emore = icmp ult i64 %enext, %n
-  br i1 %emore, label %vector, label %runend
-runend:
-  %rnext = add i64 %r, 1
-  %again = icmp ult i64 %rnext, %count
-  br i1 %again, label %run, label %done
-done:
-  ret void
-}}
-"""
+  br i1 %emore, label %vector, label %runend"""
+    entry = f"""  %buf = alloca [1024 x float], align 64
+  %chunks = lshr i64 %dim, 4
+{kernels.broadcast("%nv", "%norm")}"""
+    return kernels.over_runs(f"{name}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g, "
+                             "i64 %dim, float %norm)", body, entry=entry)
 
 
 def _kernels() -> dict | None:

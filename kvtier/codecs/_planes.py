@@ -42,7 +42,7 @@ def _scalar_loop(name: str, k: int, start: str, end: str, after: str, join: bool
     for j in range(k):
         plane, elem = f"%{name}p{j}", f"%{name}e{j}"
         body.append(f"  {plane} = getelementptr i8, ptr %p{j}, i64 %{name}g\n"
-                    f"  {elem} = getelementptr i8, ptr %t, i64 %{name}b{j}")
+                    f"  {elem} = getelementptr i8, ptr %d, i64 %{name}b{j}")
         src, dst = (plane, elem) if join else (elem, plane)
         body.append(f"  %{name}v{j} = load i8, ptr {src}\n  store i8 %{name}v{j}, ptr {dst}")
     offsets = "\n".join(f"  %{name}b{j} = add i64 %{name}k, {j}" for j in range(k))
@@ -91,7 +91,7 @@ def _ir(k: int, join: bool) -> str:
 {chr(10).join(steps)}
   %vx = shufflevector <64 x i8> {parts[0]}, <64 x i8> poison, <64 x i32> <{to_elements}>
   store <64 x i8> %vx, ptr %vt, align 64, !nontemporal !0"""
-        head = f"""  %neg = sub i64 0, %tint
+        head = f"""  %neg = sub i64 0, %dint
   %misb = and i64 %neg, 63
   %mis = udiv i64 %misb, {k}
   %short = icmp ult i64 %n, %mis
@@ -106,34 +106,23 @@ def _ir(k: int, join: bool) -> str:
   %vy = shufflevector <64 x i8> %vx, <64 x i8> poison, <64 x i32> <{to_planes}>
 {chr(10).join(extracts)}"""
         head = "  %head = add i64 0, 0"
-    return f"""
-define void @{name}(ptr %runs, ptr %planes, i64 %n, i64 %count) nounwind {{
-entry:
-{bases}
-  %none = icmp eq i64 %count, 0
-  br i1 %none, label %done, label %run
-run:
-  %r = phi i64 [0, %entry], [%rnext, %runend]
-  %rp = getelementptr i64, ptr %runs, i64 %r
-  %tint = load i64, ptr %rp
-  %t = inttoptr i64 %tint to ptr
-  %e0 = mul i64 %r, %n
+    body = f"""body:
 {head}
   %rest = sub i64 %n, %head
-  %body = and i64 %rest, -{lanes}
-  %vend = add i64 %head, %body
+  %bulk = and i64 %rest, -{lanes}
+  %vend = add i64 %head, %bulk
   br label %hpre
 hpre:
   br label %h
 {_scalar_loop("h", k, "0", "%head", "vcheck", join)}
 vcheck:
-  %hasbody = icmp ne i64 %body, 0
-  br i1 %hasbody, label %vec, label %tlpre
+  %hasbulk = icmp ne i64 %bulk, 0
+  br i1 %hasbulk, label %vec, label %tlpre
 vec:
   %vi = phi i64 [%head, %vcheck], [%vnext, %vec]
   %vg = add i64 %e0, %vi
   %vk = mul i64 %vi, {k}
-  %vt = getelementptr i8, ptr %t, i64 %vk
+  %vt = getelementptr i8, ptr %d, i64 %vk
 {plane_ptrs}
 {vector}
   %vnext = add i64 %vi, {lanes}
@@ -141,16 +130,9 @@ vec:
   br i1 %vmore, label %vec, label %tlpre
 tlpre:
   br label %tl
-{_scalar_loop("tl", k, "%vend", "%n", "runend", join)}
-runend:
-  %rnext = add i64 %r, 1
-  %again = icmp ult i64 %rnext, %count
-  br i1 %again, label %run, label %done
-done:
-  {"FENCE" if join else ""}
-  ret void
-}}
-"""
+{_scalar_loop("tl", k, "%vend", "%n", "runend", join)}"""
+    return kernels.over_runs(f"{name}(ptr %runs, ptr %planes, i64 %n, i64 %count)", body, entry=bases,
+                             done="  FENCE" if join else "")
 
 
 def _kernels() -> dict[str, _Fn] | None:
