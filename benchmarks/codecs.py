@@ -35,7 +35,7 @@ from kvtier.codecs import get_codec
 _ROOT = Path(__file__).resolve().parents[1]
 DOCS = next((p for p in (Path(os.environ.get("KVTIER_WORKLOADS", "/nonexistent")), _ROOT.parent / "shared" / "workloads",
                          _ROOT.parent.parent / "shared" / "workloads") if p.is_dir()), _ROOT.parent / "shared" / "workloads")
-CODECS = ["raw", "lossless", "lossless-lz4", "int8", "int4", "cachegen"]
+CODECS = ["raw", "lossless", "lossless-z1", "lossless-lz4", "int8", "int4", "cachegen"]
 CHUNK = 256
 
 

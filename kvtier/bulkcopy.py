@@ -9,7 +9,7 @@ hundreds of MiB) that is most of the memory tier's cost. Measured here (2 cores,
 14-15 GiB/s for torch's ``copy_`` of the same bytes as one flat tensor.
 
 We found no package on PyPI that offers such a copy, so the kernel is a loop of LLVM IR (below) compiled for
-this CPU at first use by llvmlite, numba's compiler (~20 ms), and called through ctypes, which releases the
+this CPU at first use by llvmlite (``kvtier.kernels``, ~20 ms), and called through ctypes, which releases the
 GIL: the threads of one copy run in parallel. ``copy_pairs`` is all or nothing: it returns False having
 copied nothing (the caller copies with torch) when llvmlite is missing or the kernel cannot be built, when
 the copy is under ``MIN_BYTES`` in all (smaller copies may still sit in the caches, where torch's copy is up
@@ -22,7 +22,6 @@ it, contiguous runs shorter than 4 KiB, a destination that overlaps itself or it
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
-log = logging.getLogger(__name__)
+from kvtier import kernels
 
 #: copies smaller than this in all are left to torch (measured crossover: 4-16 MiB here)
 MIN_BYTES = 16 << 20
@@ -117,30 +116,14 @@ done:
 _KernelFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 _build_lock = threading.Lock()
 _kernel: _KernelFn | None = None
-_engine = None  # keeps the compiled code alive
 _tried = False
 _pool: ThreadPoolExecutor | None = None
 
 
 def _build() -> _KernelFn | None:
-    import llvmlite.binding as llvm  # noqa: PLC0415 (optional, and only paid for on first use)
-
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    triple = llvm.get_default_triple()
-    if triple.startswith(("x86_64", "i386", "i686")):
-        fence_decl, fence = "declare void @llvm.x86.sse.sfence()", "call void @llvm.x86.sse.sfence()"
-    else:
-        fence_decl, fence = "", "fence seq_cst"
-    module = llvm.parse_assembly(_KERNEL_IR.format(fence_decl=fence_decl, fence=fence))
-    module.verify()
-    machine = llvm.Target.from_triple(triple).create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
-    engine = llvm.create_mcjit_compiler(module, machine)
-    engine.finalize_object()
-    global _engine
-    _engine = engine
-    return _KernelFn(engine.get_function_address("copy_runs"))
+    fence_decl, fence = kernels.x86_sfence()
+    found = kernels.build(_KERNEL_IR.format(fence_decl=fence_decl, fence=fence), ["copy_runs"], "streaming copies")
+    return None if found is None else _KernelFn(found["copy_runs"])
 
 
 def kernel() -> _KernelFn | None:
@@ -151,10 +134,7 @@ def kernel() -> _KernelFn | None:
     with _build_lock:
         if not _tried:
             if os.environ.get("KVTIER_STREAMING_COPY", "1").strip().lower() not in ("0", "false", "no", "off"):
-                try:
-                    _kernel = _build()
-                except Exception as error:  # ImportError, or LLVM rejecting this target: torch copies instead
-                    log.info("streaming copies unavailable (%s); copying with torch", error)
+                _kernel = _build()
             _tried = True
     return _kernel
 
@@ -172,30 +152,14 @@ def _runs(dest: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray
             or dest.requires_grad or src.requires_grad or dest.is_conj() or src.is_conj()
             or dest.is_neg() or src.is_neg()):
         return None
-    item = dest.element_size()
-    dims = [(size, ds, ss) for size, ds, ss in zip(dest.shape, dest.stride(), src.stride()) if size != 1]
-    run = 1  # elements in one run: the innermost dimensions contiguous in both tensors
-    while dims and dims[-1][1] == run and dims[-1][2] == run:
-        run *= dims.pop()[0]
-    if run * item < MIN_RUN_BYTES:
-        return None
-    d_off = np.zeros(1, np.int64)
-    s_off = np.zeros(1, np.int64)
-    for size, ds, ss in dims:  # outer dimensions, outermost first: row-major order of the runs
-        if ds == 0:
-            return None  # the destination repeats itself
-        steps = np.arange(size, dtype=np.int64)
-        d_off = (d_off[:, None] + steps * (ds * item)).ravel()
-        s_off = (s_off[:, None] + steps * (ss * item)).ravel()
-    run_bytes = run * item
-    d0, s0 = dest.data_ptr(), src.data_ptr()
-    d_end = d0 + int(d_off.max()) + run_bytes
-    s_end = s0 + int(s_off.max()) + run_bytes
-    if d0 < s_end and s0 < d_end:
+    found = kernels.runs([dest, src])
+    if found is None or found[1] * dest.element_size() < MIN_RUN_BYTES:
+        return None  # the destination repeats or overlaps itself, or its runs are too short to pay
+    (d_at, s_at), run = found
+    run_bytes = run * dest.element_size()
+    if int(d_at.min()) < int(s_at.max()) + run_bytes and int(s_at.min()) < int(d_at.max()) + run_bytes:
         return None  # source and destination spans meet: leave it to torch, which checks
-    if len(d_off) > 1 and int(np.diff(np.sort(d_off)).min()) < run_bytes:
-        return None  # runs of the destination overlap one another
-    return d_off + d0, s_off + s0, run_bytes
+    return d_at, s_at, run_bytes
 
 
 def _pieces(dst: np.ndarray, src: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
