@@ -5,18 +5,16 @@ is decoded, and old byte-plane (v1) payloads still decode. The blosc2 format (v2
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import zstandard
 
-from kvtier.codecs import get_codec
-from kvtier.codecs import _planes
+from kvtier.codecs import _planes, get_codec
 from kvtier.codecs.lossless import _HEAD, _PLANE
 from kvtier.errors import CodecError
 from kvtier.layout import DTYPE_CODES
