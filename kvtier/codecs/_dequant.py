@@ -41,14 +41,19 @@ _built: dict[str, ctypes._CFuncPtr] | None = None
 _tried = False
 
 
-def _store(kind: str) -> str:
-    """IR that converts ``%v`` (<16 x float>) and stores it at ``%dp``."""
+def _store(kind: str, first: str) -> str:
+    """IR that converts ``%v`` (<16 x float>) and stores it at element ``first`` (an i64 value) of the run
+    ``%d`` starts."""
+    size = {"f32": 4, "f16": 2, "bf16": 2}[kind]
+    at = f"""  %off = mul i64 {first}, {size}
+  %dp = getelementptr i8, ptr %d, i64 %off
+"""
     if kind == "f32":
-        return "  store <16 x float> %v, ptr %dp, align 4"
+        return at + "  store <16 x float> %v, ptr %dp, align 4"
     if kind == "f16":
-        return "  %h = fptrunc <16 x float> %v to <16 x half>\n  store <16 x half> %h, ptr %dp, align 2"
+        return at + "  %h = fptrunc <16 x float> %v to <16 x half>\n  store <16 x half> %h, ptr %dp, align 2"
     splat = lambda x: "<" + ", ".join([f"i32 {x}"] * _LANES) + ">"  # noqa: E731
-    return f"""  %bits = bitcast <16 x float> %v to <16 x i32>
+    return at + f"""  %bits = bitcast <16 x float> %v to <16 x i32>
   %sh = lshr <16 x i32> %bits, {splat(16)}
   %lsb = and <16 x i32> %sh, {splat(1)}
   %bias = add <16 x i32> %lsb, {splat(0x7FFF)}
@@ -62,7 +67,6 @@ def _ir(kind: str) -> str:
     """``dequant8_<kind>(runs, codes, scales, zeros, run_elems, count, group)``: ``runs`` holds ``count``
     destination run addresses; run ``r`` takes values ``[r * run_elems, (r + 1) * run_elems)``; value ``i``
     is ``(codes[i] - zeros[i / group]) * scales[i / group]`` (float32 scales and zeros)."""
-    size = {"f32": 4, "f16": 2, "bf16": 2}[kind]
     body = f"""body:
   br label %group
 group:
@@ -85,9 +89,7 @@ lanes:
   %diff = fsub <16 x float> %cf, %zv
   %v = fmul <16 x float> %diff, %sv
   %local = add i64 %e, %i
-  %off = mul i64 %local, {size}
-  %dp = getelementptr i8, ptr %d, i64 %off
-{_store(kind)}
+{_store(kind, "%local")}
   %inext = add i64 %i, {_LANES}
   %imore = icmp ult i64 %inext, %g
   br i1 %imore, label %lanes, label %groupend
@@ -95,8 +97,8 @@ groupend:
   %enext = add i64 %e, %g
   %emore = icmp ult i64 %enext, %n
   br i1 %emore, label %group, label %runend"""
-    return kernels.over_runs(f"dequant8_{kind}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g)",
-                             body)
+    signature = f"dequant8_{kind}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g)"
+    return kernels.over_runs(signature, body)
 
 
 def _in_register_butterflies(src: str) -> tuple[str, str]:
@@ -123,7 +125,6 @@ def _ir_rotated(kind: str, codes: str) -> str:
     signed byte per value, no zero point; ``zeros`` unused): as int8's, then each head vector of ``dim``
     values (a power of two, 16 to 1024) rotated back by the Sylvester-Hadamard transform (butterflies, not a
     matrix product) times ``norm`` (1/sqrt(dim)), in a stack buffer of 1024 floats."""
-    size = {"f32": 4, "f16": 2, "bf16": 2}[kind]
     interleave = ", ".join(f"i32 {i // 2 + (8 if i % 2 else 0)}" for i in range(_LANES))
     splat = lambda x: "<" + ", ".join([f"i8 {x}"] * 8) + ">"  # noqa: E731
     if codes == "u4":
@@ -203,9 +204,7 @@ out:
   %w = load <16 x float>, ptr %wp, align 64
   %v = fmul <16 x float> %w, %nv
   %local = add i64 %e, %k16
-  %off = mul i64 %local, {size}
-  %dp = getelementptr i8, ptr %d, i64 %off
-{_store(kind)}
+{_store(kind, "%local")}
   %knext = add i64 %k, 1
   %kmore = icmp ult i64 %knext, %chunks
   br i1 %kmore, label %out, label %vectorend
@@ -269,7 +268,8 @@ def dequantise_int4_rotated(out: torch.Tensor, codes: torch.Tensor, scale: torch
     back by the ``dim``-point orthonormal Hadamard transform, and True; or False, having written nothing,
     where the kernel does not fit (``dim`` not a power of two from 16 to 1024, groups not a multiple of 16
     values, or as for int8). Agrees with torch's matrix product to float32 rounding, not bit for bit."""
-    if codes.numel() * 2 != out.numel() or zero.dtype != torch.float32 or not zero.is_contiguous() or zero.numel() != scale.numel():
+    if (codes.numel() * 2 != out.numel() or zero.dtype != torch.float32 or not zero.is_contiguous()
+            or zero.numel() != scale.numel()):
         return False
     return _rotated("dequant4r", out, codes, scale, zero, g, dim)
 
