@@ -90,8 +90,9 @@ done:
 
 def broadcast(name: str, scalar: str, lanes: int = 16, kind: str = "float") -> str:
     """IR that sets ``name`` to a ``<lanes x kind>`` vector of ``scalar`` in every lane."""
-    return (f"  {name}.0 = insertelement <{lanes} x {kind}> poison, {kind} {scalar}, i64 0\n"
-            f"  {name} = shufflevector <{lanes} x {kind}> {name}.0, <{lanes} x {kind}> poison, <{lanes} x i32> zeroinitializer")
+    vector = f"<{lanes} x {kind}>"
+    return (f"  {name}.0 = insertelement {vector} poison, {kind} {scalar}, i64 0\n"
+            f"  {name} = shufflevector {vector} {name}.0, {vector} poison, <{lanes} x i32> zeroinitializer")
 
 
 def runs(tensors: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], int] | None:

@@ -40,7 +40,8 @@ def scratch(name: str, nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def inflate_into(decompressor: zstandard.ZstdDecompressor, frame: memoryview, dest: np.ndarray, what: str) -> np.ndarray:
+def inflate_into(decompressor: zstandard.ZstdDecompressor, frame: memoryview, dest: np.ndarray,
+                 what: str) -> np.ndarray:
     """Decompress one zstd frame into ``dest`` (a C-contiguous uint8 array), which it must fill exactly and
     end at; CodecError otherwise (zstd's own errors included). Returns ``dest``."""
     try:

@@ -177,7 +177,8 @@ def join(dest: torch.Tensor, planes: Sequence[np.ndarray]) -> None:
     """Write ``dest`` (any strides, on the CPU, elements of ``len(planes)`` bytes) from its byte planes, each a
     C-contiguous uint8 array of ``dest.numel()`` bytes. Writes nothing outside ``dest``."""
     k = dest.element_size()
-    if len(planes) != k or any(p.dtype != np.uint8 or p.size != dest.numel() or not p.flags.c_contiguous for p in planes):
+    if len(planes) != k or any(p.dtype != np.uint8 or p.size != dest.numel() or not p.flags.c_contiguous
+                               for p in planes):
         raise ValueError(f"join: {dest.numel()} elements of {k} bytes need {k} planes of that many bytes")
     found = _kernel_runs(dest, "join")
     if found is None:

@@ -66,7 +66,8 @@ class LosslessCodec:
 
     @classmethod
     def variant(cls, params: str) -> LosslessCodec:
-        """``lz4`` or ``z<level>`` (blosc2 with zstd at level 0-9), from names like ``lossless-lz4``, ``lossless-z3``."""
+        """``lz4`` or ``z<level>`` (blosc2 with zstd at level 0-9), from names like ``lossless-lz4``,
+        ``lossless-z3``."""
         if params == "lz4":
             return cls(LZ4, 9)
         if params.startswith("z") and params[1:].isdigit():

@@ -126,6 +126,7 @@ def check_blosc2_chunk(frame: memoryview, nbytes: int, typesize: int, codec: tup
         raise CodecError("lossless: a copied blosc2 chunk of the wrong length")
     wrong_codec = udcodec != codec[1] or not plain and flags >> 5 != codec[0]
     if flags & _EXTENDED != _EXTENDED or flags & _DELTA or wrong_codec or any(f not in _FILTERS for f in filters):
-        raise CodecError(f"lossless: blosc2 chunk flags {flags:#x} / filters {bytes(filters).hex()} are not this codec's")
+        raise CodecError(f"lossless: blosc2 chunk flags {flags:#x} / filters {bytes(filters).hex()} "
+                         "are not this codec's")
     if flags2 or any(filter_meta) or b2flags not in _PLAIN_OR_ZERO_CHUNK:
         raise CodecError(f"lossless: blosc2 chunk uses features this codec never writes (flags {b2flags:#x})")

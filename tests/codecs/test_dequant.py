@@ -13,6 +13,8 @@ from kvtier.codecs import _dequant, get_codec
 from tests.codecs.conftest import kv_like, roundtrip
 
 BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+KERNEL_FUZZ = settings(max_examples=60, deadline=None,
+                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 def _decode_both(monkeypatch, name: str, chunk: torch.Tensor, out_dtype: torch.dtype, lo: int, hi: int):
@@ -31,7 +33,7 @@ def _decode_both(monkeypatch, name: str, chunk: torch.Tensor, out_dtype: torch.d
     return results
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@KERNEL_FUZZ
 @given(name=st.sampled_from(["int8", "int8-g32", "int8-g16"]), dims=st.tuples(st.integers(1, 3), st.integers(1, 40),
        st.integers(1, 3)), dim=st.sampled_from([64, 128]), out_dtype=st.sampled_from([torch.bfloat16, torch.float16,
        torch.float32]), lo=st.integers(0, 4), hi=st.integers(0, 4), seed=st.integers(0, 1000))
@@ -54,7 +56,7 @@ def test_large_values_round_as_torch_rounds(monkeypatch) -> None:
     assert torch.equal(kernel.view(torch.int16), reference.view(torch.int16))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@KERNEL_FUZZ
 @given(name=st.sampled_from(["int4", "int4-g32", "int4-g16", "cachegen", "cachegen-a4"]), dims=st.tuples(
        st.integers(1, 3), st.integers(1, 40), st.integers(1, 3)), dim=st.sampled_from([16, 64, 128, 256]),
        out_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), lo=st.integers(0, 4),
@@ -79,7 +81,8 @@ def test_where_the_kernel_does_not_fit_torch_decodes(monkeypatch, name: str, out
     still decode (as the torch path decodes them)."""
     calls = []
     family = name.split("-")[0]
-    kernel_of = {"int8": "dequantise_int8", "int4": "dequantise_int4_rotated", "cachegen": "dequantise_symbols_rotated"}[family]
+    kernel_of = {"int8": "dequantise_int8", "int4": "dequantise_int4_rotated",
+                 "cachegen": "dequantise_symbols_rotated"}[family]
     module = "cachegen" if family == "cachegen" else "quant"
     original = getattr(_dequant, kernel_of)
     monkeypatch.setattr(f"kvtier.codecs.{module}.{kernel_of}", lambda *a: calls.append(original(*a)) or calls[-1])

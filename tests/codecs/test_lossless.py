@@ -204,8 +204,11 @@ def test_planes_and_frames_are_checked_before_decoding() -> None:
     numel = chunk.numel()
     high = bytes(buf[_planes_of(buf)[-1][0] + _PLANE.size :])
     plane = chunk.view(-1).view(torch.uint8).view(-1, 2)[:, 1].contiguous().numpy().tobytes()
+    raw_at = _HEAD.size + _PLANE.size  # the first plane's bytes: the mantissas, stored raw
+    assert _planes_of(buf)[0][1:] == (0, numel)
     damaged = {
-        "raw plane one byte short": buf[:_HEAD.size] + _PLANE.pack(0, numel - 1) + buf[_HEAD.size + _PLANE.size : _HEAD.size + _PLANE.size + numel - 1] + buf[_HEAD.size + _PLANE.size + numel :],
+        "raw plane one byte short": buf[:_HEAD.size] + _PLANE.pack(0, numel - 1) + buf[raw_at : raw_at + numel - 1]
+        + buf[raw_at + numel :],
         "unknown stored_as": bytearray(buf[:_HEAD.size]) + bytearray([7]) + buf[_HEAD.size + 1 :],
         "a plane missing": buf[: _planes_of(buf)[-1][0]],
         "a trailing byte": buf + b"\0",
