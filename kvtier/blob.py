@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtier import gpu
 from kvtier.codecs import Codec, Payload, codec_by_id
 from kvtier.codecs.base import decode_into
 from kvtier.errors import BlobError
@@ -145,7 +146,10 @@ class BlobPayload:
 def encode_blob(
     key: ChunkHash, tokens: np.ndarray, codec: Codec, chunk: torch.Tensor, *, seal: bool = True
 ) -> BlobPayload:
-    """The blob for ``chunk`` (canonical layout) under ``key``; written lazily via ``write_into``."""
+    """The blob for ``chunk`` (canonical layout) under ``key``; written lazily via ``write_into``. A chunk on a
+    GPU is copied to the host first unless the codec takes it as it is (``device_chunks``)."""
+    if gpu.on_gpu(chunk) and not getattr(codec, "device_chunks", False):
+        chunk = gpu.host_copy(chunk)
     return BlobPayload(key, tokens, codec.codec_id, chunk.dtype, tuple(chunk.shape), codec.encode(chunk), seal)
 
 

@@ -41,10 +41,15 @@ log = logging.getLogger(__name__)
 
 
 class KVSource(Protocol):
-    """Where ``store`` reads KV from, one chunk at a time (engine integrations adapt their layout here)."""
+    """Where ``store`` reads KV from, one chunk at a time (engine integrations adapt their layout here).
+
+    Optional: ``device``, where the chunks are (``cpu`` when absent). A store from a GPU first waits for the
+    work queued on the caller's current stream, and bounds the chunks it holds there at once
+    (``pipeline.DEVICE_WINDOW_BYTES``)."""
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
-        """Canonical KV of tokens ``[start, end)``: ``[layers, 2, end - start, kv_heads, head_dim]``, any strides."""
+        """Canonical KV of tokens ``[start, end)``: ``[layers, 2, end - start, kv_heads, head_dim]``, any strides,
+        on the CPU or on a GPU (then ready to read from any stream: kvtier copies it on its own, ``kvtier.gpu``)."""
 
 
 class KVSink(Protocol):
@@ -55,10 +60,16 @@ class KVSink(Protocol):
     temporary chunk and no extra copy. The sink then promises that disjoint token ranges may be written from
     several threads at once. A chunk that fails after verification may leave partial bytes there; as with
     ``write``, only the prefix ``retrieve`` returns is valid.
+
+    Optional: ``settle()``, for a sink whose ``write`` may go on reading ``chunk`` after it returns (an
+    asynchronous copy to a GPU straight out of a tier's pinned memory). ``chunk`` then stays valid until the
+    next ``settle()`` returns: the retrieve calls it before it reuses or releases the memory of any chunk it
+    has written (after each write of a reused decode buffer, and before a window's tier reads are released).
     """
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
-        """Copy canonical KV of tokens ``[start, end)`` out of ``chunk`` (valid only during the call)."""
+        """Copy canonical KV of tokens ``[start, end)`` out of ``chunk`` (valid only during the call, or until
+        ``settle()`` for a sink that has it)."""
 
 
 class TensorSource:
@@ -66,6 +77,7 @@ class TensorSource:
 
     def __init__(self, kv: torch.Tensor) -> None:
         self.kv = kv
+        self.device = kv.device
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         return self.kv[:, :, start:end]
@@ -166,6 +178,9 @@ class KVCache:
                 source: KVSource = TensorSource(kv)
             else:
                 source = kv
+            device = torch.device(getattr(source, "device", "cpu"))
+            if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
+                torch.cuda.current_stream(device).synchronize()
             written = [False] * len(keys)
             for tier, cfg in zip(self.tiers, self.config.tiers):
                 if tier is not self.tiers[0] and cfg.write is WriteMode.BACK:

@@ -21,7 +21,10 @@ for a CPU tensor): no chunk-sized temporary and no second pass over the bytes. O
 decode into a buffer (``decode_into``) decodes into its worker's reused scratch chunk, which is then handed to
 the sink's ``write``; fresh chunk-sized tensors would cost a page fault per 4 KiB (~1 GB/s here, slower
 than int8's decode). Sinks receive writes from worker threads; one at a time unless the sink sets
-``concurrent_writes = True`` (disjoint token ranges may then be written in parallel).
+``concurrent_writes = True`` (disjoint token ranges may then be written in parallel). A sink that goes on
+reading a chunk after ``write`` returns (the vLLM connector's DMA to a GPU straight out of the memory tier's
+pinned buffer) has ``settle`` called before the scratch is decoded into again and before a window's pins are
+released.
 
 Chunks that are copies and nothing else -- raw chunks from a tier in this process's memory -- are one window
 run in the calling thread: nothing overlaps, torch spreads each copy over the cores itself, a hop to the
@@ -77,6 +80,9 @@ READ_AHEAD = 3
 WORKERS = DECODERS + READ_AHEAD
 #: windows encoded ahead of the one being written on store (bounds the memory held by encoded payloads)
 STORE_AHEAD = 4
+#: KV bytes per window of a store from a source on a GPU into a tier in this process's memory: the chunks of a
+#: window are gathered in GPU memory (borrowed beside the engine's) before their copies to the host run
+DEVICE_WINDOW_BYTES = 256 << 20
 
 
 class Pipeline:
@@ -88,6 +94,7 @@ class Pipeline:
         self.per_window = max(1, WINDOW_BYTES // max(chunk_bytes, 1))  # chunks per window, at least
         self.max_per_window = max(self.per_window, MAX_WINDOW_BYTES // max(chunk_bytes, 1))
         self.chunk_size = chunk_size
+        self.per_device_window = max(1, DEVICE_WINDOW_BYTES // max(chunk_bytes, 1))
         self.metrics = metrics
         self._chunk = (spec.chunk_shape(chunk_size), spec.dtype) if spec is not None else None
         self._scratch = threading.local()  # per worker: one decoded chunk for sinks without a destination
@@ -186,30 +193,36 @@ class Pipeline:
         copy_only = _copies_only(tier)
         try:
             with tier.get([keys[i] for i in window]) as blobs, self._decoding:
-                checked = []
-                for i, blob in zip(window, blobs):
-                    if blob is None:
-                        state.fail(i)
-                        continue
-                    start, end = i * size, (i + 1) * size
-                    dest = None if copy_only else state.destination(start, end)
-                    try:
-                        chunk = decode_blob(blob, keys[i], token_ids[start:end], codec=tier.codec,
-                                            verify=tier.verifies, out=dest if dest is not None else self._buffer(tier))
-                    except BlobError as exc:
-                        self.metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
-                        log.warning("tier %s: chunk %s is a miss: %s", tier.name, keys[i].hex()[:16], exc)
-                        bad.append(keys[i])
-                        state.fail(i)
-                        continue
-                    if copy_only:
-                        checked.append((i, chunk, blob.nbytes))
-                    else:
-                        self._arrived(tier, t, i, chunk, blob.nbytes, dest is not None, token_ids, state, promote)
-                dests = [state.destination(i * size, (i + 1) * size) for i, _, _ in checked]
-                copy_tensors([(d, c) for d, (_, c, _) in zip(dests, checked) if d is not None])
-                for dest, (i, chunk, nbytes) in zip(dests, checked):
-                    self._arrived(tier, t, i, chunk, nbytes, dest is not None, token_ids, state, promote)
+                try:
+                    checked = []
+                    for i, blob in zip(window, blobs):
+                        if blob is None:
+                            state.fail(i)
+                            continue
+                        start, end = i * size, (i + 1) * size
+                        dest = None if copy_only else state.destination(start, end)
+                        scratch = self._buffer(tier) if dest is None and not copy_only else None
+                        try:
+                            chunk = decode_blob(blob, keys[i], token_ids[start:end], codec=tier.codec,
+                                                verify=tier.verifies, out=dest if dest is not None else scratch)
+                        except BlobError as exc:
+                            self.metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
+                            log.warning("tier %s: chunk %s is a miss: %s", tier.name, keys[i].hex()[:16], exc)
+                            bad.append(keys[i])
+                            state.fail(i)
+                            continue
+                        if copy_only:
+                            checked.append((i, chunk, blob.nbytes))
+                        else:
+                            self._arrived(tier, t, i, chunk, blob.nbytes, dest is not None, token_ids, state, promote)
+                            if scratch is not None:
+                                state.settle()  # the scratch is decoded into again next
+                    dests = [state.destination(i * size, (i + 1) * size) for i, _, _ in checked]
+                    copy_tensors([(d, c) for d, (_, c, _) in zip(dests, checked) if d is not None])
+                    for dest, (i, chunk, nbytes) in zip(dests, checked):
+                        self._arrived(tier, t, i, chunk, nbytes, dest is not None, token_ids, state, promote)
+                finally:
+                    state.settle()  # the sink is done reading the blobs before their pins are released
         except KVTierError as exc:
             for i in window:
                 state.fail(i)
@@ -256,7 +269,14 @@ class Pipeline:
                     for i in window]
 
         # Copy-only chunks into a tier in this process's memory are one put: the tier writes them all at once
-        windows = [missing] if _copies_only(tier) else list(self.windows(missing, grow=False))
+        # (in windows that bound the GPU memory they take, from a source on a GPU)
+        if not _copies_only(tier):
+            windows = list(self.windows(missing, grow=False))
+        elif str(getattr(source, "device", "cpu")) != "cpu":
+            per = self.per_device_window
+            windows = [missing[start : start + per] for start in range(0, len(missing), per)]
+        else:
+            windows = [missing]
         done: list[int] = []
         if len(windows) == 1 or getattr(tier.codec, "copies_only", False):  # nothing to overlap: no thread hop
             try:
@@ -304,6 +324,7 @@ class _LoadState:
         self._lend = getattr(sink, "destination", None)  # KVSink's optional capability (kvtier.cache)
         self._lock = threading.Lock()
         self._write_lock = contextlib.nullcontext() if getattr(sink, "concurrent_writes", False) else threading.Lock()
+        self._settle = getattr(sink, "settle", None)  # KVSink's optional capability (kvtier.cache)
 
     def fail(self, i: int) -> None:
         with self._lock:
@@ -317,6 +338,12 @@ class _LoadState:
             raise ValueError(f"sink lent a {tuple(dest.shape)} tensor on {dest.device} for tokens [{start}, {end}), "
                              f"not {self._shape} on the CPU")
         return dest
+
+    def settle(self) -> None:
+        """Let the sink finish reading every chunk written so far (a no-op for sinks that copy in ``write``)."""
+        if self._settle is not None:
+            with self._write_lock:
+                self._settle()
 
     def arrived(self, i: int, start: int, end: int, chunk: torch.Tensor, *, written: bool) -> None:
         """Chunk ``i`` decoded and verified: hand it to the sink unless it was decoded into the sink already."""

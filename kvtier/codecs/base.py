@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvtier import gpu
 from kvtier.bulkcopy import copy_pairs
 from kvtier.errors import CodecError
 
@@ -80,6 +81,9 @@ class Codec(Protocol):
     # Optional: copies_only: bool -- True for a codec whose encode and decode only copy bytes (raw), which the
     # pipeline then runs in the calling thread instead of on its pool.
     #
+    # Optional: device_chunks: bool -- True for a codec whose encode takes a chunk on a GPU (its payload copies
+    # it to the host when written); others are handed a host copy (``kvtier.blob.encode_blob``).
+    #
     # Optional: def decode_into(self, payload, shape, dtype, out: torch.Tensor) -> None
     #     Decode into ``out`` (``shape``, on the CPU, any floating dtype the codec accepts, any strides: a
     #     token range of a larger tensor). The same checks and errors as ``decode``; on a CodecError ``out``
@@ -109,7 +113,10 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     large and fit (kvtier.bulkcopy: 1.3-1.5x torch's copy here), else in one call into torch where it has one
     (``_foreach_copy_``, which torch's optimizers use; a loop otherwise). Python work between large copies
     slowed them by 5-10% here (the memory tier's retrieve: 0.85-0.88 of one flat copy in a loop, 0.91-0.94 in
-    one call)."""
+    one call). Pairs with a GPU on either side go to ``kvtier.gpu.copy_pairs`` (its side stream, back to back)."""
+    if any(gpu.on_gpu(d) or gpu.on_gpu(s) for d, s in pairs):
+        gpu.copy_pairs([(d, s) for d, s in pairs if gpu.on_gpu(d) or gpu.on_gpu(s)])
+        pairs = [(d, s) for d, s in pairs if not (gpu.on_gpu(d) or gpu.on_gpu(s))]
     if not pairs or copy_pairs(pairs):
         return
     copy_all = getattr(torch, "_foreach_copy_", None)

@@ -1,9 +1,14 @@
-"""The raw codec: the tensor's bytes as they are. Zero-copy decode, one copy on encode."""
+"""The raw codec: the tensor's bytes as they are. Zero-copy decode, one copy on encode.
+
+A chunk on a GPU stays there until the tier writes the payload: its one copy is then the device-to-host copy
+straight into the tier's memory (``kvtier.gpu``), with no host copy in between.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from kvtier.codecs.base import copy_tensors
 from kvtier.errors import CodecError
 from kvtier.layout import tensor_view
 
@@ -19,8 +24,7 @@ class _TensorPayload:
         return self._chunk.numel() * self._chunk.element_size()
 
     def write_into(self, out: memoryview) -> None:
-        for dest, src in self.deferred_copies(out):
-            dest.copy_(src)
+        copy_tensors(self.deferred_copies(out))
 
     def deferred_copies(self, out: memoryview) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The one copy this payload is: the chunk into ``out`` (see ``Payload``)."""
@@ -37,10 +41,11 @@ class RawCodec:
     #: encode defers its one copy to the tier (``write_into``) and decode views the payload: the codec itself
     #: does no work, so the pipeline has nothing to spread over threads (see ``Codec``)
     copies_only = True
+    #: encode takes a chunk on a GPU as it is (``kvtier.blob.encode_blob`` copies it to the host for codecs
+    #: without this flag)
+    device_chunks = True
 
     def encode(self, chunk: torch.Tensor) -> _TensorPayload:
-        if chunk.device.type != "cpu":
-            chunk = chunk.cpu()
         return _TensorPayload(chunk)
 
     def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

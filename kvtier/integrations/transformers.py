@@ -99,6 +99,8 @@ class DynamicCacheSource:
 
     def __init__(self, past: DynamicCache) -> None:
         self.past = past
+        keys = past.layers[0].keys if past.layers else None
+        self.device = keys.device if keys is not None else torch.device("cpu")  # a model on a GPU: chunks there
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         return to_canonical(self.past, start, end)

@@ -1,5 +1,7 @@
 """End to end with a real transformers model (a small Llama, random weights from a config)."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -90,3 +92,18 @@ def test_tenants_do_not_share(model, cached):
     cached.generate(ids, 2, salt=b"alice")
     assert cached.generate(ids, 2, salt=b"bob").cached_tokens == 0
     assert cached.generate(ids, 2, salt=b"alice").cached_tokens == 96
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")
+@pytest.mark.parametrize("codec", ["raw", "lossless"])
+def test_on_a_gpu_a_full_hit_gives_identical_greedy_tokens(model, codec):
+    """KV computed on the GPU is stored from there (raw: straight into the pinned tier) and loaded back to it."""
+    gpu_model = copy.deepcopy(model).to("cuda")
+    config = CacheConfig(chunk_size=CHUNK, tiers=[{"kind": "memory", "capacity_bytes": "32MiB", "codec": codec}])
+    cached = PrefixCachedLM.with_new_cache(gpu_model, config)
+    ids = prompt(200, 2)
+    reference = PrefixCachedLM(gpu_model, None).generate(ids, 24).output_ids
+    cold = cached.generate(ids, 24)
+    warm = cached.generate(ids, 24)
+    assert warm.cached_tokens == 192
+    assert cold.output_ids == warm.output_ids == reference
