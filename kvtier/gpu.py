@@ -6,15 +6,15 @@ copies run on one side stream per device (:func:`side_stream`), never on the cur
 stream a copy would queue behind the forward pass the engine has already launched, and the next forward pass
 behind the copy.
 
-Contract of :func:`copy_pairs`: the copies start after the work queued so far on the calling thread's current
-stream, and after the event a source carries (:func:`ready_after`, as ``PagedKV.gather`` marks what it
-gathers on its own stream, so the copy of one chunk overlaps the gather of the next). A source produced on any
-other stream must be ready before the call (``KVCache.store`` synchronises its caller's current stream for a
-source on a GPU). The call returns once every copy has landed, so the host memory it read or wrote may be
-reused at once. Pinned host memory (the memory tier's
-buffer, kvtier's staging buffers) is copied by DMA at the link's speed; pageable memory goes through the
-driver's own staging buffers at a fraction of it. torch is the only dependency; nothing here runs without a
-GPU source or destination.
+Contract of :func:`copy_pairs`: a copy from a source that carries an event (:func:`ready_after`, as
+``PagedKV.gather`` marks what it gathers on its own stream) starts after that event, on the GPU, so the copy of
+one chunk overlaps the gather of the next; any other copy starts after the work queued so far on the calling
+thread's current stream. A source produced on any other stream must be ready before the call
+(``KVCache.store`` synchronises its caller's current stream for a source on a GPU). The call returns once
+every copy has landed, so the host memory it read or wrote may be reused at once. Pinned host memory (the
+memory tier's buffer, kvtier's staging buffers) is copied by DMA at the link's speed; pageable memory goes
+through the driver's own staging buffers at a fraction of it. torch is the only dependency; nothing here runs
+without a GPU source or destination.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         by_device.setdefault(device, []).append((dest, src))
     for device, group in by_device.items():
         stream = side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        if any(getattr(src, "_kvtier_ready", None) is None for _, src in group):
+            stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for dest, src in group:
                 ready = getattr(src, "_kvtier_ready", None)
@@ -81,7 +82,3 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     copy_pairs([(out, tensor)])
     return out
 
-
-def pinned_empty(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of pinned host memory as a uint8 tensor (for staging buffers that live as long as their owner)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -81,8 +81,9 @@ WORKERS = DECODERS + READ_AHEAD
 #: windows encoded ahead of the one being written on store (bounds the memory held by encoded payloads)
 STORE_AHEAD = 4
 #: KV bytes per window of a store from a source on a GPU into a tier in this process's memory: the chunks of a
-#: window are gathered in GPU memory (borrowed beside the engine's) before their copies to the host run
-DEVICE_WINDOW_BYTES = 256 << 20
+#: window are gathered in GPU memory (borrowed beside the engine's) before their copies to the host run, and
+#: at most three windows are there at once (one being copied, one gathered ahead, one being gathered)
+DEVICE_WINDOW_BYTES = 128 << 20
 
 
 class Pipeline:
@@ -268,17 +269,20 @@ class Pipeline:
                                           source.chunk(i * size, (i + 1) * size), seal=tier.verifies))
                     for i in window]
 
-        # Copy-only chunks into a tier in this process's memory are one put: the tier writes them all at once
-        # (in windows that bound the GPU memory they take, from a source on a GPU)
-        if not _copies_only(tier):
-            windows = list(self.windows(missing, grow=False))
-        elif str(getattr(source, "device", "cpu")) != "cpu":
-            per = self.per_device_window
+        # Copy-only chunks into a tier in this process's memory are one put: the tier writes them all at once.
+        # From a source on a GPU, windows bound the GPU memory the gathered chunks take, and the pool gathers the
+        # next window while this thread waits for the copies of the last: the GPU's copy engine is kept busy.
+        on_gpu = str(getattr(source, "device", "cpu")) != "cpu"
+        ahead = STORE_AHEAD
+        if on_gpu and _copies_only(tier):
+            per, ahead = self.per_device_window, 1
             windows = [missing[start : start + per] for start in range(0, len(missing), per)]
-        else:
+        elif _copies_only(tier):
             windows = [missing]
+        else:
+            windows = list(self.windows(missing, grow=False))
         done: list[int] = []
-        if len(windows) == 1 or getattr(tier.codec, "copies_only", False):  # nothing to overlap: no thread hop
+        if len(windows) == 1 or (getattr(tier.codec, "copies_only", False) and not on_gpu):  # nothing to overlap
             try:
                 for window in windows:
                     done.extend(i for i, s in zip(window, tier.put(encode(window))) if s)
@@ -295,7 +299,7 @@ class Pipeline:
         try:
             for window in windows:
                 pending.append((window, pool.submit(encode, window)))
-                if len(pending) > STORE_AHEAD:
+                if len(pending) > ahead:
                     put_oldest()
             while pending:
                 put_oldest()

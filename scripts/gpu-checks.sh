@@ -3,8 +3,9 @@
 #   bash scripts/gpu-checks.sh prepare   here (with network): wheels kvtier needs beyond such an image (.whl/),
 #                                        a trimmed Mooncake CUDA build (.gpu/) and Debian's libibverbs1 (.deb/)
 #   bash scripts/gpu-checks.sh run       there: the CUDA tests, benchmarks/cuda_transfer.py, then the suite's
-#                                        service-free part; logs, JUnit XML and the plot go to $OUT
-# (results/gpu by default). Ends with the exit status of the CUDA tests.
+#                                        service-free part (SUITE_PATHS: which of it); logs, JUnit XML and
+#                                        the plot go to $OUT (results/gpu by default)
+# Ends with the exit status of the CUDA tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-run}
@@ -37,12 +38,15 @@ OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# a .pth file rather than PYTHONPATH alone: tests that start Python processes set PYTHONPATH themselves
+echo /tmp/site > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvtier-gpu-checks.pth"
 export PYTHONPATH=/tmp/site:$PWD
 if [ -f .gpu/mooncake-cuda.tgz ]; then
   mkdir -p /tmp/mc /tmp/cu12 /tmp/ib
   tar xzf .gpu/mooncake-cuda.tgz -C /tmp/mc
   python3 -m zipfile -e .gpu/nvidia_cuda_runtime_cu12-*.whl /tmp/cu12
   for deb in .deb/*.deb; do dpkg -x "$deb" /tmp/ib; done
+  echo /tmp/mc >> "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvtier-gpu-checks.pth"
   export PYTHONPATH=$PYTHONPATH:/tmp/mc MOONCAKE_MASTER=/tmp/mc/mooncake/mooncake_master
   export LD_LIBRARY_PATH=/tmp/ib/usr/lib/x86_64-linux-gnu:/tmp/cu12/nvidia/cuda_runtime/lib:${LD_LIBRARY_PATH:-}
 fi
@@ -77,10 +81,11 @@ timeout 300 python3 benchmarks/cuda_transfer.py --plot "$OUT/cuda_transfer.png" 
   | grep -v "it/s\]" | tail -40
 
 echo "== the suite's service-free part"
-timeout "${SUITE_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/suite.xml" tests \
+timeout "${SUITE_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
+  --junitxml="$OUT/suite.xml" --tb=short ${SUITE_PATHS:-tests} \
   --ignore=tests/server --ignore=tests/router --ignore=tests/bench --ignore=tests/sim \
   --ignore=tests/integrations/test_vllm.py --ignore=tests/integrations/test_vllm_events.py \
   --ignore=tests/integrations/test_vllm_hybrid.py --ignore=tests/integrations/test_vllm_mooncake.py \
   -k "not redis and not valkey" > "$OUT/suite.log" 2>&1
-echo "suite exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/suite.log" | head -30; tail -3 "$OUT/suite.log"
+echo "suite exit $?"; grep -E "^(FAILED|ERROR|E  )" "$OUT/suite.log" | head -60; tail -3 "$OUT/suite.log"
 exit "$status"

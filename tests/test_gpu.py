@@ -14,6 +14,7 @@ import torch
 from kvtier import CacheConfig, KVCache, KVSpec, gpu
 from kvtier.codecs.base import copy_tensors
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig
+from kvtier.tiers import slab as slab_module
 from kvtier.tiers.slab import HostSlab
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")
@@ -87,3 +88,20 @@ def test_without_cuda_the_buffer_is_not_pinned():
     if torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
     assert HostSlab(4 << 20, prefault=False).pinning == "none"
+
+
+@needs_cuda
+def test_where_registering_fails_the_buffer_comes_pinned_from_torch(monkeypatch):
+    monkeypatch.setattr(slab_module, "_register", lambda buffer: False)
+    slab = HostSlab(4 << 20, prefault=False)
+    assert slab.pinning == "allocated" and slab.buffer.is_pinned() and slab.buffer.numel() == 4 << 20
+
+
+@needs_cuda
+def test_where_cuda_cannot_start_the_buffer_stays_pageable(monkeypatch):
+    def refuse(buffer):
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+    monkeypatch.setattr(slab_module, "_register", refuse)
+    slab = HostSlab(4 << 20, prefault=False)
+    assert slab.pinning == "none" and not slab.buffer.is_pinned()

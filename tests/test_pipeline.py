@@ -225,8 +225,11 @@ def test_windows_decode_in_at_most_one_slot_per_core_while_others_read_ahead(mon
         assert torch.equal(sink.out, cache.retrieve(tokens)[0])
 
 
-def test_a_sink_without_a_destination_gets_chunks_in_reused_buffers() -> None:
+def test_a_sink_without_a_destination_gets_chunks_in_reused_buffers(monkeypatch) -> None:
     """Decoding allocates no chunk per chunk: each worker decodes into its own scratch chunk, again and again."""
+    # fewer workers than chunks, whatever the machine (a 16-core one has 19 workers by default)
+    monkeypatch.setattr(kvtier.pipeline, "DECODERS", 2)
+    monkeypatch.setattr(kvtier.pipeline, "WORKERS", 5)
     with memory_cache("int8") as cache:
         tokens, kv = data()
         cache.store(tokens, kv)
@@ -333,3 +336,30 @@ def test_a_long_load_reads_in_grown_windows_and_gives_the_same_bytes(monkeypatch
         tier.large_load_windows = False
         assert cache.retrieve(tokens)[1] == len(tokens)
         assert gets == [1] * N_CHUNKS
+
+
+class GpuLikeSource:
+    """A KVSource that says its chunks are not in host memory (they are: the pipeline's choices are tested)."""
+
+    device = "meta"
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv, self.threads = kv, set()
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        self.threads.add(threading.get_ident())
+        return self.kv[:, :, start:end]
+
+
+def test_a_store_from_a_gpu_is_put_in_bounded_windows_gathered_ahead_on_the_pool(monkeypatch) -> None:
+    with memory_cache("raw") as cache:
+        tokens, kv = data()
+        monkeypatch.setattr(cache._pipeline, "per_device_window", 2)
+        puts = []
+        put = cache.tiers[0].put
+        monkeypatch.setattr(cache.tiers[0], "put", lambda items: puts.append(len(items)) or put(items))
+        source = GpuLikeSource(kv)
+        assert cache.store(tokens, source) == len(tokens)
+        assert puts == [2] * (N_CHUNKS // 2)
+        assert threading.get_ident() not in source.threads  # gathered on the pool, beside the puts
+        assert torch.equal(cache.retrieve(tokens)[0], kv)

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from kvtier import gpu
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
 from kvtier.integrations.sampling import GREEDY, Sampler, SamplingParams
@@ -103,7 +104,10 @@ class DynamicCacheSource:
         self.device = keys.device if keys is not None else torch.device("cpu")  # a model on a GPU: chunks there
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
-        return to_canonical(self.past, start, end)
+        kv = to_canonical(self.past, start, end)
+        if kv.device.type == "cuda":  # computed on this thread's stream: kvtier's copy waits for it there
+            gpu.ready_after(kv, torch.cuda.current_stream(kv.device))
+        return kv
 
 
 #: ``(start, end)``: a span of prompt tokens (a reusable segment, for blending).

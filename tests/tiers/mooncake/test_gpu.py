@@ -18,16 +18,20 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @needs_cuda
-def test_segment_in_gpu_memory_or_a_clear_refusal(own_master):
+def test_segment_in_gpu_memory_or_a_clear_refusal(own_master, record_property):
+    """Which of the two happened, and what the free-memory check saw, go to the JUnit report."""
     free_before = torch.cuda.mem_get_info(0)[0]
     try:
         cache = make_cache(own_master, segment_bytes=64 * MiB, segment_device="cuda:0")
     except ConfigError as exc:
+        record_property("outcome", f"refused: {exc}")
         assert "USE_VRAM_SEGMENT" in str(exc)
         assert own_master.metrics()["master_total_capacity_bytes"] == 0  # nothing was left in the pool
         return
     with cache:
-        assert free_before - torch.cuda.mem_get_info(0)[0] >= 64 * MiB
+        taken = free_before - torch.cuda.mem_get_info(0)[0]
+        record_property("outcome", f"segment on the GPU: free GPU memory fell by {taken >> 20} MiB")
+        assert taken >= 64 * MiB
         tokens, kv = prompt(4)
         assert cache.store(tokens, kv) == len(tokens)
         out, n = cache.retrieve(tokens)
