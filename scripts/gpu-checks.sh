@@ -4,7 +4,8 @@
 #                                        a trimmed Mooncake CUDA build (.gpu/) and Debian's libibverbs1 (.deb/)
 #   bash scripts/gpu-checks.sh run       there: the CUDA tests, benchmarks/cuda_transfer.py, then the suite's
 #                                        service-free part (SUITE_PATHS: which of it); logs, JUnit XML and
-#                                        the plot go to $OUT (results/gpu by default)
+#                                        the plot go to $OUT (results/gpu by default); BENCH=0 skips
+#                                        the benchmark
 # Ends with the exit status of the CUDA tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,9 +77,11 @@ python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$OUT/cuda-tests.xml" \
   tests/test_cache.py tests/test_pipeline.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -40
 status=${PIPESTATUS[0]}
 
-echo "== benchmarks/cuda_transfer.py"
-timeout 300 python3 benchmarks/cuda_transfer.py --plot "$OUT/cuda_transfer.png" 2>&1 | tee "$OUT/bench.log" \
-  | grep -v "it/s\]" | tail -40
+if [ "${BENCH:-1}" = 1 ]; then
+  echo "== benchmarks/cuda_transfer.py"
+  timeout 300 python3 benchmarks/cuda_transfer.py --plot "$OUT/cuda_transfer.png" 2>&1 | tee "$OUT/bench.log" \
+    | grep -v "it/s\]" | tail -40
+fi
 
 echo "== the suite's service-free part"
 timeout "${SUITE_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
