@@ -215,6 +215,8 @@ def main() -> None:
           f"{'store med s':>11} {'load med s':>10} {'same':>5} {'gather GB/s':>11} {'scatter GB/s':>12}")
     for layout in ("LBNHC", "BLNHC"):
         prefix = Prefix(layout, tokens)
+        with memory_cache(256, nbytes) as cache:  # untimed: CUDA's and the allocators' first use
+            store_and_load(cache, prefix, 1)
         for chunk in tqdm([int(c) for c in args.chunks.split(",")], desc=f"{layout} chunk sizes", leave=False):
             try:
                 with memory_cache(chunk, nbytes) as cache:
