@@ -266,6 +266,7 @@ def verified(tokens: int, nbytes: int, h2d: float, d2h: float, reps: int, figure
 
 
 def beside_matmuls(tokens: int, nbytes: int, h2d: float, d2h: float, reps: int, figures: dict) -> None:
+    """A matrix-product stream's time alone and beside loads and stores of the prefix (``overlap``)."""
     prefix = Prefix("LBNHC", tokens)
     with memory_cache(256, nbytes) as cache:
         cache.store(prefix.tokens, PagedSource(prefix.paged, prefix.saved))
@@ -276,7 +277,6 @@ def beside_matmuls(tokens: int, nbytes: int, h2d: float, d2h: float, reps: int, 
           f"{o['busy_s'] * 1e3:.1f} ms ({figures['matmul_slowdown']:.3f}x best, "
           f"{figures['matmul_slowdown_median']:.3f}x median); {o['gib_loaded']:.1f} GiB loaded, "
           f"{o['gib_stored']:.1f} GiB stored meanwhile")
-
 
 
 def gpu_tier(tokens: int, nbytes: int, h2d: float, d2h: float, reps: int, figures: dict) -> None:
