@@ -216,6 +216,7 @@ def decode_blob(
     codec: Codec | None = None,
     verify: bool = True,
     out: torch.Tensor | None = None,
+    expect: tuple[tuple[int, ...], torch.dtype] | None = None,
 ) -> torch.Tensor:
     """Parse, check and decode a blob into its canonical tensor (possibly a view of ``data``).
 
@@ -225,9 +226,12 @@ def decode_blob(
 
     With ``out`` (a CPU tensor of the chunk's shape, any strides) the chunk is decoded into it and ``out`` is
     returned. ``out`` is written only after the header, tokens and checksum have passed; a payload the codec
-    then rejects (BlobError) may leave part of a chunk there.
+    then rejects (BlobError) may leave part of a chunk there. ``expect``, when given, is the only ``(shape,
+    dtype)`` accepted: a blob that decodes to anything else is a BlobError before a byte is decoded.
     """
     header, payload = parse_blob(data, key, tokens, verify=verify)
+    if expect is not None and (header.shape, header.dtype) != (tuple(expect[0]), expect[1]):
+        raise BlobError(f"blob holds {header.shape} {header.dtype}, expected {tuple(expect[0])} {expect[1]}")
     found = codec_by_id(header.codec_id)
     if codec is not None and header.codec_id != codec.codec_id:
         raise BlobError(f"blob was written with codec {found.name!r}, expected {codec.name!r}")

@@ -178,17 +178,24 @@ class KVCache:
                 source: KVSource = TensorSource(kv)
             else:
                 source = kv
-            device = torch.device(getattr(source, "device", "cpu"))
-            if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
-                torch.cuda.current_stream(device).synchronize()
-            written = [False] * len(keys)
-            for tier, cfg in zip(self.tiers, self.config.tiers):
-                if tier is not self.tiers[0] and cfg.write is WriteMode.BACK:
-                    continue
-                for i in self._store_into(tier, keys, token_ids, source):
-                    written[i] = True
-            self._order_chains(keys)
-        return sum(written) * self.chunk_size
+            return sum(self.store_keyed(keys, token_ids, source)) * self.chunk_size
+
+    def store_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource) -> list[bool]:
+        """``store`` under keys the caller derived itself (an engine's own chained page hashes mapped into this
+        namespace), chunk ``i`` being tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of ``source`` and of
+        ``token_ids`` (recorded in, and checked on every read of, its blob). True per chunk newly written to at
+        least one tier. Never raises for tier failures."""
+        device = torch.device(getattr(source, "device", "cpu"))
+        if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
+            torch.cuda.current_stream(device).synchronize()
+        written = [False] * len(keys)
+        for tier, cfg in zip(self.tiers, self.config.tiers):
+            if tier is not self.tiers[0] and cfg.write is WriteMode.BACK:
+                continue
+            for i in self._store_into(tier, keys, token_ids, source):
+                written[i] = True
+        self._order_chains(keys)
+        return written
 
     def retrieve(
         self,
@@ -225,10 +232,14 @@ class KVCache:
                 tensor, sink = out, TensorSink(out)
             else:
                 tensor, sink = None, out
-            good = self._load(keys[:n], where[:n], token_ids, sink)
-            self._order_chains(keys[:good])
-            self.metrics.inc("kvtier_miss_tokens_total", (len(keys) - good) * self.chunk_size)
+            good = self._load_prefix(keys, where, token_ids, sink)
         return tensor, good * self.chunk_size
+
+    def retrieve_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, sink: KVSink) -> int:
+        """``retrieve`` under keys the caller derived itself (see ``store_keyed``) into ``sink``: returns how many
+        leading chunks of ``keys`` arrived verified. Never raises for tier failures."""
+        with self.metrics.timer("kvtier_retrieve_seconds"):
+            return self._load_prefix(keys, self._locate(keys), token_ids, sink)
 
     def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
         """For each key, the index of the fastest tier holding it (None where no tier does; a prefix ends at the
@@ -297,6 +308,16 @@ class KVCache:
             if t is None:
                 return i
         return len(where)
+
+    def _load_prefix(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray,
+                     sink: KVSink) -> int:
+        """Load the located prefix of ``keys`` into ``sink``, count the misses; return the chunks that arrived."""
+        n = self._prefix(where)
+        good = self._load(keys[:n], where[:n], token_ids, sink) if n else 0
+        if n:
+            self._order_chains(keys[:good])
+        self.metrics.inc("kvtier_miss_tokens_total", (len(keys) - good) * self.chunk_size)
+        return good
 
     def _load(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray, sink: KVSink) -> int:
         """Copy chunks into ``sink`` (pipeline.py: windows overlapped on a pool); return how many leading

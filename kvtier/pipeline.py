@@ -9,7 +9,8 @@ and windows decode in parallel (the codecs release the GIL). Measured on 1 GiB o
 cache dropped (2 cores): one extra task and no slots took 0.46-0.62 s, three read ahead with two slots
 0.35-0.44 s, against 0.45-0.65 s for raw. Correctness does not depend on the overlap:
 
-* a chunk reaches the sink only after ``decode_blob`` verified it (tokens always, checksum where sealed);
+* a chunk reaches the sink only after ``decode_blob`` verified it (tokens, shape and dtype always, checksum where
+  sealed);
 * pins are released by the task's own ``with tier.get(...)`` block, on every path, errors included;
 * a chunk that fails ends the prefix there: windows wholly after the first failure are not read (the
   chunks of a window already read are all still verified, so corrupt ones are found and deleted), and the
@@ -205,7 +206,8 @@ class Pipeline:
                         scratch = self._buffer(tier) if dest is None and not copy_only else None
                         try:
                             chunk = decode_blob(blob, keys[i], token_ids[start:end], codec=tier.codec,
-                                                verify=tier.verifies, out=dest if dest is not None else scratch)
+                                                verify=tier.verifies, out=dest if dest is not None else scratch,
+                                                expect=self._chunk)
                         except BlobError as exc:
                             self.metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
                             log.warning("tier %s: chunk %s is a miss: %s", tier.name, keys[i].hex()[:16], exc)

