@@ -11,6 +11,7 @@ common contiguous runs, which is what the kernels loop over.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -99,19 +100,32 @@ def runs(tensors: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], int] | None
     """The runs that ``tensors`` (one shape, one element size, strided, on the CPU) share: the start address
     of each run in each tensor, in row-major order of the elements, and the elements per run. A run is the
     innermost dimensions that are contiguous in every tensor. None where a tensor repeats elements (a zero
-    stride) or its runs overlap one another."""
-    shape = tensors[0].shape
-    item = tensors[0].element_size()
-    dims = [(size, [t.stride(d) for t in tensors]) for d, size in enumerate(shape) if size != 1]
+    stride) or its runs overlap one another. The runs' offsets depend only on the shape and the strides, so
+    they are worked out once per layout (``_relative_runs``) and only the tensors' addresses are added here:
+    a copy of many equally laid-out pieces (an SGLang host pool's pages) pays the layout's arithmetic once."""
+    found = _relative_runs(tuple(tensors[0].shape), tensors[0].element_size(), tuple(t.stride() for t in tensors))
+    if found is None:
+        return None
+    offsets, run = found
+    return [o + t.data_ptr() for o, t in zip(offsets, tensors)], run
+
+
+@functools.lru_cache(maxsize=256)
+def _relative_runs(shape: tuple[int, ...], item: int, strides: tuple[tuple[int, ...], ...]
+                   ) -> tuple[tuple[np.ndarray, ...], int] | None:
+    """``runs`` relative to each tensor's first element (arrays shared by every caller: never modified)."""
+    dims = [(size, [s[d] for s in strides]) for d, size in enumerate(shape) if size != 1]
     run = 1
     while dims and all(s == run for s in dims[-1][1]):
         run *= dims.pop()[0]
-    offsets = [np.zeros(1, np.int64) for _ in tensors]
-    for size, strides in dims:  # outer dimensions, outermost first
-        if 0 in strides:
+    offsets = [np.zeros(1, np.int64) for _ in strides]
+    for size, dim_strides in dims:  # outer dimensions, outermost first
+        if 0 in dim_strides:
             return None
         steps = np.arange(size, dtype=np.int64)
-        offsets = [(o[:, None] + steps * (s * item)).ravel() for o, s in zip(offsets, strides)]
+        offsets = [(o[:, None] + steps * (s * item)).ravel() for o, s in zip(offsets, dim_strides)]
     if len(offsets[0]) > 1 and any(int(np.diff(np.sort(o)).min()) < run * item for o in offsets):
         return None
-    return [o + t.data_ptr() for o, t in zip(offsets, tensors)], run
+    for o in offsets:
+        o.flags.writeable = False
+    return tuple(offsets), run
