@@ -1,14 +1,17 @@
 """SGLang HiCache L3: kvtier's backend (memory, disk, Redis tiers) against SGLang's own ``HiCacheFile``, same pages.
 
-A host pool of ``--pages`` pages (SGLang's ``layer_first`` layout, bf16, a small model's per-rank shape) is
+A host pool of ``--pages`` pages (SGLang's ``layer_first`` layout, bf16, Llama-3-8B's KV at one rank: 32
+layers x 8 KV heads x 128, so a 64-token page is 8 MiB; ``--layers/--heads/--head-dim`` for other shapes) is
 filled once; every backend stores all pages from it (``batch_set_v1``; ``HiCacheFile`` through SGLang's older
 path, ``get_data_page`` + ``batch_set``, which is how SGLang's cache controller drives it) and loads them back
 into another region of the pool (``batch_get_v1``; ``HiCacheFile``: ``batch_get`` into flat pages, then
 ``set_from_flat_data_page`` as the controller does). Every load is checked bit-exact before it counts. Disk
 reads are timed with the page cache dropped (``/proc/sys/vm/drop_caches`` where allowed, else
 ``posix_fadvise(DONTNEED)`` on every file of the backend). ``plain_copy`` is one ``copy_`` of the same pages
-inside the pool: the ceiling for the memory tier. GB/s are best of ``--reps``; ratios against that ceiling
-and against ``HiCacheFile``. Last line: ``RESULT {json}``.
+inside the pool: the ceiling for the memory tier. ``redis_raw_get`` is redis-py (hiredis) pipelined GET of
+the same pages' bytes under other keys of the same server, one value per page: the ceiling for the Redis
+tier, which also verifies each page and copies it into the pool. GB/s are best of ``--reps``; ratios against
+those ceilings and against ``HiCacheFile``. Last line: ``RESULT {json}``.
 
 SGLang's host pool classes do not import on a CPU-only machine (tests/integrations/sglang_pool.py says why),
 so the pool is that module's ``HostPool``: the same tensor, in the same layout.
@@ -51,13 +54,37 @@ def _drop(path: str) -> None:
                 os.close(fd)
 
 
+def raw_redis_gets(url: str, pool: HostPool, n: int, reps: int) -> list[float]:
+    """Seconds of redis-py pipelined GETs of the ``n`` pages' bytes (set once under keys of their own)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=60)
+    keys = [f"bench:raw:{i}".encode() for i in range(n)]
+    pipe = client.pipeline(transaction=False)
+    for i, key in enumerate(keys):
+        pipe.set(key, pool.get_data_page(i * pool.page_size).view(torch.uint8).numpy().tobytes())
+    pipe.execute()
+
+    def get_all() -> None:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        got = pipe.execute()
+        assert all(v is not None for v in got)
+
+    seconds = [timed(get_all)[1] for _ in range(reps)]
+    client.delete(*keys)
+    client.close()
+    return seconds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pages", type=int, default=256)
+    ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-redis", action="store_true")
     args = ap.parse_args()
@@ -111,6 +138,8 @@ def main() -> int:
                 gets.append(seconds)
                 store.close()
             figures[f"kvtier_{name}_set_gbps"], figures[f"kvtier_{name}_get_gbps"] = gbps(sets), gbps(gets)
+        if server is not None:
+            figures["redis_raw_get_gbps"] = gbps(raw_redis_gets(server.url, pool, n, args.reps))
 
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
@@ -137,6 +166,8 @@ def main() -> int:
     plain_gbps = figures["plain_copy_gbps"]
     figures["memory_get_vs_plain_copy"] = figures["kvtier_memory_get_gbps"] / plain_gbps
     figures["memory_set_vs_plain_copy"] = figures["kvtier_memory_set_gbps"] / plain_gbps
+    if "redis_raw_get_gbps" in figures:
+        figures["redis_get_vs_raw_get"] = figures["kvtier_redis_get_gbps"] / figures["redis_raw_get_gbps"]
     figures["disk_get_vs_hicache_file"] = figures["kvtier_disk_get_gbps"] / figures["hicache_file_get_gbps"]
     figures["disk_set_vs_hicache_file"] = figures["kvtier_disk_set_gbps"] / figures["hicache_file_set_gbps"]
     for key, value in figures.items():
