@@ -62,6 +62,38 @@ class HostPool:
         return torch.arange(first_page * self.page_size, (first_page + n) * self.page_size, dtype=torch.int64)
 
 
+class MambaHostPool:
+    """A Mamba state host pool as SGLang 0.5.23 hands it to a storage backend (``pool_host/mamba.py``, which
+    does not import here either): one page per state slot (``page_size`` 1); a page's flat bytes are its
+    temporal (recurrent) state followed by each convolution state, in the ``layer_first`` layout
+    (``[layers, slots, ...]`` per buffer). ``get_data_page`` / ``get_dummy_flat_data_page`` /
+    ``set_from_flat_data_page`` keep that contract; the buffers are filled at random."""
+
+    page_size = 1
+    layout = "layer_first"
+
+    def __init__(self, slots: int = 8, layers: int = 2, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.temporal_buffer = torch.randn(layers, slots, 4, 8, generator=gen).to(torch.float32)
+        self.conv_buffer = [torch.randn(layers, slots, 3, 16, generator=gen).to(torch.bfloat16)]
+
+    def _page_tensors(self, index: int) -> list[torch.Tensor]:
+        return [buf[:, index : index + 1] for buf in (self.temporal_buffer, *self.conv_buffer)]
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in self._page_tensors(index)])
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros_like(self.get_data_page(0))
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        flat, at = data_page.contiguous().view(torch.uint8).reshape(-1), 0
+        for tensor in self._page_tensors(index):
+            n = tensor.numel() * tensor.element_size()
+            tensor.copy_(flat[at : at + n].clone().view(tensor.dtype).reshape(tensor.shape))
+            at += n
+
+
 def storage_config(extra: dict[str, Any] | None = None, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
                    model: str = "org/model-a") -> HiCacheStorageConfig:
     """What SGLang's cache controller builds for a backend, with kvtier's ``dynamic`` extra config."""

@@ -22,7 +22,7 @@ from kvtier.blob import encode_blob  # noqa: E402
 from kvtier.codecs import get_codec  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.integrations.sglang.backend import KVTierStorage  # noqa: E402
-from tests.integrations.sglang_pool import HostPool, backend, page_keys  # noqa: E402
+from tests.integrations.sglang_pool import HostPool, MambaHostPool, backend, page_keys  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 MEMORY = {"tiers": [{"kind": "memory", "capacity_bytes": "8MiB"}]}
@@ -260,6 +260,80 @@ def test_v2_moves_kv_and_reports_other_pools_as_misses():
     back = PoolTransfer(name=PoolName.KV, host_indices=pool.host_indices(5, 3), keys=keys)
     assert store.batch_get_v2([back, mamba]) == {PoolName.KV: [True] * 3, PoolName.MAMBA: [False]}
     assert torch.equal(pool.kv_buffer[:, :, 20:32], pool.kv_buffer[:, :, :12])
+    store.close()
+
+
+def hybrid(tmp_path=None, *, memory: bool = True):
+    """A hybrid model's backend: its KV pool and a Mamba state pool, registered as SGLang registers them."""
+    pool, mamba = HostPool("layer_first"), MambaHostPool(slots=8)
+    pool.fill(14)
+    tiers = [{"kind": "memory", "capacity_bytes": "8MiB"}] if memory else []
+    if tmp_path is not None:
+        tiers.append({"kind": "disk", "path": str(tmp_path), "capacity_bytes": "8MiB", "fsync": False})
+    store = backend(pool, {"tiers": tiers})
+    store.register_mem_host_pool_v2(pool, PoolName.KV)
+    store.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    store.on_host_pools_registered()
+    return pool, mamba, store
+
+
+def test_v2_stores_a_hybrid_models_mamba_state_beside_its_kv(tmp_path):
+    pool, mamba, store = hybrid(tmp_path)
+    keys = page_keys(tokens(4), 4)
+    kv = PoolTransfer(name=PoolName.KV, host_indices=pool.host_indices(0, 4), keys=keys)
+    # SGLang offloads the state of a node's last page only (TRAILING_PAGES): here after pages 2 and 4
+    states = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1, 3]), keys=[keys[1], keys[3]],
+                          hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert store.batch_set_v2([kv, states]) == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True, True]}
+    for tier in store._side["mamba"].cache.tiers:
+        getattr(tier, "flush", lambda: None)()
+    probe = PoolTransfer(name=PoolName.MAMBA, keys=[keys[3]], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    result = store.batch_exists_v2(keys, [probe])
+    assert (result.kv_hit_pages, result.restorable_prefix_pages) == (4, [2, 4])  # where a state sits
+    assert result.extra_pool_hit_pages[PoolName.MAMBA] == 4
+    want = [mamba.get_data_page(i).clone() for i in (1, 3)]
+    fresh = MambaHostPool(slots=8, seed=99)
+    store.register_mem_host_pool_v2(fresh, PoolName.MAMBA)  # a restarted server's empty state pool
+    back = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([6, 7]), keys=[keys[1], keys[3]])
+    assert store.batch_get_v2([back]) == {PoolName.MAMBA: [True, True]}
+    assert torch.equal(fresh.get_data_page(6), want[0]) and torch.equal(fresh.get_data_page(7), want[1])
+    store.close()
+
+
+def test_v2_hit_policies_cut_the_prefix_to_where_every_pool_allows():
+    pool, mamba, store = hybrid()
+    keys = page_keys(tokens(4), 4)
+    store.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=pool.host_indices(0, 4), keys=keys),
+                        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1]), keys=keys[:2])])
+    trailing = PoolTransfer(name=PoolName.MAMBA, keys=keys[-2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert store.batch_exists_v2(keys, [trailing]).restorable_prefix_pages == [1, 2]  # pages 1-2 hold a state
+    every = PoolTransfer(name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+    assert store.batch_exists_v2(keys, [every]).kv_hit_pages == 2
+    groups = PoolTransfer(name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+    assert store.batch_exists_v2(keys, [groups]).kv_hit_pages == 0  # unsupported: nothing restorable
+    unknown = PoolTransfer(name=PoolName.SWA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert store.batch_exists_v2(keys, [unknown]).kv_hit_pages == 0  # a pool never registered
+    store.close()
+
+
+def test_a_corrupt_state_page_is_a_miss_and_its_prefix_is_not_restorable(tmp_path):
+    pool, mamba, store = hybrid(tmp_path, memory=False)
+    keys = page_keys(tokens(2), 4)
+    store.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=pool.host_indices(0, 2), keys=keys),
+                        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=keys[1:])])
+    side = store._side["mamba"]
+    for tier in side.cache.tiers:
+        tier.flush()
+    (key,) = side.keys(keys[1:])
+    (state_file,) = [p for p in (tmp_path / "pool-mamba").rglob("*") if p.is_file() and p.name == key.hex()]
+    data = bytearray(state_file.read_bytes())
+    data[len(data) - 3] ^= 0x01  # one bit of the state page's payload
+    state_file.write_bytes(bytes(data))
+    before = mamba.get_data_page(5).clone()
+    got = store.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([5]), keys=keys[1:])])
+    assert got == {PoolName.MAMBA: [False]} and torch.equal(mamba.get_data_page(5), before)
+    probe = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert store.batch_exists_v2(keys, [probe]).kv_hit_pages == 0  # the bad page was dropped
     store.close()
 
 

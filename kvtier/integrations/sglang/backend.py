@@ -19,8 +19,9 @@ SGLang hands the backend pages of its host KV pool under its own chained page ha
   (``False`` / ``None`` / 0 hits), logged. A configuration kvtier cannot serve (unknown tier option, host
   layout it cannot read) raises ``ConfigError`` when SGLang builds the backend or registers its pool, so
   the server fails at start instead of running without its L3.
-* **v2 (hybrid pools).** KV transfers go through the same path; other pools (Mamba, SWA, indexer) are not
-  stored: they are reported as misses, so SGLang never restores a prefix whose state kvtier lacks.
+* **v2 (hybrid pools).** KV transfers go through the same path; every other registered pool (Mamba state,
+  sliding-window KV, indexer pages) is stored beside it, page by page, with SGLang's hit policies deciding
+  which prefix lengths are restorable (``side_pools.py``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,19 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransfer, PoolTransferResult
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
 from kvtier.integrations.sglang.config import BackendConfig
 from kvtier.integrations.sglang.pages import PoolGeometry, check_buffer, geometry_of
+from kvtier.integrations.sglang.side_pools import SidePool, restorable
 from kvtier.keys import ChunkHash
 
 log = logging.getLogger(__name__)
@@ -95,6 +103,7 @@ class KVTierStorage(HiCacheStorage):
         self._kv_buffer: torch.Tensor | None = None
         self._capacity = 0  #: token slots of the host pool
         self._root = b""
+        self._side: dict[str, SidePool] = {}  #: hybrid models' other pools, by SGLang's pool name
 
     # -- setup ---------------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -118,7 +127,32 @@ class KVTierStorage(HiCacheStorage):
         self.cache, self.geometry, self._kv_buffer, self._capacity = cache, geometry, kv_buffer, capacity
         self._root = bytes(cache.namespace.with_salt(self.settings.tenant.encode()).root)
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A pool of a hybrid model (or the KV pool again, under ``PoolName.KV``): stored beside the KV."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        replaced = self._side.pop(str(getattr(host_pool_name, "value", host_pool_name)), None)
+        if replaced is not None:
+            replaced.close()
+
+    def on_host_pools_registered(self) -> None:
+        """Every pool is known: build the side pools' caches now, so a pool kvtier cannot store fails the start."""
+        for name in getattr(self, "registered_pools", {}):
+            if name != PoolName.KV:
+                self._side_pool(name)
+
+    def _side_pool(self, name: Any) -> SidePool | None:
+        key = str(getattr(name, "value", name))
+        side = self._side.get(key)
+        pool = getattr(self, "registered_pools", {}).get(name)
+        if side is None and pool is not None and self._ready():
+            kv_page = self.geometry.spec.bytes_per_token * self.geometry.page_size
+            side = self._side[key] = SidePool(key, pool, self.cache, kv_page, self._root)
+        return side
+
     def close(self) -> None:
+        for side in self._side.values():
+            side.close()
+        self._side.clear()
         if self.cache is not None:
             self.cache.close()
             self.cache = None
@@ -240,7 +274,7 @@ class KVTierStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    # -- v2: pool transfers (KV through the same path; other pools are misses) -----------------------------
+    # -- v2: pool transfers (KV through the same path, other pools beside it) ----------------------------------
     def _is_kv(self, transfer: PoolTransfer) -> bool:
         pool = getattr(self, "registered_pools", {}).get(transfer.name, self.mem_pool_host)
         return transfer.name == PoolName.KV and pool is self.mem_pool_host
@@ -248,20 +282,37 @@ class KVTierStorage(HiCacheStorage):
     @_never_raises(lambda *_, **__: PoolTransferResult.empty())
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: Any = None) -> PoolTransferResult:
-        """The KV hit as ``batch_exists``; a prefix needing any other pool is not restorable (0 pages)."""
-        if any(not self._is_kv(t) for t in pool_transfers or []):
-            return PoolTransferResult(0, {}, [])
-        hit = self.batch_exists(keys, extra_info)
-        return PoolTransferResult(hit, {PoolName.KV: hit} if hit else {}, list(range(1, hit + 1)))
+        """The KV hit as ``batch_exists``, cut to the prefix lengths every other pool's hit policy allows."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        sides = [t for t in pool_transfers or [] if not self._is_kv(t)]
+        pools = {t.name: self._side_pool(t.name) for t in sides}
+        if any(p is None for p in pools.values()):
+            return PoolTransferResult(0, {}, [])  # a pool kvtier does not hold: nothing is restorable
 
-    def _transfer(self, transfers: list[PoolTransfer], op: Callable[..., list[bool]]) -> dict[str, list[bool]]:
-        return {t.name: (op(t.keys or [], t.host_indices, None) if self._is_kv(t) and t.host_indices is not None
-                         else [False] * len(t.keys or [])) for t in transfers}
+        def held(transfer: PoolTransfer) -> list[bool]:
+            return pools[transfer.name].held(keys[:kv_pages])
+
+        lengths, boundaries = restorable(kv_pages, sides, held, PoolHitPolicy)
+        hits = {PoolName.KV: kv_pages, **boundaries} if kv_pages else {}
+        return PoolTransferResult(lengths[-1] if lengths else 0, hits, lengths)
+
+    def _transfer(self, transfers: list[PoolTransfer], kv_op: Callable[..., list[bool]], side_op: str
+                  ) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys = t.keys or []
+            if self._is_kv(t):
+                out[t.name] = kv_op(keys, t.host_indices, None) if t.host_indices is not None else [False] * len(keys)
+            elif (side := self._side_pool(t.name)) is not None:
+                out[t.name] = getattr(side, side_op)(keys, t.host_indices)
+            else:
+                out[t.name] = [False] * len(keys)
+        return out
 
     @_never_raises(lambda transfers, *_, **__: {t.name: [False] * len(t.keys or []) for t in transfers})
     def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
-        return self._transfer(transfers, self.batch_get_v1)
+        return self._transfer(transfers, self.batch_get_v1, "load")
 
     @_never_raises(lambda transfers, *_, **__: {t.name: [False] * len(t.keys or []) for t in transfers})
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
-        return self._transfer(transfers, self.batch_set_v1)
+        return self._transfer(transfers, self.batch_set_v1, "store")
