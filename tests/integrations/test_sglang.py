@@ -337,6 +337,20 @@ def test_a_corrupt_state_page_is_a_miss_and_its_prefix_is_not_restorable(tmp_pat
     store.close()
 
 
+def test_clear_forgets_this_servers_pages_side_pools_included(tmp_path):
+    pool, mamba, store = hybrid(tmp_path)
+    keys = page_keys(tokens(3), 4)
+    store.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=pool.host_indices(0, 3), keys=keys),
+                        PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=keys[2:])])
+    for cache in (store.cache, store._side["mamba"].cache):
+        cache.tiers[-1].flush()
+    assert store.batch_exists(keys) == 3 and store._side["mamba"].held(keys[2:]) == [True]
+    assert store.clear() is True
+    assert store.batch_exists(keys) == 0 and store._side["mamba"].held(keys[2:]) == [False]
+    assert all(store.batch_set_v1(keys, pool.host_indices(0, 3)))  # and it serves on
+    store.close()
+
+
 def test_nothing_raises_into_sglang():
     pool = HostPool("layer_first")
     keys = page_keys(tokens(2), 4)

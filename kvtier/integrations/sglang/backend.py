@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -48,6 +49,7 @@ from kvtier.integrations.sglang.config import BackendConfig
 from kvtier.integrations.sglang.pages import PoolGeometry, check_buffer, geometry_of
 from kvtier.integrations.sglang.side_pools import SidePool, restorable
 from kvtier.keys import ChunkHash
+from kvtier.tiers import SharedStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,6 +106,7 @@ class KVTierStorage(HiCacheStorage):
         self._capacity = 0  #: token slots of the host pool
         self._root = b""
         self._side: dict[str, SidePool] = {}  #: hybrid models' other pools, by SGLang's pool name
+        self._side_lock = threading.Lock()
 
     # -- setup ---------------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -141,13 +144,28 @@ class KVTierStorage(HiCacheStorage):
                 self._side_pool(name)
 
     def _side_pool(self, name: Any) -> SidePool | None:
+        """The side pool registered under ``name``, its cache built on first use (None if never registered)."""
         key = str(getattr(name, "value", name))
-        side = self._side.get(key)
-        pool = getattr(self, "registered_pools", {}).get(name)
-        if side is None and pool is not None and self._ready():
-            kv_page = self.geometry.spec.bytes_per_token * self.geometry.page_size
-            side = self._side[key] = SidePool(key, pool, self.cache, kv_page, self._root)
-        return side
+        with self._side_lock:  # SGLang's prefetch and backup threads may both ask first
+            side = self._side.get(key)
+            pool = getattr(self, "registered_pools", {}).get(name)
+            if side is None and pool is not None and self._ready():
+                kv_page = self.geometry.spec.bytes_per_token * self.geometry.page_size
+                side = self._side[key] = SidePool(key, pool, self.cache, kv_page, self._root)
+            return side
+
+    @_never_raises(lambda *_, **__: False)
+    def clear(self) -> bool:
+        """Forget every page in this server's own tiers (memory, and disk: a directory per server and rank),
+        side pools included. Pages in shared tiers (Redis, Valkey, Mooncake) stay: other servers may be
+        reading them. True once done."""
+        for cache in [self.cache, *(side.cache for side in self._side.values())]:
+            for tier in cache.tiers if cache is not None else []:
+                list_keys = getattr(tier, "list_keys", None)
+                if list_keys is not None and not isinstance(tier, SharedStore):
+                    tier.delete(list_keys())
+        log.info("kvtier HiCache backend: cleared this server's tiers")
+        return True
 
     def close(self) -> None:
         for side in self._side.values():
