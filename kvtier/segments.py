@@ -37,6 +37,11 @@ from kvtier.tiers import Tier, WriteMode
 
 log = logging.getLogger(__name__)
 
+#: Segments one prompt may have: a prompt with more is not blended (a plain prefill; chats with more messages
+#: are not even segmented). Each segment that missed costs a forward pass of its own after the first token, so
+#: this bounds the passes a request can cause; 64 is far more passages than a RAG prompt carries.
+MAX_SEGMENTS = 64
+
 
 @dataclass(frozen=True)
 class BlendConfig:

@@ -1,4 +1,4 @@
-"""Publish a KVCache's events over ZMQ (PUB), and answer snapshot requests (ROUTER): one background thread.
+"""Publish a KVCache's events over ZMQ (XPUB), and answer snapshot requests (ROUTER): one background thread.
 
 Batches go out every ``batch_interval_s`` when there are events, and an empty one (a heartbeat) every
 ``heartbeat_s`` otherwise, so subscribers notice a lost batch or a restart within a heartbeat. Events wait in
@@ -6,10 +6,28 @@ a bounded queue: if a subscriber-independent backlog of ``max_queue`` events bui
 the queue is dropped and the sequence skips a number, so every subscriber sees a gap and takes a snapshot
 instead of trusting an incomplete stream. The sockets belong to the thread (ZMQ sockets are not
 thread-safe); the cache's threads only append to the queue. See wire.py for the format.
+
+Both sockets are CURVE servers with a key pair drawn at start: the public key is in ``/kvtier/info``, so a
+router that read it from the replica it was configured with talks only to this process (a process that takes
+the ports after this one died cannot complete the handshake). What a peer can make this process hold is bounded
+by ZMQ's own limits:
+
+* subscriptions: the PUB side is an XPUB in manual mode; only prefixes of the one topic (``b"kvtier"``) are
+  subscribed, anything else is dropped and counted, so a peer's subscriptions cost at most ``len(TOPIC) + 1``
+  trie entries, freed when it disconnects. Inbound messages are capped at ``MAX_INBOUND_BYTES``;
+* send buffers: at most ``send_hwm`` batches wait per subscriber (then ZMQ drops for that subscriber only, which
+  it sees as a gap); batches are shared between subscribers, not copied;
+* snapshots: a peer has at most one reply queued (HWM 1 and ROUTER_MANDATORY: another request meanwhile is
+  dropped and counted); a reply lists at most ``max_snapshot_keys`` keys (fastest tiers first) and is encoded
+  once per stream position, the same bytes shared by every peer that asks.
+
+A fixed port that is taken (another process bound it) is replaced by a free one, with a warning: the replica
+still starts and ``/kvtier/info`` names where it publishes.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -22,14 +40,23 @@ import zmq
 
 from kvtier.errors import ConfigError
 from kvtier.events.model import ChunkEvent, TierHolding
-from kvtier.events.wire import SNAPSHOT_REQUEST, Batch, encode_batch, encode_snapshot, wire_event
+from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, encode_batch, encode_snapshot, wire_event
 
 log = logging.getLogger(__name__)
+
+#: Peers send subscriptions (7 bytes at most), snapshot requests (8) and CURVE handshake commands (HELLO: 200,
+#: INITIATE: ~300 with metadata): anything longer disconnects them.
+MAX_INBOUND_BYTES = 1024
+#: Subscription messages handled per loop turn (a flood of them must not hold back the batches).
+MAX_SUBSCRIPTIONS_PER_TURN = 10_000
 
 
 @dataclass(frozen=True)
 class PublisherConfig:
-    """Where and how often. Ports 0 take free ports (the replica's ``/kvtier/info`` says which)."""
+    """Where and how often. Ports 0 take free ports (the replica's ``/kvtier/info`` says which).
+
+    ``send_hwm``: batches queued per subscriber; ``max_snapshot_keys``: keys in one snapshot reply.
+    """
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -37,32 +64,45 @@ class PublisherConfig:
     heartbeat_s: float = 1.0
     batch_interval_s: float = 0.02
     max_queue: int = 100_000
+    send_hwm: int = 100
+    max_snapshot_keys: int = 2_000_000
 
     def __post_init__(self) -> None:
         if not (self.heartbeat_s > 0 and self.batch_interval_s > 0 and self.max_queue > 0):
             raise ConfigError("event publisher intervals and max_queue must be positive")
+        if self.send_hwm < 1 or self.max_snapshot_keys < 0:
+            raise ConfigError("event publisher send_hwm must be >= 1 and max_snapshot_keys >= 0")
 
 
 class EventPublisher:
-    """Publishes what ``subscribe`` feeds it; ``holdings`` gives what the cache holds now, for snapshots."""
+    """Publishes what ``subscribe`` feeds it; ``holdings`` gives what the cache holds now, for snapshots.
+
+    ``public_key`` (Z85) is what subscribers must expect; ``counts`` counts snapshots sent, replies dropped
+    (``snapshot_dropped``), truncated snapshots and refused subscriptions.
+    """
 
     def __init__(self, subscribe: Callable[[Callable[[Sequence[ChunkEvent]], None]], Callable[[], None]],
                  holdings: Callable[[], list[TierHolding]], config: PublisherConfig = PublisherConfig()) -> None:
         self.config = config
         self.epoch = uuid.uuid4().hex
+        self.public_key, secret_key = zmq.curve_keypair()
+        self.counts: dict[str, int] = {}
         self._holdings = holdings
         self._queue: deque[ChunkEvent] = deque()
         self._lock = threading.Lock()
         self._skip = 0  # sequence numbers to skip (events dropped): subscribers must see a gap
         self._seq = -1
+        self._snapshot: tuple[int, bytes] | None = None  # (seq, encoded): shared by every reply at that seq
         self._ctx = zmq.Context()
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.setsockopt(zmq.LINGER, 0)
-            self.endpoint = _bind(self._pub, config.host, config.port)
-            self._control = self._ctx.socket(zmq.ROUTER)
-            self._control.setsockopt(zmq.LINGER, 0)
-            self.control_endpoint = _bind(self._control, config.host, config.control_port)
+            self._pub = self._socket(zmq.XPUB, secret_key)
+            self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
+            self._pub.setsockopt(zmq.SNDHWM, config.send_hwm)
+            self.endpoint = _bind(self._pub, config.host, config.port, "event")
+            self._control = self._socket(zmq.ROUTER, secret_key)
+            self._control.setsockopt(zmq.SNDHWM, 1)
+            self._control.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.control_endpoint = _bind(self._control, config.host, config.control_port, "event control")
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise ConfigError(f"cannot bind the event publisher on {config.host}: {exc}") from None
@@ -71,11 +111,22 @@ class EventPublisher:
         self._thread.start()
         self._unsubscribe = subscribe(self._enqueue)
 
+    def _socket(self, kind: int, secret_key: bytes) -> zmq.Socket:
+        socket = self._ctx.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
+        socket.curve_secretkey = secret_key
+        socket.curve_server = True
+        return socket
+
     def close(self) -> None:
         self._unsubscribe()
         self._running = False
         self._thread.join(timeout=10)
         self._ctx.destroy(linger=0)
+
+    def _counted(self, what: str, n: int = 1) -> None:
+        self.counts[what] = self.counts.get(what, 0) + n
 
     # -- producers (any thread) --------------------------------------------------------------------------------
     def _enqueue(self, events: Sequence[ChunkEvent]) -> None:
@@ -90,9 +141,13 @@ class EventPublisher:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._control, zmq.POLLIN)
+        poller.register(self._pub, zmq.POLLIN)
         last_sent = 0.0
         while self._running:
-            if poller.poll(self.config.batch_interval_s * 1000):
+            ready = dict(poller.poll(self.config.batch_interval_s * 1000))
+            if self._pub in ready:
+                self._subscriptions()
+            if self._control in ready:
                 self._answer()
             now = time.monotonic()
             with self._lock:
@@ -105,23 +160,79 @@ class EventPublisher:
     def _send(self, events: list[ChunkEvent], skip: int) -> None:
         self._seq += 1 + skip
         payload = encode_batch(Batch(self.epoch, self._seq, time.time(), [wire_event(e) for e in events]))
-        self._pub.send_multipart((b"kvtier", self._seq.to_bytes(8, "big"), payload))
+        self._pub.send_multipart((TOPIC, self._seq.to_bytes(8, "big"), payload), copy=False)
+
+    def _subscriptions(self) -> None:
+        """Subscribe each peer to what it asked for if that is a prefix of the topic; refuse anything else."""
+        for _ in range(MAX_SUBSCRIPTIONS_PER_TURN):
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            topic = message[1:]
+            if message[:1] in (b"\x00", b"\x01") and TOPIC.startswith(topic):
+                option = zmq.SUBSCRIBE if message[:1] == b"\x01" else zmq.UNSUBSCRIBE
+                self._pub.setsockopt(option, topic)  # manual mode: applies to the peer that sent ``message``
+            else:
+                self._counted("subscription_refused")
 
     def _answer(self) -> None:
-        frames = self._control.recv_multipart()
-        client, request = frames[0], frames[1:]
-        if request != [SNAPSHOT_REQUEST]:
-            self._control.send_multipart((client, b"error", b"unknown request"))
-            return
-        # Queued events are not in the snapshot's seq yet but are in the listing: the subscriber applies them
-        # again after it (stores and removals are idempotent), so the snapshot is never behind the stream.
-        body = encode_snapshot(self.epoch, self._seq, self._holdings())
-        self._control.send_multipart((client, SNAPSHOT_REQUEST, body))
+        for _ in range(MAX_SUBSCRIPTIONS_PER_TURN):
+            try:
+                frames = self._control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            client, request = frames[0], frames[1:]
+            if request != [SNAPSHOT_REQUEST]:
+                self._reply(client, b"error", b"unknown request")
+                continue
+            if self._reply(client, SNAPSHOT_REQUEST, self._snapshot_body()):
+                self._counted("snapshot_sent")
+            else:
+                self._counted("snapshot_dropped")
+
+    def _reply(self, client: bytes, kind: bytes, body: bytes) -> bool:
+        """Queue a reply unless the peer still has one unread (or left): False then, and nothing is queued."""
+        try:
+            self._control.send_multipart((client, kind, body), zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                return False
+            raise
+
+    def _snapshot_body(self) -> bytes:
+        """The snapshot at the current seq, encoded once. Queued events are not in its seq yet but are in the
+        listing: the subscriber applies them again after it (stores and removals are idempotent), so the
+        snapshot is never behind the stream; nor is one taken earlier at the same seq."""
+        if self._snapshot is not None and self._snapshot[0] == self._seq:
+            return self._snapshot[1]
+        held, room = [], self.config.max_snapshot_keys
+        for holding in self._holdings():
+            if holding.keys is not None and len(holding.keys) > room:
+                self._counted("snapshot_truncated")
+                log.warning("event snapshot: tier %s lists %d keys, %d sent (max_snapshot_keys)", holding.name,
+                            len(holding.keys), room)
+                holding = TierHolding(holding.name, holding.keys[:room], holding.store_id)
+            room -= len(holding.keys or ())
+            held.append(holding)
+        self._snapshot = (self._seq, encode_snapshot(self.epoch, self._seq, held))
+        return self._snapshot[1]
 
 
-def _bind(socket: zmq.Socket, host: str, port: int) -> str:
+def _bind(socket: zmq.Socket, host: str, port: int, what: str) -> str:
     if port:
-        socket.bind(f"tcp://{host}:{port}")
-        return f"tcp://{host}:{port}"
+        try:
+            socket.bind(f"tcp://{host}:{port}")
+            return f"tcp://{host}:{port}"
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+        chosen = socket.bind_to_random_port(f"tcp://{host}")
+        log.warning("%s port %d on %s is taken by another process: publishing on port %d instead", what, port,
+                    host, chosen)
+        return f"tcp://{host}:{chosen}"
     chosen = socket.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{host}:{chosen}"

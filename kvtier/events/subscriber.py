@@ -9,6 +9,12 @@ The subscriber keeps a ``ReplicaHoldings`` (what the replica holds, per tier) in
   have (see kvtier.events.model);
 * a message that does not decode is counted and dropped (then the next batch shows a gap).
 
+Only the replica itself can feed the sink: both sockets are CURVE clients of the replica's public key (from its
+``/kvtier/info``, fetched from the URL the router was configured with), so a process that takes the replica's
+event ports after it died fails the handshake and is never heard. What one message can cost is bounded: a batch
+at most ``MAX_BATCH_BYTES``, a snapshot at most ``MAX_SNAPSHOT_BYTES`` (ZMQ refuses longer ones), and a
+snapshot is decoded and prepared (``HoldingsSink.prepare``) in a worker thread, off the event loop.
+
 The replica's silence is not this module's business: the router's health checks eject a dead replica and
 restart its subscriber when it comes back (its endpoints may have changed).
 """
@@ -25,17 +31,22 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from kvtier.events.wire import SNAPSHOT_REQUEST, Batch, Snapshot, WireError, decode_batch, decode_snapshot
+from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, Snapshot, WireError, decode_batch, decode_snapshot
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 << 20  # a snapshot of ~8M keys; anything larger is refused by ZMQ itself
+MAX_BATCH_BYTES = 16 << 20  #: ~300k events; a publisher's batch holds at most its max_queue (100k by default)
+MAX_SNAPSHOT_BYTES = 96 << 20  #: ~2.8M keys; a publisher sends at most its max_snapshot_keys (2M by default)
 
 
 class HoldingsSink(Protocol):
     """What a subscriber keeps up to date (the router's index of one replica)."""
 
-    def reset(self, snapshot: Snapshot) -> None: ...
+    def prepare(self, snapshot: Snapshot) -> object:
+        """The work of adopting ``snapshot`` that touches nothing shared (runs in a worker thread)."""
+
+    def reset(self, prepared: object) -> None:
+        """Adopt what ``prepare`` returned (on the event loop)."""
 
     def apply(self, batch: Batch) -> None: ...
 
@@ -50,21 +61,29 @@ class SubscriberConfig:
 class EventSubscriber:
     """``run()`` follows the stream until cancelled; ``count(what)`` is told of snapshots, batches, errors."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, control_endpoint: str, sink: HoldingsSink,
-                 config: SubscriberConfig = SubscriberConfig(), count: Callable[[str], None] = lambda what: None
-                 ) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, control_endpoint: str, server_key: bytes,
+                 sink: HoldingsSink, config: SubscriberConfig = SubscriberConfig(),
+                 count: Callable[[str], None] = lambda what: None) -> None:
+        """``server_key``: the replica's CURVE public key (Z85), as its ``/kvtier/info`` gives it."""
         self._ctx, self._endpoint, self._control_endpoint = ctx, endpoint, control_endpoint
+        self._server_key = server_key
         self._sink, self._config, self._count = sink, config, count
         self.epoch: str | None = None
         self.seq = -1
         self._synced_at = 0.0
 
+    def _socket(self, kind: int, max_bytes: int) -> zmq.asyncio.Socket:
+        socket = self._ctx.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
+        socket.curve_serverkey = self._server_key
+        return socket
+
     async def run(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub = self._socket(zmq.SUB, MAX_BATCH_BYTES)
         sub.connect(self._endpoint)
-        sub.subscribe(b"")
+        sub.subscribe(TOPIC)
         try:
             while self.epoch is None:
                 if not await self._resync():
@@ -98,24 +117,26 @@ class EventSubscriber:
 
     async def _resync(self) -> bool:
         """Ask for a snapshot and adopt it; False if the replica did not answer in time."""
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        dealer = self._socket(zmq.DEALER, MAX_SNAPSHOT_BYTES)
         dealer.connect(self._control_endpoint)
         try:
             await dealer.send_multipart([SNAPSHOT_REQUEST])
             frames = await asyncio.wait_for(dealer.recv_multipart(), self._config.snapshot_timeout_s)
             if len(frames) != 2 or frames[0] != SNAPSHOT_REQUEST:
                 raise WireError(f"unexpected reply {frames[:1]!r}")
-            snapshot = decode_snapshot(frames[1])
+            snapshot, prepared = await asyncio.to_thread(self._prepare, frames[1])
         except (TimeoutError, WireError) as exc:
             self._count("snapshot_failed")
             log.warning("event stream %s: no snapshot: %s", self._control_endpoint, exc or "timed out")
             return False
         finally:
             dealer.close(linger=0)
-        self._sink.reset(snapshot)
+        self._sink.reset(prepared)
         self.epoch, self.seq = snapshot.epoch, snapshot.seq
         self._synced_at = time.monotonic()
         self._count("snapshot")
         return True
+
+    def _prepare(self, payload: bytes) -> tuple[Snapshot, object]:
+        snapshot = decode_snapshot(payload)
+        return snapshot, self._sink.prepare(snapshot)

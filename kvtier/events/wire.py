@@ -1,6 +1,6 @@
 """The event stream on the wire: msgpack (msgspec structs, decoded against their types; never pickle).
 
-Published messages are ZMQ multipart ``[topic, seq (8 bytes, big-endian), Batch]``, as vLLM publishes its KV
+Published messages are ZMQ multipart ``[TOPIC, seq (8 bytes, big-endian), Batch]``, as vLLM publishes its KV
 events. ``seq`` counts batches from 0 per publisher ``epoch`` (a random id drawn at start), so a subscriber
 sees a restart (new epoch) and a lost batch (a gap) and then asks the control socket for a ``Snapshot``:
 every tier's keys as of batch ``seq``. Empty batches are heartbeats.
@@ -8,8 +8,10 @@ every tier's keys as of batch ``seq``. Empty batches are heartbeats.
 Control socket (ZMQ ROUTER on the replica, DEALER on the router): request ``[b"snapshot"]``, reply
 ``[b"snapshot", Snapshot]``; anything else gets ``[b"error", message]``.
 
-Decoding is strict: a key is exactly 32 bytes, every field has its type; a message that does not decode
-raises ``WireError`` and is dropped by the caller.
+Decoding is strict: a key is exactly 32 bytes, a tier name at most 64 characters, a snapshot names at most
+``MAX_TIERS`` tiers, every field has its type; a message that does not decode raises ``WireError`` and is
+dropped by the caller. Both sockets speak CURVE (see publisher.py): the replica's public key is in its
+``/kvtier/info``.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from kvtier.keys import HASH_BYTES, ChunkHash, Namespace
 from kvtier.layout import KVSpec, dtype_from_name, dtype_name
 
 SNAPSHOT_REQUEST = b"snapshot"
+TOPIC = b"kvtier"
+MAX_TIERS = 16  #: tiers one snapshot may name (a replica has a handful)
 Key = Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+TierName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
 class WireError(KVTierError):
@@ -34,7 +39,7 @@ class WireError(KVTierError):
 
 class WireEvent(msgspec.Struct, array_like=True, frozen=True):
     stored: bool
-    tier: Name
+    tier: TierName
     key: Key
     position: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
@@ -47,7 +52,7 @@ class Batch(msgspec.Struct, array_like=True, frozen=True):
 
 
 class WireTier(msgspec.Struct, array_like=True, frozen=True):
-    name: Name
+    name: TierName
     keys: list[Key] | None  #: None: the tier cannot list its keys
     store_id: str | None = None  #: a shared store's id (every replica with the same id reads these keys)
 
@@ -55,7 +60,7 @@ class WireTier(msgspec.Struct, array_like=True, frozen=True):
 class Snapshot(msgspec.Struct, array_like=True, frozen=True):
     epoch: Name
     seq: Annotated[int, msgspec.Meta(ge=-1)]  #: the last batch it reflects (-1: none sent yet)
-    tiers: list[WireTier]
+    tiers: Annotated[list[WireTier], msgspec.Meta(max_length=MAX_TIERS)]
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -5,8 +5,10 @@ prompt tokens the replica has to compute to ``prefill_tokens`` until its first t
 it as a decode stream until it ends. ``in_flight`` counts both (the load bound's measure).
 
 A replica that publishes cache events (kvtier serve) gets an ``EventSubscriber`` feeding the router's index;
-it is started when the replica is admitted, restarted when its ``/kvtier/info`` names new endpoints (it
-restarted), and stopped when the replica is ejected.
+it is started when the replica is admitted, restarted when its ``/kvtier/info`` names new endpoints or a new
+key (it restarted), and stopped when the replica is ejected, which also frees what the index knew of it. The
+subscription expects the CURVE public key the replica's ``/kvtier/info`` names: a replica that names none
+(an older kvtier) is not followed, and the router's own record stands in for its events.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvtier.events.wire import Batch, Snapshot, WireError, namespace_from_json
 from kvtier.keys import Namespace
 from kvtier.layout import KVSpec
 from kvtier.router.config import ProxyConfig
-from kvtier.router.index import FleetIndex
+from kvtier.router.index import FleetIndex, PreparedSnapshot
 from kvtier.router.scoring import ReplicaView
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,11 @@ class ReplicaState(enum.Enum):
     EJECTED = "ejected"
 
 
-class _InfoEvents(msgspec.Struct):
+class _InfoEvents(msgspec.Struct, frozen=True):
     endpoint: str
     control: str
     epoch: str
+    key: str = ""  #: the publisher's CURVE public key (Z85)
 
 
 class _InfoJson(msgspec.Struct):
@@ -121,6 +124,7 @@ class Replica:
         self.info: ReplicaInfo | None = None
         self._events: asyncio.Task | None = None
         self._events_from: _InfoEvents | None = None
+        self._sink: _ReplicaSink | None = None
 
     @property
     def up(self) -> bool:
@@ -149,14 +153,22 @@ class Replica:
         self._events_from = events
         if events is None:
             return
-        sink = _ReplicaSink(index, self.name)
-        subscriber = EventSubscriber(ctx, events.endpoint, events.control, sink, config, count)
+        if len(events.key) != 40:
+            log.warning("replica %s names no CURVE key for its events: not followed", self.name)
+            return
+        self._sink = _ReplicaSink(index, self.name)
+        subscriber = EventSubscriber(ctx, events.endpoint, events.control, events.key.encode(), self._sink, config,
+                                     count)
         self._events = asyncio.ensure_future(subscriber.run())
 
     def stop_events(self) -> None:
+        """Stop following the replica's events and free what the index knew of it."""
         if self._events is not None:
             self._events.cancel()
             self._events = None
+        if self._sink is not None:
+            self._sink.forget()
+            self._sink = None
         self._events_from = None
 
     async def close(self) -> None:
@@ -171,11 +183,18 @@ class _ReplicaSink:
         self._index, self._name = index, name
         self._epoch: str | None = None
 
-    def reset(self, snapshot: Snapshot) -> None:
-        if self._epoch is not None and snapshot.epoch != self._epoch:
+    def prepare(self, snapshot: Snapshot) -> tuple[str, PreparedSnapshot]:
+        return snapshot.epoch, self._index.holdings(self._name).prepare(snapshot)
+
+    def reset(self, prepared: tuple[str, PreparedSnapshot]) -> None:
+        epoch, snapshot = prepared
+        if self._epoch is not None and epoch != self._epoch:
             self._index.restarted(self._name)
-        self._epoch = snapshot.epoch
+        self._epoch = epoch
         self._index.holdings(self._name).reset(snapshot)
+
+    def forget(self) -> None:
+        self._index.forget(self._name)
 
     def apply(self, batch: Batch) -> None:
         self._index.holdings(self._name).apply(batch)

@@ -65,7 +65,7 @@ class Router:
         self.replicas = [Replica(url, config.proxy) for url in config.replicas]
         idx = config.index
         self.index = FleetIndex(recent_ttl_s=idx.recent_ttl_s, in_flight_ttl_s=idx.in_flight_ttl_s,
-                                shared_ttl_s=idx.shared_ttl_s)
+                                shared_ttl_s=idx.shared_ttl_s, replicas=len(self.replicas))
         self.record = record_namespace(idx.chunk_size)
         self.policy = config.routing.build()
         self.health = Health(self.replicas, config.health, self.metrics, self._follow)
@@ -222,5 +222,6 @@ class Router:
             yield "kvtier_router_decode_streams", labels, float(replica.decode_streams)
             for tier, chunks in self.index.chunks(replica.name).items():
                 yield "kvtier_router_index_chunks", {"replica": replica.name, "tier": tier}, float(chunks)
+            yield "kvtier_router_index_dropped_events", labels, float(self.index.dropped(replica.name))
         if self.admission is not None:
             yield "kvtier_router_queue_waiting", {}, float(self.admission.waiting)

@@ -7,7 +7,8 @@ follow where they are::
      "namespace": {"model": ..., "layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float32",
                    "chunk_size": 256, "tp_rank": 0, "tp_size": 1, "adapter": ""},
      "tiers": [{"name": "memory", "store_id": null}, {"name": "redis", "store_id": "redis:h:6379/0#kvtier:raw:"}],
-     "events": {"endpoint": "tcp://127.0.0.1:41234", "control": "tcp://127.0.0.1:41235", "epoch": "9f..."}}
+     "events": {"endpoint": "tcp://127.0.0.1:41234", "control": "tcp://127.0.0.1:41235", "epoch": "9f...",
+                "key": "<the publisher's CURVE public key, Z85>"}}
 
 ``events`` is null when the server publishes none (``--no-events``), ``namespace`` null without a cache. The
 tenant salt is never in it: the router derives it from the caller's API key exactly as the server does.
@@ -45,7 +46,8 @@ def attach_events(app: FastAPI, backend: Backend, config: PublisherConfig | None
         if publisher is not None:
             host = request.url.hostname or "127.0.0.1"
             events = {"endpoint": _reachable(publisher.endpoint, host),
-                      "control": _reachable(publisher.control_endpoint, host), "epoch": publisher.epoch}
+                      "control": _reachable(publisher.control_endpoint, host), "epoch": publisher.epoch,
+                      "key": publisher.public_key.decode()}
         return {"kvtier": INFO_VERSION, "model": backend.name, "cache": cache is not None,
                 "namespace": namespace_json(cache.namespace) if cache is not None else None,
                 "tiers": tiers, "events": events}

@@ -6,6 +6,7 @@
   messages is not a prefix of the whole (one that rewrites earlier turns) gives no segments.
 * Text completions: with a separator configured, the text between separators is a segment, except the part
   after the last separator (the query). Token-id prompts have no segments.
+* A prompt of more than ``MAX_SEGMENTS`` pieces (messages or separated texts) has no segments at all.
 
 The prompt's tokens are never changed: segments are the runs of the prompt's own tokens that lie inside each
 piece of text (offsets from the fast tokenizer). A token straddling a boundary belongs to no segment and is
@@ -19,13 +20,14 @@ import logging
 from collections.abc import Sequence
 
 from kvtier.integrations.transformers import Span
+from kvtier.segments import MAX_SEGMENTS
 from kvtier.server.protocol import ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
 #: Chat requests with more messages get no segments: finding message boundaries renders the template once per
 #: message, a cost quadratic in the count that a hostile request could otherwise choose.
-MAX_SEGMENT_MESSAGES = 64
+MAX_SEGMENT_MESSAGES = MAX_SEGMENTS
 
 
 class NoSegments:
@@ -74,6 +76,9 @@ class Segmenter:
         """Spans of the pieces of ``text`` before each separator in ``prompt_ids``, its tokenization."""
         pieces, start = [], 0
         while (at := text.find(self.separator, start)) >= 0:
+            if len(pieces) == MAX_SEGMENTS:
+                log.debug("more than %d separated pieces: no segments", MAX_SEGMENTS)
+                return ()
             pieces.append((start, at))
             start = at + len(self.separator)
         return self._token_spans(text, pieces, prompt_ids, special=True)

@@ -107,8 +107,11 @@ class _Sink:
     def __init__(self, index: FleetIndex) -> None:
         self.held = index.holdings("r")
 
-    def reset(self, snapshot) -> None:
-        self.held.reset(snapshot)
+    def prepare(self, snapshot):
+        return self.held.prepare(snapshot)
+
+    def reset(self, prepared) -> None:
+        self.held.reset(prepared)
 
     def apply(self, batch) -> None:
         self.held.apply(batch)
@@ -143,7 +146,7 @@ def test_subscriber_follows_stores_evictions_gaps_and_a_restart(tmp_path):
         cache.store(list(range(3 * CHUNK)), kv_for(3 * CHUNK))  # before anyone listens: only in the snapshot
         cache.tiers[1].flush()
         pub = start(cache)
-        sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, _Sink(index), SubscriberConfig(),
+        sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, _Sink(index), SubscriberConfig(),
                               lambda what: counts.__setitem__(what, counts.get(what, 0) + 1))
         task = asyncio.ensure_future(sub.run())
         try:
@@ -167,8 +170,8 @@ def test_subscriber_follows_stores_evictions_gaps_and_a_restart(tmp_path):
             pub = start(cache)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, _Sink(index), SubscriberConfig(),
-                                  lambda what: None)
+            sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, _Sink(index),
+                                  SubscriberConfig(), lambda what: None)
             task = asyncio.ensure_future(sub.run())
             await _until(lambda: sub.epoch == pub.epoch and _matches(index, cache))
             assert index.cached("r", keys) == {"disk": 2}

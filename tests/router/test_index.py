@@ -75,3 +75,43 @@ def test_the_routers_own_record_expires_and_is_dropped_when_its_replica_restarts
     index.record("quiet", keys[:1])
     clock.now = 200.0
     assert index.cached("quiet", keys) == {}
+
+
+def test_a_replicas_keys_are_capped_first_learnt_stays_and_dropped_events_are_counted():
+    """Issue 29 E-3: a hostile replica's stores beyond its cap are dropped, not kept."""
+    index = FleetIndex(max_replica_keys=100, max_total_keys=1000)
+    held = index.holdings("a")
+    held.reset(snapshot("e", memory=list(range(60)), disk=list(range(60, 120))))
+    assert index.chunks("a") == {"memory": 60, "disk": 40} and held.dropped == 20  # fastest tiers first
+    held.apply(Batch("e", 1, 0.0, [WireEvent(True, "memory", key(i), 0) for i in range(1000, 1100)]))
+    assert sum(index.chunks("a").values()) == 100 and held.dropped == 120
+    held.apply(Batch("e", 2, 0.0, [WireEvent(False, "memory", key(0)), WireEvent(True, "memory", key(2000), 0)]))
+    assert index.cached("a", [key(2000)]) == {"memory": 1}  # a removal makes room again
+    assert sum(index.chunks("a").values()) == 100
+
+
+def test_tiers_are_those_the_snapshot_names_and_other_tier_names_are_dropped():
+    index = FleetIndex()
+    held = index.holdings("a")
+    held.reset(snapshot("e", memory=[0]))
+    held.apply(Batch("e", 1, 0.0, [WireEvent(True, f"tier-{i}", key(i), 0) for i in range(500)]))
+    assert index.chunks("a") == {"memory": 1} and held.tiers == ["memory"] and held.dropped == 500
+
+
+def test_the_total_cap_is_split_among_replicas_and_shared_stores_are_bounded():
+    index = FleetIndex(max_keys=50, max_replica_keys=1000, max_total_keys=300, replicas=3)
+    assert index.max_replica_keys == 100
+    held = index.holdings("a")
+    stores = {f"s{i}": f"redis:h{i}:6379/0#kvtier:raw:" for i in range(12)}  # more stores than the router keeps
+    held.reset(snapshot("e", memory=[], **stores))
+    assert len(held.tiers) == 1 + index.shared.max_stores
+    held.apply(Batch("e", 1, 0.0, [WireEvent(True, "s0", key(i), 0) for i in range(200)]))
+    assert index.chunks("a")["s0"] == 50  # a shared store keeps its newest keys, at most max_keys
+
+
+def test_an_ejected_replica_is_forgotten():
+    index = FleetIndex()
+    index.holdings("a").reset(snapshot("e", memory=list(range(10))))
+    index.record("a", [key(i) for i in range(20)])
+    index.forget("a")
+    assert index.chunks("a") == {} and index.cached("a", [key(0)]) == {}

@@ -136,3 +136,14 @@ def test_blend_needs_the_cache(tiny_model_dir):
                           "--no-cache"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "needs the cache" in out.stderr
+
+
+def test_a_text_of_too_many_separated_pieces_gives_no_segments(tokenizer):
+    """Issue 29 B-1: ``"a\\n\\n" * 2000`` must not make 2000 segments (each a forward pass of its own)."""
+    from kvtier.segments import MAX_SEGMENTS
+
+    segmenter = Segmenter(tokenizer, separator="\n\n")
+    hostile = "a\n\n" * 2000 + "Question: what?"
+    assert segmenter.text(hostile, tokenizer.encode(hostile)) == ()
+    fine = f"{DOC_A}\n\n" * MAX_SEGMENTS + "which rivers"
+    assert len(segmenter.text(fine, tokenizer.encode(fine))) == MAX_SEGMENTS

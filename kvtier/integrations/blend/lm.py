@@ -10,6 +10,12 @@ For a prompt ``[prefix][segment A][segment B]...[query]`` whose segments are giv
    prefix chunks, never the blended KV after it, and every segment that missed is computed alone at the base
    position and stored, ready for the next prompt that holds it, in any position.
 
+What one request can cost is bounded relative to a plain prefill of the same prompt: the blended pass computes
+at most every token of it once per layer; a prompt of more than ``MAX_SEGMENTS`` segments is not blended (a
+plain prefill, counted as ``reason="too_many_segments"``); and the segments computed alone afterwards are the
+distinct ones no tier holds yet (a segment repeated in the prompt, or already stored, is not computed again),
+so their tokens add at most the prompt's length, in at most ``MAX_SEGMENTS`` passes.
+
 A model blending does not support (see rope.py) gets a full prefill for every prompt: logged once at start,
 counted per prompt in ``kvtier_blend_fallback_tokens_total{reason="unsupported"}``.
 """
@@ -27,9 +33,15 @@ from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
 from kvtier.integrations.blend.prefill import BlendConfig, BlendResult, ReusedSpan, blended_prefill
 from kvtier.integrations.blend.rope import Rerotator, UnsupportedModel
-from kvtier.integrations.transformers import (GenerationStats, Prefill, PrefixCachedLM, Span, has_recurrent_state,
-                                               to_canonical)
-from kvtier.segments import SegmentCache
+from kvtier.integrations.transformers import (
+    GenerationStats,
+    Prefill,
+    PrefixCachedLM,
+    Span,
+    has_recurrent_state,
+    to_canonical,
+)
+from kvtier.segments import MAX_SEGMENTS, SegmentCache
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +90,10 @@ class BlendedLM(PrefixCachedLM):
         spans = check_spans(segments, len(prompt))
         if not spans:
             return super()._prefill(prompt, spans, salt, stats)
-        if self.rerotator is None:
-            self.metrics.inc("kvtier_blend_fallback_tokens_total", sum(e - s for s, e in spans), reason="unsupported")
-            return super()._prefill(prompt, spans, salt, stats)
+        if self.rerotator is None or len(spans) > MAX_SEGMENTS:
+            reason = "unsupported" if self.rerotator is None else "too_many_segments"
+            self.metrics.inc("kvtier_blend_fallback_tokens_total", sum(e - s for s, e in spans), reason=reason)
+            return super()._prefill(prompt, (), salt, stats)
         past, n_prefix = self._cached_prefix(prompt, salt, stats)
         stats.cached_tokens = n_prefix
         start = time.perf_counter()
@@ -128,8 +141,11 @@ class BlendedLM(PrefixCachedLM):
         if not isinstance(prefill, BlendPrefill) or not prefill.missing:
             return
         start = time.perf_counter()
-        for s, e in prefill.missing:
-            self.segments.store(prompt[s:e], self.segment_kv(prompt[s:e]), salt=salt)
+        distinct = list({tuple(prompt[s:e]): None for s, e in prefill.missing})  # a repeated segment: once
+        held = self.segments.contains(distinct, salt=salt)  # stored meanwhile (by another request): not again
+        for tokens, hit in zip(distinct, held):
+            if not hit:
+                self.segments.store(tokens, self.segment_kv(list(tokens)), salt=salt)
         stats.store_s += time.perf_counter() - start
 
     @torch.inference_mode()
