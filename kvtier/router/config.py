@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.router.scoring import Routing, RoutingConfig
+from kvtier.server.body import DEFAULT_MAX_BODY_BYTES
 
 #: What a cached token of each tier is worth against recomputing it (the fastest tier's 1.0): a load from
 #: disk or a shared store is cheap next to prefill, but not free, so RAM wins a tie with disk.
@@ -25,18 +26,25 @@ def default_routing() -> RoutingConfig:
 class ProxyConfig:
     """Per replica: ``max_connections`` pooled; ``connect_timeout_s`` to connect; ``read_timeout_s`` the longest
     wait for the next bytes (a long prefill on a CPU replica is slow). ``max_attempts`` replicas are tried
-    for a request that failed before any byte reached the client."""
+    for a request that failed before any byte reached the client.
+
+    ``max_body_bytes``: larger request bodies are a 413 (a replica's own cap by default: a body it would refuse
+    is not worth reading). ``max_prompt_tokens``: the router tokenizes no more of a prompt than this (and a
+    margin), at a cost bounded accordingly: enough to find where its prefix is cached; the replica judges
+    whether the whole of it fits its context."""
 
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     max_connections: int = 64
     max_attempts: int = 3
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_tokens: int = 131_072
 
     def __post_init__(self) -> None:
-        if min(self.connect_timeout_s, self.read_timeout_s) <= 0 or min(self.max_connections, self.max_attempts,
-                                                                        self.max_body_bytes) < 1:
-            raise ConfigError("proxy timeouts must be positive and max_connections/max_attempts at least 1")
+        if min(self.connect_timeout_s, self.read_timeout_s) <= 0 or min(
+                self.max_connections, self.max_attempts, self.max_body_bytes, self.max_prompt_tokens) < 1:
+            raise ConfigError("proxy timeouts must be positive and max_connections/max_attempts/max_body_bytes/"
+                              "max_prompt_tokens at least 1")
 
 
 @dataclass(frozen=True)
