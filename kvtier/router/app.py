@@ -11,7 +11,9 @@
 * ``GET /v1/models``: the first replica that is up answers. ``GET /health``: 200 while a replica is up (503
   otherwise), with each replica's state and load. ``GET /metrics``: Prometheus text.
 
-Every answer from a replica carries ``x-kvtier-replica`` naming it.
+Every answer from a replica carries ``x-kvtier-replica`` naming it. ``server_config`` serves the app with the
+router's HTTP limits: heads too large or with too many headers are a 431, heads and bodies that do not arrive
+in time a 408, connections beyond the cap a 503, each counted (``endpoint="http"``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -31,6 +34,7 @@ from kvtier.router.admission import Overloaded
 from kvtier.router.requests import parse_request
 from kvtier.router.service import Router
 from kvtier.server.body import read_body
+from kvtier.server.http_limits import guarded_protocol
 from kvtier.server.protocol import RequestError, error_body
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,20 @@ def create_app(router: Router) -> Starlette:
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def server_config(router: Router, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's configuration for the router's app, with the router's HTTP limits (kvtier.server.http_limits)
+    enforced and every refusal counted like any other error answer."""
+    limits = router.config.http
+
+    def refused(status: int, reason: str) -> None:
+        router.metrics.inc("kvtier_router_requests_total", endpoint="http", status=str(status))
+        router.metrics.inc("kvtier_router_rejected_total", reason=reason)
+
+    return uvicorn.Config(create_app(router), host=host, port=port, log_level=log_level,
+                          access_log=log_level == "debug", http=guarded_protocol(limits, refused),
+                          timeout_keep_alive=limits.keep_alive_s)
 
 
 def _error(router: Router, endpoint: str, exc: RequestError, headers: dict[str, str] | None = None) -> Response:

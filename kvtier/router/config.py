@@ -8,6 +8,7 @@ from pathlib import Path
 from kvtier.errors import ConfigError
 from kvtier.router.scoring import Routing, RoutingConfig
 from kvtier.server.body import DEFAULT_MAX_BODY_BYTES
+from kvtier.server.http_limits import HttpLimits
 
 #: What a cached token of each tier is worth against recomputing it (the fastest tier's 1.0): a load from
 #: disk or a shared store is cheap next to prefill, but not free, so RAM wins a tie with disk.
@@ -96,7 +97,8 @@ class IndexConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The replicas (base URLs), how to choose among them, and the tokenizer's model folder (None: SmolLM2)."""
+    """The replicas (base URLs), how to choose among them, the tokenizer's model folder (None: SmolLM2), and
+    the limits of the router's own HTTP server."""
 
     replicas: tuple[str, ...]
     routing: RoutingConfig = field(default_factory=default_routing)
@@ -105,6 +107,8 @@ class RouterConfig:
     health: HealthConfig = HealthConfig()
     index: IndexConfig = IndexConfig()
     tokenizer: Path | None = None
+    #: what a client may cost the router's HTTP server: head size and count, read timeouts, connections
+    http: HttpLimits = HttpLimits()
 
     def __post_init__(self) -> None:
         if not self.replicas:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -201,3 +202,55 @@ def test_r7_a_request_waiting_on_a_replica_that_is_ejected_is_retried_elsewhere(
         retried = f'kvtier_router_retries_total{{cause="failed",replica="{home.name}"}}'
         assert scrape(live.url).get(retried, 0) >= 1  # it was sent to the stopped replica first
         live.wait(lambda: all(r.up for r in live.router.replicas), what="readmission")
+
+
+# -- R-3, R-4: head size and count, head and body timeouts, a connection cap --------------------------------------
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: kvtier\r\nContent-Type: application/json\r\n"
+
+
+def answer(sock: socket.socket) -> int:
+    """The status of the one answer ``sock`` gets before the router closes it."""
+    data = b""
+    while True:
+        more = sock.recv(65536)
+        if not more:
+            break
+        data += more
+    assert data.startswith(b"HTTP/1.1 "), data[:200]
+    return int(data.split()[1])
+
+
+def test_r3_r4_heads_and_bodies_that_never_end_and_too_many_connections_are_answered_and_closed(model, stubs):
+    from kvtier.server.http_limits import HttpLimits
+
+    limits = HttpLimits(max_head_bytes=16 << 10, max_headers=20, head_timeout_s=1.0, body_timeout_s=1.0,
+                        max_connections=8)
+    with router(model, stubs, http=limits) as (live, client):
+        def connect() -> socket.socket:
+            return socket.create_connection(("127.0.0.1", live.port), timeout=20)
+
+        with connect() as s:  # a header value past the cap, its end never sent: refused without waiting for it
+            s.sendall(HEAD + b"X-Big: " + b"b" * (20 << 10))  # (sent whole: bytes unread at close would reset)
+            assert answer(s) == 431
+        with connect() as s:
+            s.sendall(HEAD + b"".join(b"X-N%d: 1\r\n" % i for i in range(50)) + b"Content-Length: 2\r\n\r\n{}")
+            assert answer(s) == 431
+        with connect() as s:  # half a head, then nothing
+            s.sendall(HEAD[:30])
+            assert answer(s) == 408
+        with connect() as s:  # a whole head, a tenth of the body it declared, then nothing
+            s.sendall(HEAD + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
+            assert answer(s) == 408
+        held = [connect() for _ in range(8)]  # as many half-sent heads as the cap allows
+        try:
+            for s in held:
+                s.sendall(HEAD[:30])
+            with connect() as s:
+                assert answer(s) == 503  # one more: answered and closed at once, no descriptor kept
+            assert [answer(s) for s in held] == [408] * 8  # then the head timeout frees them all
+        finally:
+            for s in held:
+                s.close()
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "the cache"}).status_code == 200
+        assert errors_counted(live, 431) == 2 and errors_counted(live, 408) == 10 and errors_counted(live, 503) == 1
