@@ -29,14 +29,21 @@ class PromptTokenizer:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}") from None
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int] | None:
-        """Ids of ``messages`` (role and text content) ready for the assistant's turn; None without a template."""
+    def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> list[int] | None:
+        """Ids of ``messages`` (role and text content) ready for the assistant's turn; None without a template.
+        With ``max_tokens``, only about that many leading ids, at a cost bounded accordingly (``encode_prefix``)."""
         tokenizer = self._tokenizer
         if not getattr(tokenizer, "chat_template", None):
             return None
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return self._encode(lambda part: tokenizer.encode(part, add_special_tokens=False), text, max_tokens)
 
-    def text(self, prompt: str) -> list[int]:
-        """Ids of a completion's text prompt."""
-        return list(self._tokenizer.encode(prompt))
+    def text(self, prompt: str, max_tokens: int | None = None) -> list[int]:
+        """Ids of a completion's text prompt (with ``max_tokens``, only about that many leading ones)."""
+        return self._encode(self._tokenizer.encode, prompt, max_tokens)
+
+    @staticmethod
+    def _encode(encode, text: str, max_tokens: int | None) -> list[int]:
+        from kvtier.server.prompts import encode_prefix
+
+        return list(encode(text)) if max_tokens is None else encode_prefix(encode, text, max_tokens)

@@ -1,31 +1,43 @@
 """``kvtier route``'s HTTP side (Starlette on uvicorn): the OpenAI routes, health and metrics.
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: routed (kvtier.router.service). A body larger than
-  ``max_body_bytes`` is a 413, a malformed one a 400, a malformed Authorization header a 401 (none of them
-  reaches a replica), a full queue a 429 with ``Retry-After``, no replica up a 503. A client that disconnects
-  before the answer starts cancels the request on its replica.
+  ``max_body_bytes`` (a replica's 8 MiB by default) is a 413, read no further; a malformed one a 400, decided
+  by kvtier serve's own decoder (kvtier.server.body) on a worker thread, never on the event loop; a malformed
+  Authorization header a 401 (none of them reaches a replica), a full queue a 429 with ``Retry-After``, no
+  replica up a 503. A client that disconnects before the answer starts cancels the request on its replica.
+  Headers reach the replica as the client's bytes, never re-encoded.
+* Every answer is counted in ``kvtier_router_requests_total`` by endpoint and status, errors included: a bug
+  is a counted 500 with OpenAI's error envelope, never an uncounted crash.
 * ``GET /v1/models``: the first replica that is up answers. ``GET /health``: 200 while a replica is up (503
   otherwise), with each replica's state and load. ``GET /metrics``: Prometheus text.
 
-Every answer from a replica carries ``x-kvtier-replica`` naming it.
+Every answer from a replica carries ``x-kvtier-replica`` naming it. ``server_config`` serves the app with the
+router's HTTP limits: heads too large or with too many headers are a 431, heads and bodies that do not arrive
+in time a 408, connections beyond the cap a 503, each counted (``endpoint="http"``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from kvtier.router.admission import Overloaded
 from kvtier.router.requests import parse_request
 from kvtier.router.service import Router
+from kvtier.server.body import read_body
+from kvtier.server.http_limits import guarded_protocol
 from kvtier.server.protocol import RequestError, error_body
+
+log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer (never sent to anyone)
 
@@ -68,6 +80,20 @@ def create_app(router: Router) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan)
 
 
+def server_config(router: Router, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's configuration for the router's app, with the router's HTTP limits (kvtier.server.http_limits)
+    enforced and every refusal counted like any other error answer."""
+    limits = router.config.http
+
+    def refused(status: int, reason: str) -> None:
+        router.metrics.inc("kvtier_router_requests_total", endpoint="http", status=str(status))
+        router.metrics.inc("kvtier_router_rejected_total", reason=reason)
+
+    return uvicorn.Config(create_app(router), host=host, port=port, log_level=log_level,
+                          access_log=log_level == "debug", http=guarded_protocol(limits, refused),
+                          timeout_keep_alive=limits.keep_alive_s)
+
+
 def _error(router: Router, endpoint: str, exc: RequestError, headers: dict[str, str] | None = None) -> Response:
     router.metrics.inc("kvtier_router_requests_total", endpoint=endpoint, status=str(exc.status))
     return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status, headers=headers)
@@ -75,14 +101,25 @@ def _error(router: Router, endpoint: str, exc: RequestError, headers: dict[str, 
 
 async def _generate(router: Router, request: Request, path: str, *, chat: bool) -> Response:
     endpoint = "chat" if chat else "completions"
+    try:
+        return await _serve(router, request, path, endpoint, chat)
+    except ClientDisconnect:
+        router.metrics.inc("kvtier_router_cancelled_total")
+        return Response(status_code=CLIENT_CLOSED)
+    except Exception:  # a bug: still an answer in OpenAI's envelope, and counted
+        log.exception("the router failed a request")
+        return _error(router, endpoint, RequestError("the router failed the request", 500))
+
+
+async def _serve(router: Router, request: Request, path: str, endpoint: str, chat: bool) -> Response:
     headers = {k.lower(): v for k, v in request.headers.items()}
     try:
-        body = await _read_body(request, router.config.proxy.max_body_bytes)
-        parsed = parse_request(body, chat, headers)
+        body = await read_body(request, router.config.proxy.max_body_bytes)
+        parsed = await asyncio.to_thread(parse_request, body, chat, headers)
     except RequestError as exc:
         router.metrics.inc("kvtier_router_rejected_total", reason="malformed")
         return _error(router, endpoint, exc)
-    work = asyncio.ensure_future(router.route(path, parsed, body, headers))
+    work = asyncio.ensure_future(router.route(path, parsed, body, request.headers.raw))
     gone = asyncio.ensure_future(_disconnected(request))
     await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()  # before a streaming response starts listening for the disconnect itself
@@ -100,18 +137,6 @@ async def _generate(router: Router, request: Request, path: str, *, chat: bool) 
                       headers={"Retry-After": str(router.config.admission.retry_after_s)})
     router.metrics.inc("kvtier_router_requests_total", endpoint=endpoint, status=str(response.status_code))
     return response
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"the request body is larger than {limit} bytes", 413)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestError(f"the request body is larger than {limit} bytes", 413)
-    return bytes(body)
 
 
 async def _disconnected(request: Request) -> None:

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvtier.integrations.prompts import PromptTokenizer
-    from kvtier.router.app import create_app
+    from kvtier.router.app import server_config
     from kvtier.router.service import Router
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,6 +102,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     policy = config.routing.routing.value + (" + sticky sessions" if config.routing.sticky else "")
     print(f"kvtier route: {len(config.replicas)} replicas, {policy}, on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(create_app(Router(config, tokenizer)), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=args.log_level == "debug")
+    uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level)).run()
     return 0

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.router.scoring import Routing, RoutingConfig
+from kvtier.server.body import DEFAULT_MAX_BODY_BYTES
+from kvtier.server.http_limits import HttpLimits
 
 #: What a cached token of each tier is worth against recomputing it (the fastest tier's 1.0): a load from
 #: disk or a shared store is cheap next to prefill, but not free, so RAM wins a tie with disk.
@@ -25,18 +27,25 @@ def default_routing() -> RoutingConfig:
 class ProxyConfig:
     """Per replica: ``max_connections`` pooled; ``connect_timeout_s`` to connect; ``read_timeout_s`` the longest
     wait for the next bytes (a long prefill on a CPU replica is slow). ``max_attempts`` replicas are tried
-    for a request that failed before any byte reached the client."""
+    for a request that failed before any byte reached the client.
+
+    ``max_body_bytes``: larger request bodies are a 413 (a replica's own cap by default: a body it would refuse
+    is not worth reading). ``max_prompt_tokens``: the router tokenizes no more of a prompt than this (and a
+    margin), at a cost bounded accordingly: enough to find where its prefix is cached; the replica judges
+    whether the whole of it fits its context."""
 
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     max_connections: int = 64
     max_attempts: int = 3
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_tokens: int = 131_072
 
     def __post_init__(self) -> None:
-        if min(self.connect_timeout_s, self.read_timeout_s) <= 0 or min(self.max_connections, self.max_attempts,
-                                                                        self.max_body_bytes) < 1:
-            raise ConfigError("proxy timeouts must be positive and max_connections/max_attempts at least 1")
+        if min(self.connect_timeout_s, self.read_timeout_s) <= 0 or min(
+                self.max_connections, self.max_attempts, self.max_body_bytes, self.max_prompt_tokens) < 1:
+            raise ConfigError("proxy timeouts must be positive and max_connections/max_attempts/max_body_bytes/"
+                              "max_prompt_tokens at least 1")
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,8 @@ class IndexConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The replicas (base URLs), how to choose among them, and the tokenizer's model folder (None: SmolLM2)."""
+    """The replicas (base URLs), how to choose among them, the tokenizer's model folder (None: SmolLM2), and
+    the limits of the router's own HTTP server."""
 
     replicas: tuple[str, ...]
     routing: RoutingConfig = field(default_factory=default_routing)
@@ -97,6 +107,8 @@ class RouterConfig:
     health: HealthConfig = HealthConfig()
     index: IndexConfig = IndexConfig()
     tokenizer: Path | None = None
+    #: what a client may cost the router's HTTP server: head size and count, read timeouts, connections
+    http: HttpLimits = HttpLimits()
 
     def __post_init__(self) -> None:
         if not self.replicas:

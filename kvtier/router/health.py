@@ -3,6 +3,8 @@
 * Active: every ``interval_s`` each replica is probed: kvtier replicas at ``/kvtier/info`` (which also tells
   the router when a replica restarted with new event endpoints), others at ``/health``. ``eject_after`` failed
   probes in a row eject a replica; an ejected one is readmitted after ``readmit_after`` good probes in a row.
+* Ejection cuts short the requests waiting on the replica for their first byte: they are retried on another
+  replica (kvtier.router.proxy), not left to wait out the read timeout on one the router gave up on.
 * Passive: ``passive_eject_after`` requests in a row that failed on a replica (it refused the connection,
   reset it, or answered 5xx) eject it at once, without waiting for the next probe.
 
@@ -21,7 +23,7 @@ import httpx
 from kvtier.events.wire import WireError
 from kvtier.metrics import Metrics
 from kvtier.router.config import HealthConfig
-from kvtier.router.replicas import Replica, ReplicaInfo, ReplicaState
+from kvtier.router.replicas import Replica, ReplicaInfo
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ class Health:
         if ok:
             replica.failed_checks, replica.good_checks = 0, replica.good_checks + 1
             if not replica.up and replica.good_checks >= self.config.readmit_after:
-                replica.state, replica.failed_requests = ReplicaState.UP, 0
+                replica.readmit()
+                replica.failed_requests = 0
                 self.metrics.inc("kvtier_router_readmissions_total", replica=replica.name)
                 log.warning("replica %s is healthy again: readmitted", replica.name)
             if replica.up:
@@ -67,7 +70,8 @@ class Health:
         replica.failed_requests = 0
 
     def eject(self, replica: Replica, cause: str) -> None:
-        replica.state, replica.good_checks = ReplicaState.EJECTED, 0
+        replica.eject()
+        replica.good_checks = 0
         replica.stop_events()
         self.metrics.inc("kvtier_router_ejections_total", replica=replica.name, cause=cause)
         log.warning("replica %s ejected (%s)", replica.name, cause)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -34,6 +35,7 @@ from kvtier.router.index import FleetIndex, PreparedSnapshot
 from kvtier.router.scoring import ReplicaView
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The namespace of the router's own record for replicas that publish nothing (only compared with itself).
 _RECORD_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.uint8)
@@ -119,6 +121,7 @@ class Replica:
         limits = httpx.Limits(max_connections=proxy.max_connections, max_keepalive_connections=proxy.max_connections)
         self.client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
         self.state = ReplicaState.UP
+        self._ejected = asyncio.Event()  # set when ejected; a fresh one on readmission
         self.in_flight = self.prefill_tokens = self.decode_streams = 0
         self.failed_requests = self.failed_checks = self.good_checks = 0
         self.info: ReplicaInfo | None = None
@@ -129,6 +132,33 @@ class Replica:
     @property
     def up(self) -> bool:
         return self.state is ReplicaState.UP
+
+    def eject(self) -> None:
+        """Take it out of routing; requests still waiting on it for their first byte are retried elsewhere."""
+        self.state = ReplicaState.EJECTED
+        self._ejected.set()
+
+    def readmit(self) -> None:
+        self.state, self._ejected = ReplicaState.UP, asyncio.Event()
+
+    async def unless_ejected(self, work: Awaitable[T]) -> T:
+        """``work``'s result, or Retryable once the replica is ejected first (``work`` is then cancelled)."""
+        from kvtier.router.proxy import Retryable
+
+        ejected = self._ejected
+        if ejected.is_set():
+            raise Retryable("the replica was ejected")
+        task, watch = asyncio.ensure_future(work), asyncio.ensure_future(ejected.wait())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise Retryable("the replica was ejected while the request waited on it")
+        return task.result()
 
     def namespace(self, record: Namespace) -> Namespace | None:
         """The namespace its chunk keys are in: its own, the router's record's (no info), None (no cache)."""

@@ -209,7 +209,8 @@ class LoadBoundedAffinity(_Policy):
 
 
 class StickySessions(_Policy):
-    """Keeps each session on one replica; the ``max_sessions`` most recent sessions are remembered.
+    """Keeps each session on one replica; the ``max_sessions`` most recent sessions are remembered (the router
+    passes fixed-size digests as sessions, so the table's memory is bounded by its count).
 
     ``breaks`` counts requests whose session had a replica that could not take them (above the bound, or no
     longer among the replicas)."""
@@ -254,7 +255,8 @@ class Routing(enum.Enum):
 class RoutingConfig:
     """``routing``: the policy; ``epsilon``: the load bound's slack; ``sticky``: keep sessions on one replica;
     ``tier_weights``: what a cached token of each tier is worth against one in the fastest (default 1.0);
-    ``decode_stream_tokens``: what one decoding request costs a replica, in prefill tokens."""
+    ``decode_stream_tokens``: what one decoding request costs a replica, in prefill tokens; ``max_sessions``:
+    the sticky sessions remembered (least recently used forgotten first)."""
 
     routing: Routing = Routing.LOAD_BOUNDED
     epsilon: float = 0.25
@@ -262,6 +264,7 @@ class RoutingConfig:
     tier_weights: tuple[tuple[str, float], ...] = ()
     seed: int = 0
     decode_stream_tokens: float = 0.0
+    max_sessions: int = 100_000
 
     def build(self) -> RoutingPolicy:
         weights = dict(self.tier_weights)
@@ -271,4 +274,4 @@ class RoutingConfig:
             Routing.PREFIX: lambda: PrefixAffinity(weights, self.decode_stream_tokens),
             Routing.LOAD_BOUNDED: lambda: LoadBoundedAffinity(self.epsilon, weights, self.decode_stream_tokens),
         }[self.routing]()
-        return StickySessions(policy, self.epsilon) if self.sticky else policy
+        return StickySessions(policy, self.epsilon, self.max_sessions) if self.sticky else policy

@@ -4,11 +4,12 @@
 
 1. parse it (kvtier.router.requests: a 4xx for what no replica could serve) and take an admission slot (429
    when the queue is full);
-2. tokenize the prompt as the replicas do and hash its chunks in each replica's namespace (with the caller's
-   tenant salt), look the keys up in the index, and let the policy (kvtier.router.scoring) pick among the
-   replicas that are up, by cost and load;
-3. forward it (kvtier.router.proxy); a failure before the first byte reached the client is retried on
-   another replica, up to ``max_attempts`` replicas;
+2. tokenize the prompt as the replicas do (its first ``max_prompt_tokens`` at most, on a worker thread: the
+   chunks that say where it is cached; whether all of it fits is its replica's call) and hash its chunks in
+   each replica's namespace (with the caller's tenant salt), look the keys up in the index, and let the
+   policy (kvtier.router.scoring) pick among the replicas that are up, by cost and load;
+3. forward it (kvtier.router.proxy); a failure before the first byte reached the client (the replica's
+   ejection while the request waits on it included) is retried on another replica, up to ``max_attempts`` replicas;
 4. account: the replica's load ticket, the index's record of what was sent where, the session's replica,
    and the metrics (routed requests by replica and reason, expected vs reported cached tokens, retries).
 """
@@ -43,9 +44,9 @@ log = logging.getLogger(__name__)
 class Tokenizer(Protocol):
     """What the router needs of a tokenizer (kvtier.integrations.prompts.PromptTokenizer)."""
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int] | None: ...
+    def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> list[int] | None: ...
 
-    def text(self, prompt: str) -> list[int]: ...
+    def text(self, prompt: str, max_tokens: int | None = None) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,10 @@ class Router:
         replica.follow_events(self._zmq, self.index, SubscriberConfig(resync_s=self.config.index.resync_s), count)
 
     # -- one request -----------------------------------------------------------------------------------------
-    async def route(self, path: str, parsed: ParsedRequest, body: bytes, headers: dict[str, str]) -> Response:
-        """Serve one parsed generation request: admit it (Overloaded when the queue is full), then route it."""
+    async def route(self, path: str, parsed: ParsedRequest, body: bytes,
+                    headers: list[tuple[bytes, bytes]]) -> Response:
+        """Serve one parsed generation request: admit it (Overloaded when the queue is full), then route it.
+        ``headers`` are the client's, as raw bytes (passed on as they came)."""
         assert self.admission is not None
         slot = await self.admission.admit()
         try:
@@ -110,7 +113,7 @@ class Router:
             raise
 
     async def _attempts(self, path: str, parsed: ParsedRequest, ids: list[int] | None, body: bytes,
-                        headers: dict[str, str], slot: Slot) -> Response:
+                        headers: list[tuple[bytes, bytes]], slot: Slot) -> Response:
         tried: set[str] = set()
         last: Retryable | None = None
         for _ in range(self.config.proxy.max_attempts):
@@ -132,7 +135,7 @@ class Router:
                             headers={"Retry-After": str(self.config.admission.retry_after_s)})
 
     async def _attempt(self, path: str, parsed: ParsedRequest, plan: Plan, prompt_tokens: int, body: bytes,
-                       headers: dict[str, str], slot: Slot) -> Response:
+                       headers: list[tuple[bytes, bytes]], slot: Slot) -> Response:
         replica = plan.replica
         self.metrics.inc("kvtier_router_routed_total", replica=replica.name, reason=plan.reason.value)
         if plan.reason is Reason.STICKY_BREAK:
@@ -204,13 +207,15 @@ class Router:
         return memo[root]
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int] | None:
-        """The prompt's token ids as the replicas compute them (off the event loop); None if unknowable."""
+        """The prompt's leading token ids (``max_prompt_tokens`` or a few more) as the replicas compute them, off
+        the event loop; None if unknowable."""
+        limit = self.config.proxy.max_prompt_tokens
         if prompt.ids is not None:
-            return prompt.ids
+            return prompt.ids[:limit]
         if prompt.text is not None:
-            return await asyncio.to_thread(self.tokenizer.text, prompt.text)
+            return await asyncio.to_thread(self.tokenizer.text, prompt.text, limit)
         if prompt.messages is not None:
-            return await asyncio.to_thread(self.tokenizer.chat, prompt.messages)
+            return await asyncio.to_thread(self.tokenizer.chat, prompt.messages, limit)
         return None
 
     def _gauges(self):

@@ -37,6 +37,20 @@ def encode_within(encode: Callable[[str], Sequence[int]], text: str, context: in
     return list(encode(text))
 
 
+def encode_prefix(encode: Callable[[str], Sequence[int]], text: str, max_tokens: int) -> list[int]:
+    """The ids ``encode(text)`` starts with, at most about ``max_tokens`` of them, at a cost bounded as in
+    ``encode_within``: all of them for a text that fits, else those of a prefix that is certainly longer,
+    less the ``CUT_MARGIN`` tokens its cut may have changed. For a router, which needs a prompt's leading
+    chunks to know where it is cached, not the whole prompt (the replica judges whether it fits)."""
+    window = max(max_tokens, 1) * FIRST_WINDOW_CHARS_PER_TOKEN
+    while len(text) > window:
+        ids = list(encode(text[: _cut(text, window)]))
+        if len(ids) > max_tokens + CUT_MARGIN:
+            return ids[: len(ids) - CUT_MARGIN]
+        window *= 2
+    return list(encode(text))
+
+
 def _cut(text: str, window: int) -> int:
     """Where to end a prefix of about ``window`` characters: at whitespace if there is some near the end."""
     floor = max(window - _CUT_SEARCH, 0)

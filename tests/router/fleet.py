@@ -81,15 +81,13 @@ class LiveRouter:
         import uvicorn
 
         from kvtier.integrations.prompts import PromptTokenizer
-        from kvtier.router.app import create_app
+        from kvtier.router.app import server_config
         from kvtier.router.service import Router
 
         self.router = Router(config, PromptTokenizer(model))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        server_config = uvicorn.Config(create_app(self.router), host="127.0.0.1", port=self.port,
-                                       log_level="warning")
-        self.server = uvicorn.Server(server_config)
+        self.server = uvicorn.Server(server_config(self.router, "127.0.0.1", self.port, "warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveRouter:
