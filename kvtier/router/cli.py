@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.server.http_limits import add_http_limit_flags, http_limits
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -44,6 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--max-attempts", type=int, default=3, help="replicas tried for a request that failed early")
     f.add_argument("--read-timeout", type=float, default=600.0, help="longest wait for a replica's next bytes")
     f.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    add_http_limit_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
     return p
@@ -81,7 +83,7 @@ def router_config(args: argparse.Namespace):
         proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue),
         health=HealthConfig(interval_s=args.health_interval), index=IndexConfig(recent_ttl_s=args.record_ttl),
-        tokenizer=Path(args.model) if args.model else None)
+        tokenizer=Path(args.model) if args.model else None, http=http_limits(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,10 @@ Every failure a client can cause is a 4xx with OpenAI's error envelope; a full q
 ``Retry-After`` (answered at once, never by waiting). Responses carry ``usage.prompt_tokens_details.
 cached_tokens``: the prompt tokens whose KV came from kvtier instead of being recomputed (as a prefix), and
 ``blended_tokens``: those that came from cached segments elsewhere in the prompt (``--blend``).
+
+``server_config`` serves the app with the server's HTTP limits (``ServerConfig.http``): heads too large or with
+too many headers are a 431, heads and bodies that do not arrive in time a 408, connections beyond the cap a 503,
+each counted in ``kvtier_server_requests_total{endpoint="http"}`` and ``kvtier_server_rejected_total``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -25,6 +30,7 @@ from kvtier.metrics import CONTENT_TYPE
 from kvtier.server.backend import Backend, tenant_salt
 from kvtier.server.body import decode_json, read_body
 from kvtier.server.engine import Event, EventKind, Job, Overloaded
+from kvtier.server.http_limits import guarded_protocol
 from kvtier.server.protocol import ChatRequest, CompletionRequest, RequestError, error_body, parse
 from kvtier.server.textstream import TextStream
 from kvtier.tenants import api_key
@@ -74,6 +80,19 @@ def create_app(backend: Backend) -> FastAPI:
         return await _generate(backend, request, CHAT)
 
     return app
+
+
+def server_config(app: FastAPI, backend: Backend, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` (``create_app(backend)``, routes added since included), enforcing
+    ``backend.config.http`` and counting every refusal like any other error answer."""
+    limits = backend.config.http
+
+    def refused(status: int, reason: str) -> None:
+        backend.metrics.inc("kvtier_server_requests_total", endpoint="http", status=str(status))
+        backend.metrics.inc("kvtier_server_rejected_total", reason=reason)
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+                          http=guarded_protocol(limits, refused), timeout_keep_alive=limits.keep_alive_s)
 
 
 def _error(backend: Backend, route: Route, exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -19,6 +19,7 @@ from kvtier.integrations.transformers import PrefixCachedLM, cache_spec, model_i
 from kvtier.metrics import Metrics
 from kvtier.server.body import DEFAULT_MAX_BODY_BYTES
 from kvtier.server.engine import Engine
+from kvtier.server.http_limits import HttpLimits
 from kvtier.server.prompts import encode_within
 from kvtier.server.protocol import RequestError
 from kvtier.server.segments import NoSegments, Segmenter
@@ -30,6 +31,8 @@ class ServerConfig:
     """How ``kvtier serve`` runs. ``cache=None`` serves without kvtier; ``model_path=None`` is SmolLM2.
 
     ``blend`` (needs a cache) turns on reuse of cached segments; ``blend_separator`` splits text prompts.
+    ``http``: what one client may cost the HTTP server before a request reaches the app (see
+    kvtier.server.http_limits; ``app.server_config`` enforces it).
     """
 
     model_path: Path | None = None
@@ -41,6 +44,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  #: larger request bodies get 413 before they are read
     blend: BlendConfig | None = None
     blend_separator: str | None = None
+    http: HttpLimits = HttpLimits()
 
     def __post_init__(self) -> None:
         if self.blend is not None and self.cache is None:

@@ -19,6 +19,7 @@ import sys
 from kvtier.config import CacheConfig, parse_size
 from kvtier.errors import ConfigError
 from kvtier.segments import BlendConfig
+from kvtier.server.http_limits import add_http_limit_flags, http_limits
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,6 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--events-port", type=int, default=0, help="ZMQ PUB port of the event stream (default: any free)")
     e.add_argument("--events-control-port", type=int, default=0, help="ZMQ port answering snapshot requests")
     e.add_argument("--no-events", action="store_true", help="publish no cache events")
+    add_http_limit_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvtier.events.publisher import PublisherConfig
-    from kvtier.server.app import create_app
+    from kvtier.server.app import create_app, server_config
     from kvtier.server.backend import Backend, ServerConfig, check_model_path
     from kvtier.server.events import attach_events
 
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         config = ServerConfig(model_path=check_model_path(args.model), served_name=args.served_model_name,
                               cache=cache_config(args), max_queue=args.max_queue,
                               default_max_tokens=args.max_tokens, dtype=args.dtype, blend=blend_config(args),
-                              blend_separator=args.blend_separator, max_body_bytes=parse_size(args.max_body))
+                              blend_separator=args.blend_separator, max_body_bytes=parse_size(args.max_body),
+                              http=http_limits(args))
         backend = Backend.from_config(config)
     except ConfigError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
@@ -107,11 +110,11 @@ def run(args: argparse.Namespace) -> int:
         backend.close()
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
+    server = uvicorn.Server(server_config(app, backend, args.host, args.port, args.log_level))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=args.log_level == "debug")
+        server.run()
     finally:
         if publisher is not None:
             publisher.close()
         backend.close()
-    return 0
+    return 0 if server.started else 1  # e.g. the port was taken

@@ -14,18 +14,21 @@ caps heads for the h11 protocol only, with a 400. So ``guarded_protocol`` subcla
 
 Each answer carries ``Connection: close`` and OpenAI's error envelope, closes the connection, and is reported
 to ``on_refused(status, reason)`` (for metrics). Responses the app already started are never written over.
+
+``kvtier serve`` and ``kvtier route`` both enforce them, set by the same flags (``add_http_limit_flags``,
+``http_limits``).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
-
+from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 from kvtier.server.protocol import error_body
 
@@ -56,8 +59,34 @@ class HttpLimits:
         return max(1, min(self.max_connections, soft - FD_RESERVE))
 
 
+def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``HttpLimits``, in a group of their own, defaulting to its defaults."""
+    d = HttpLimits()
+    g = parser.add_argument_group("HTTP limits (per client connection)")
+    g.add_argument("--max-head-bytes", default=f"{d.max_head_bytes >> 10}KiB",
+                   help="largest request head (request line and headers); larger get 431 (default %(default)s)")
+    g.add_argument("--max-headers", type=int, default=d.max_headers,
+                   help="most header lines in a request; more get 431 (default %(default)s)")
+    g.add_argument("--head-timeout", type=float, default=d.head_timeout_s,
+                   help="seconds for a request head to arrive whole; then 408 (default %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds a request body may send nothing; then 408 (default %(default)s)")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="client connections open at once; more get 503 (default %(default)s, lowered to leave "
+                        f"{FD_RESERVE} file descriptors free)")
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The HttpLimits that ``add_http_limit_flags``' flags describe (ConfigError if one is not positive)."""
+    return HttpLimits(max_head_bytes=parse_size(args.max_head_bytes), max_headers=args.max_headers,
+                      head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout,
+                      max_connections=args.max_connections)
+
+
 def guarded_protocol(limits: HttpLimits, on_refused: Callable[[int, str], None] = lambda status, reason: None):
     """An httptools protocol class for ``uvicorn.Config(http=...)`` that enforces ``limits``."""
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol  # (CLIs parse without it)
+
     cap = limits.connection_cap()
 
     class GuardedHttpProtocol(HttpToolsProtocol):

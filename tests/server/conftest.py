@@ -53,12 +53,12 @@ class LiveServer:
     def __init__(self, backend) -> None:
         import uvicorn
 
-        from kvtier.server.app import create_app
+        from kvtier.server.app import create_app, server_config
 
         self.backend = backend
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(backend), host="127.0.0.1", port=self.port, log_level="warning")
+        config = server_config(create_app(backend), backend, "127.0.0.1", self.port, "warning")  # as kvtier serve
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

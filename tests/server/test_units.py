@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from kvtier.errors import ConfigError
 from kvtier.server.backend import tenant_salt
 from kvtier.server.protocol import ChatRequest, CompletionRequest, RequestError, parse
 from kvtier.server.textstream import TextStream
@@ -76,6 +77,29 @@ def test_serve_binds_loopback_unless_told_and_builds_the_cache_from_flags():
     config = cache_config(parser.parse_args(["serve", "--chunk-size", "64", "--memory-bytes", "8MiB"]))
     assert config.chunk_size == 64 and config.tiers[0].capacity_bytes == 8 << 20
     assert cache_config(parser.parse_args(["serve", "--no-cache"])) is None
+
+
+def test_serve_and_route_take_the_same_http_limit_flags_with_the_same_defaults():
+    import argparse
+
+    from kvtier.router.cli import add_parser as add_route
+    from kvtier.router.cli import router_config
+    from kvtier.server.cli import add_parser as add_serve
+    from kvtier.server.http_limits import HttpLimits, http_limits
+
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers()
+    add_serve(commands), add_route(commands)
+    flags = ["--max-head-bytes", "8KiB", "--max-headers", "7", "--head-timeout", "0.5", "--body-timeout", "2",
+             "--max-connections", "9"]
+    wanted = HttpLimits(max_head_bytes=8 << 10, max_headers=7, head_timeout_s=0.5, body_timeout_s=2.0,
+                        max_connections=9)
+    assert http_limits(parser.parse_args(["serve", *flags])) == wanted
+    assert router_config(parser.parse_args(["route", "--replica", "http://r:1", *flags])).http == wanted
+    assert http_limits(parser.parse_args(["serve"])) == HttpLimits()
+    assert router_config(parser.parse_args(["route", "--replica", "http://r:1"])).http == HttpLimits()
+    with pytest.raises(ConfigError, match="positive"):
+        http_limits(parser.parse_args(["serve", "--head-timeout", "0"]))
 
 
 @settings(max_examples=60, deadline=None)
