@@ -235,8 +235,11 @@ def r6_huge_answer(fleet, big: bool) -> dict:
 # -- R-7 ----------------------------------------------------------------------------------------------------
 def r7_stopped_replica(fleet, big: bool) -> dict:
     """A request sent to a replica that is SIGSTOPped: answered by another once the stopped one is ejected."""
-    replica = fleet.replicas[0]
-    session = home_on(fleet, replica.name)
+    session, replica = None, None
+    for replica in fleet.replicas:  # whichever real replica a session lands on
+        session = home_on(fleet, replica.name, tries=20)
+        if session is not None:
+            break
     if session is None:
         return {"codes": Counter(["unrouted"]), "size": "-", "ok": False, "note": "no session landed on it"}
     ejected_at = []
