@@ -1,0 +1,418 @@
+"""The attacks benchmarks/hostile_fleet.py replays (issue 29), each over real loopback sockets against real processes.
+
+Each ``attack(fleet, big)`` returns ``{"codes": Counter of answers, "size": what was sent, "ok": the attack's own
+target (None: only the fleet-wide ones), "note": figures}``. An answer is an HTTP status, or a word for what is
+not one: ``reset`` (closed without an answer), ``none`` (no answer within the bound), ``error``.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from tests.router.fleet import scrape
+from tests.server.test_hostile import MALFORMED_JSON
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: kvtier\r\nContent-Type: application/json\r\n"
+MB = 1_000_000
+TEXT = "The cache keeps a prefix of every prompt so the server answers faster when users come back. "
+
+
+def sized_text(size: int) -> str:
+    return (TEXT * (size // len(TEXT) + 1))[:size]
+
+
+def post(url: str, path: str, timeout: float = 120, **kwargs) -> httpx.Response | str:
+    try:
+        return httpx.post(url + path, timeout=timeout, **kwargs)
+    except httpx.TimeoutException:
+        return "none"
+    except httpx.HTTPError:
+        return "error"
+
+
+def code(response: httpx.Response | str) -> str:
+    return str(response.status_code) if isinstance(response, httpx.Response) else response
+
+
+def series(url: str, prefix: str, **labels: str) -> float:
+    """Sum of the /metrics series starting with ``prefix`` whose labels include ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in scrape(url).items() if k.startswith(prefix) and all(w in k for w in want))
+
+
+# -- R-1 ----------------------------------------------------------------------------------------------------
+def r1_malformed(fleet, big: bool) -> dict:
+    """kvtier serve's own malformed bodies, token ids out of range, non-ASCII header bytes: 400s, never a 500."""
+    codes = Counter()
+    for p in MALFORMED_JSON:
+        path, body = p.values
+        codes[code(post(fleet.url, path, content=body, headers={"content-type": "application/json"}))] += 1
+    for ids in ([1 << 64], [1 << 32], [-1]):
+        codes[code(post(fleet.url, "/v1/completions", json={"prompt": ids}))] += 1
+    header = post(fleet.url, "/v1/completions", json={"prompt": "the cache"}, headers={"x-echo": b"caf\xe9 \xff"})
+    codes[code(header)] += 1
+    return {"codes": codes, "size": f"{len(MALFORMED_JSON)} bodies, 3 token ids, 1 header", "ok": None,
+            "note": f"non-ASCII header answered {code(header)}"}
+
+
+# -- R-2 ----------------------------------------------------------------------------------------------------
+def r2_huge_prompts(fleet, big: bool) -> dict:
+    """A 31 MB text prompt (over the router's 8 MiB cap), a 7 MB one (under it: a bounded prefix tokenized, the
+    replica judges the context), a chat of 840k messages."""
+    sizes = (31 * MB, 7 * MB, 840_000) if big else (9 * MB, 3 * MB, 100_000)
+    codes, times = Counter(), []
+    session = home_on(fleet, fleet.replicas[0].name)  # a real replica's, not the compromised one's stub answers
+    for body, path in (({"prompt": sized_text(sizes[0])}, "/v1/completions"),
+                       ({"prompt": sized_text(sizes[1])}, "/v1/completions"),
+                       ({"messages": [{"role": "user", "content": "hi"}] * sizes[2]}, "/v1/chat/completions")):
+        sent = time.perf_counter()
+        codes[code(post(fleet.url, path, json=body, headers={"x-session-id": session or "r2"}))] += 1
+        times.append(time.perf_counter() - sent)
+    return {"codes": codes, "size": f"text {sizes[0] / MB:.0f} MB, text {sizes[1] / MB:.0f} MB, "
+            f"chat {sizes[2]:,} messages", "ok": None, "note": "answered in " + ", ".join(f"{t:.1f}s" for t in times)}
+
+
+# -- R-3 ----------------------------------------------------------------------------------------------------
+def _answer(sock: socket.socket, timeout: float) -> str:
+    """The status of the answer on ``sock`` (``reset``/``none`` if there is none)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while not data.endswith(b"\r\n\r\n") and b"\r\n\r\n" not in data:
+            more = sock.recv(65536)
+            if not more:
+                break
+            data += more
+    except TimeoutError:
+        return "none"
+    except OSError:
+        return "reset"
+    return data.split()[1].decode() if data.startswith(b"HTTP/1.1 ") else "reset"
+
+
+def huge_header(url: str, size: int) -> tuple[str, int]:
+    """Send a head whose one header value is ``size`` bytes, in 1 MiB pieces; the answer and bytes sent."""
+    host, port = url.removeprefix("http://").split(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        try:
+            s.sendall(HEAD + b"X-Big: ")
+            piece = b"b" * (1 << 20)
+            while sent < size:
+                s.sendall(piece)
+                sent += len(piece)
+            s.sendall(b"\r\nContent-Length: 2\r\n\r\n{}")
+        except OSError:
+            pass  # refused mid-head: read the answer it left
+        return _answer(s, 30), sent
+
+
+def r3_header(target: str, size_big: int):
+    def attack(fleet, big: bool) -> dict:
+        size = size_big if big else 16 << 20
+        status, sent = huge_header(fleet.target_url(target), size)
+        refused = series(fleet.url, "kvtier_router_requests_total", endpoint="http", status="431") \
+            if target == "router" else None
+        return {"codes": Counter([status]), "size": f"one {size >> 20} MiB header value to the {target}",
+                "ok": None, "note": f"{sent >> 20} MiB sent before the answer" +
+                (f"; router counts {refused:.0f} 431s" if refused is not None else "")}
+    attack.__doc__ = f"One huge header value sent to the {target} (R-3)."
+    return attack
+
+
+# -- R-4 ----------------------------------------------------------------------------------------------------
+def half_heads(url: str, n: int, hold_s: float) -> tuple[Counter, int]:
+    """Open ``n`` connections each sending half a head; collect their answers for ``hold_s`` seconds."""
+    host, port = url.removeprefix("http://").split(":")
+    sel, socks, codes, opened = selectors.DefaultSelector(), [], Counter(), 0
+    try:
+        for _ in range(n):
+            try:
+                s = socket.create_connection((host, int(port)), timeout=5)
+                s.sendall(HEAD[:30])
+            except OSError:
+                codes["refused"] += 1
+                continue
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ, [b""])
+            socks.append(s)
+            opened += 1
+        deadline = time.monotonic() + hold_s
+        while sel.get_map() and time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=0.2):
+                try:
+                    more = key.fileobj.recv(4096)
+                except OSError:
+                    more = b""
+                if more:
+                    key.data[0] += more
+                    continue
+                data = key.data[0]
+                codes[data.split()[1].decode() if data.startswith(b"HTTP/1.1 ") else "reset"] += 1
+                sel.unregister(key.fileobj)
+        if sel.get_map():
+            codes["none"] += len(sel.get_map())
+    finally:
+        for s in socks:
+            s.close()
+        sel.close()
+    return codes, opened
+
+
+def r4_half_heads(target: str):
+    def attack(fleet, big: bool) -> dict:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        want = 20_000 if target == "router" else 2_000
+        n = min(want if big else 1_000, soft - 512)
+        codes, opened = half_heads(fleet.target_url(target), n, hold_s=14.0)
+        return {"codes": codes, "size": f"{n:,} half-sent heads to the {target} (fd limit {soft:,}), held 14 s",
+                "ok": codes["none"] == 0, "note": f"{opened:,} connected"}
+    attack.__doc__ = f"Half-sent request heads held open against the {target} (R-4)."
+    return attack
+
+
+# -- R-5 ----------------------------------------------------------------------------------------------------
+def r5_sessions(fleet, big: bool) -> dict:
+    """400 requests whose ``user`` is 1 MB: each a 400, none kept in the sticky table."""
+    n = 400 if big else 40
+    user = "u" * MB
+    with ThreadPoolExecutor(4) as pool:
+        codes = Counter(pool.map(lambda _: code(post(fleet.url, "/v1/completions",
+                                                     json={"prompt": "the cache", "user": user})), range(n)))
+    return {"codes": codes, "size": f"{n} requests, user of 1 MB", "ok": None, "note": ""}
+
+
+# -- R-6 ----------------------------------------------------------------------------------------------------
+def home_on(fleet, name: str, tries: int = 40) -> str | None:
+    """A session id the router sends to replica ``name`` (found by trying a bounded number of them)."""
+    for i in range(tries):
+        r = post(fleet.url, "/v1/completions", json={"prompt": "the cache"}, headers={"x-session-id": f"s{i}"})
+        if isinstance(r, httpx.Response) and r.headers.get("x-kvtier-replica") == name:
+            return f"s{i}"
+    return None
+
+
+def r6_huge_answer(fleet, big: bool) -> dict:
+    """The compromised replica answers a non-streamed 1 GiB body: the router passes it on as it arrives. (The
+    router never picks it for new sessions while the real replicas are idle, so they are SIGSTOPped until ejected.)"""
+    real = fleet.replicas
+    fleet.paused.update(r.name for r in real)
+    for r in real:
+        r.proc.send_signal(signal.SIGSTOP)
+    got, status = 0, "none"
+    try:
+        deadline = time.monotonic() + 30
+        while any(fleet.replica_state(r.name) == "up" for r in real) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with httpx.stream("POST", fleet.url + "/v1/completions", json={"prompt": "HUGE"},
+                          timeout=httpx.Timeout(60)) as r:
+            status, by = str(r.status_code), r.headers.get("x-kvtier-replica")
+            for piece in r.iter_raw():
+                got += len(piece)
+    except httpx.HTTPError as exc:
+        status, by = type(exc).__name__, None
+    finally:
+        for r in real:
+            r.proc.send_signal(signal.SIGCONT)
+        fleet.paused.difference_update(r.name for r in real)
+    fleet.wait_all_up()
+    return {"codes": Counter([status]), "size": f"{fleet.huge_bytes >> 20} MiB answer", "ok": got > fleet.huge_bytes,
+            "note": f"{got >> 20} MiB received through the router from {by}"}
+
+
+# -- R-7 ----------------------------------------------------------------------------------------------------
+def r7_stopped_replica(fleet, big: bool) -> dict:
+    """A request sent to a replica that is SIGSTOPped: answered by another once the stopped one is ejected."""
+    session, replica = None, None
+    for replica in fleet.replicas:  # whichever real replica a session lands on
+        session = home_on(fleet, replica.name, tries=20)
+        if session is not None:
+            break
+    if session is None:
+        return {"codes": Counter(["unrouted"]), "size": "-", "ok": False, "note": "no session landed on it"}
+    ejected_at = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ejected_at:
+            try:
+                states = {r["name"]: r["state"] for r in httpx.get(fleet.url + "/health", timeout=2).json()["replicas"]}
+                if states.get(replica.name) != "up":
+                    ejected_at.append(time.perf_counter())
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.05)
+
+    fleet.paused.add(replica.name)
+    replica.proc.send_signal(signal.SIGSTOP)
+    stopped = time.perf_counter()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        r = post(fleet.url, "/v1/completions", json={"prompt": "the cache keeps"}, headers={"x-session-id": session})
+        answered = time.perf_counter()
+    finally:
+        replica.proc.send_signal(signal.SIGCONT)
+        watcher.join()
+        fleet.paused.discard(replica.name)
+    by = r.headers.get("x-kvtier-replica") if isinstance(r, httpx.Response) else None
+    eject_s = ejected_at[0] - stopped if ejected_at else float("nan")
+    wait_s = answered - stopped
+    fleet.wait_all_up()
+    return {"codes": Counter([code(r)]), "size": "1 request queued on a SIGSTOPped replica",
+            "ok": code(r) == "200" and by != replica.name and wait_s <= eject_s + 5.0,
+            "note": f"ejected after {eject_s:.1f}s, answered after {wait_s:.1f}s by {by}"}
+
+
+# -- E-1, E-2 -----------------------------------------------------------------------------------------------
+def hostile_peer(*args: str, wait_s: float) -> str:
+    """Run tests.events.hostile with ``args`` for ``wait_s`` seconds after it is ready; its first line."""
+    from tests.router.fleet import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        ready = proc.stdout.readline().strip()
+        time.sleep(wait_s)
+        return ready
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def e1_subscriptions(fleet, big: bool) -> dict:
+    """A local process opens millions of subscriptions on a replica's event PUB socket."""
+    n = 3_000_000 if big else 100_000
+    events = fleet.replicas[0].info()["events"]
+    sent = time.perf_counter()
+    ready = hostile_peer("subscribe", events["endpoint"], events["key"], str(n), wait_s=5.0)
+    return {"codes": Counter(["miss" if ready == "READY" else "error"]), "size": f"{n:,} subscriptions",
+            "ok": None, "note": f"peer held them {time.perf_counter() - sent:.0f}s"}
+
+
+def e2_snapshots(fleet, big: bool) -> dict:
+    """A local process asks a replica's control socket for snapshots and never reads a reply."""
+    n = 20_000 if big else 500
+    events = fleet.replicas[0].info()["events"]
+    ready = hostile_peer("snapshots", events["control"], events["key"], str(n), wait_s=5.0)
+    held = fleet.replicas[0].info()["tiers"]
+    return {"codes": Counter(["miss" if ready == "READY" else "error"]), "size": f"{n:,} unread snapshot requests",
+            "ok": None, "note": f"replica tiers: {json.dumps(held)[:80]}"}
+
+
+# -- E-3 ----------------------------------------------------------------------------------------------------
+def index_chunks(url: str, replica: str) -> float:
+    return series(url, "kvtier_router_index_chunks", replica=replica)
+
+
+def e3_flood(fleet, big: bool) -> dict:
+    """The compromised replica floods stored-chunk events (and a tier name per event, and a big snapshot); then
+    it dies and is ejected: the router's index holds at most its cap and frees it all."""
+    keys, tiers, snap = (4_000_000, 2_000, 2_500_000) if big else (100_000, 200, 50_000)
+    name = fleet.hostile_name
+    httpx.post(fleet.hostile_url + "/hostile/flood", json={"keys": keys, "tiers": tiers, "snapshot": snap})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # until every event went out and the router took the snapshot
+        sent = httpx.get(fleet.hostile_url + "/hostile/flood", timeout=10).json()["sent"]
+        if sent >= keys + tiers and series(fleet.url, "kvtier_router_events_total", replica=name, what="snapshot") >= 2:
+            break
+        time.sleep(0.5)
+    time.sleep(2.0)
+    held = index_chunks(fleet.url, name)
+    dropped = series(fleet.url, "kvtier_router_index_dropped_events", replica=name)
+    labels = sum(1 for k in scrape(fleet.url) if k.startswith("kvtier_router_index_chunks") and name in k)
+    start = time.perf_counter()
+    fleet.hostile.kill()
+    fleet.hostile.wait(timeout=10)
+    fleet.paused.add(name)
+    while fleet.replica_state(name) == "up" and time.perf_counter() - start < 30:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    after = index_chunks(fleet.url, name)
+    return {"codes": Counter(["miss"]), "size": f"{keys:,} stores, {tiers:,} tier names, {snap:,}-key snapshot",
+            "ok": held <= fleet.replica_key_cap and labels <= 16 and after == 0,
+            "note": f"index held {held:,.0f} keys ({dropped:,.0f} dropped, {labels} tier labels), "
+                    f"{after:,.0f} after ejection"}
+
+
+# -- E-4 ----------------------------------------------------------------------------------------------------
+def e4_impostor(fleet, big: bool) -> dict:
+    """A replica is killed and a process binds its (fixed) event ports at once, serving fake keys with a key pair
+    of its own: the router adopts none; the replica restarts on other ports and is followed again."""
+    from tests.router.fleet import ROOT
+
+    n = 1_000_000 if big else 100_000
+    replica = fleet.replicas[1]
+    snapshots = series(fleet.url, "kvtier_router_events_total", replica=replica.name, what="snapshot")
+    fleet.paused.add(replica.name)
+    replica.stop(signal.SIGKILL)
+    impostor = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", "impostor", str(replica.events_port),
+                                 str(replica.control_port), str(n)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        ready = impostor.stdout.readline().strip()
+        peak, deadline = 0.0, time.monotonic() + 6
+        while time.monotonic() < deadline:
+            peak = max(peak, index_chunks(fleet.url, replica.name))
+            time.sleep(0.1)
+        adopted = series(fleet.url, "kvtier_router_events_total", replica=replica.name, what="snapshot") - snapshots
+        replica.start()
+        replica.wait_healthy(120)
+        fleet.wait_all_up()
+        moved = replica.info()["events"]["endpoint"] != f"tcp://127.0.0.1:{replica.events_port}"
+        said = "is taken" in replica.log.read_text()
+        followed = False
+        for _ in range(100):
+            post(replica.url, "/v1/completions", json={"prompt": sized_text(400), "max_tokens": 1})
+            if index_chunks(fleet.url, replica.name) > 0:
+                followed = True
+                break
+            time.sleep(0.2)
+        impostor_alive = impostor.poll() is None
+    finally:
+        impostor.kill()
+        impostor.wait(timeout=10)
+        fleet.paused.discard(replica.name)
+    return {"codes": Counter(["miss" if ready == "READY" else "error"]), "size": f"impostor serving {n:,} fake keys",
+            "ok": peak == 0 and adopted == 0 and followed,
+            "note": f"fake keys adopted {peak:.0f}, impostor snapshots taken {adopted:.0f}, restarted on other "
+                    f"ports {moved} (logged {said}; impostor still bound: {impostor_alive}), followed again {followed}"}
+
+
+# -- B-1 ----------------------------------------------------------------------------------------------------
+def b1_blend(fleet, big: bool) -> dict:
+    """``"a\\n\\n" * 2000 + "Question: what?"`` to a --blend-separator replica, against the same length without
+    separators; another client's small request meanwhile."""
+    copies = 2000 if big else 500
+    url = fleet.replicas[0].url
+    attack, plain = "a\n\n" * copies + "Question: what?", "a  " * copies + "Question: what?"
+    times, codes, other = {}, Counter(), []
+
+    def bystander() -> None:
+        sent = time.perf_counter()
+        post(url, "/v1/completions", json={"prompt": "the cache", "max_tokens": 1})
+        other.append(time.perf_counter() - sent)
+
+    for label, prompt in (("plain", plain), ("attack", attack)):
+        thread = threading.Thread(target=bystander)
+        sent = time.perf_counter()
+        thread.start()
+        codes[code(post(url, "/v1/completions", json={"prompt": prompt, "max_tokens": 1}))] += 1
+        times[label] = time.perf_counter() - sent
+        thread.join()
+    ratio = times["attack"] / times["plain"]
+    return {"codes": codes, "size": f'"a\\n\\n" * {copies:,} + question (and its plain twin)', "ok": ratio <= 2.0,
+            "note": f"attack {times['attack']:.2f}s vs plain {times['plain']:.2f}s (x{ratio:.2f}); "
+                    f"bystander waited {max(other):.2f}s"}

@@ -1,0 +1,150 @@
+"""A compromised replica for benchmarks/hostile_fleet.py, run as its own process on loopback:
+
+    python benchmarks/_hostile_replica.py PORT INFO_JSON HUGE_BYTES
+
+HTTP is tests.router.stub_replica's (``/health`` 200, small completions), plus:
+
+* ``/kvtier/info``: a real replica's info (INFO_JSON, so the router accepts its namespace) naming this process's
+  own event endpoints and CURVE key: the router follows it as it would a real replica;
+* a prompt containing ``HUGE``: a non-streamed 200 JSON answer of HUGE_BYTES bytes, sent in 1 MiB pieces (R-6);
+* ``POST /hostile/flood`` ``{"keys": N, "tiers": T, "snapshot": S}``: publish N stored-chunk events in
+  batches of 1,000 (real wire format), then T events each naming a tier of its own, and from then on answer
+  snapshot requests with S keys, skipping a batch so that the router asks for it (E-3). ``GET /hostile/flood``
+  says how many events went out.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import uvicorn
+import zmq
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtier.events.model import TierHolding  # noqa: E402
+from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, WireEvent, encode_batch, encode_snapshot  # noqa: E402
+from tests.events.hostile import fake_key  # noqa: E402
+from tests.router.stub_replica import create_app  # noqa: E402
+
+BATCH = 1000
+MIB = 1 << 20
+
+
+class Publisher(threading.Thread):
+    """A CURVE PUB and control ROUTER like a replica's, fed hostile batches on request; heartbeats otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        public, secret = zmq.curve_keypair()
+        self.public_key, self.epoch = public.decode(), uuid.uuid4().hex
+        self.pub, self.control = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
+        self.ports = []
+        for socket in (self.pub, self.control):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.curve_secretkey, socket.curve_server = secret, True
+            self.ports.append(socket.bind_to_random_port("tcp://127.0.0.1"))
+        self.pub.setsockopt(zmq.SNDHWM, 0)  # a flood that waits for nobody: everything goes out
+        self.jobs: queue.Queue = queue.Queue()
+        self.seq, self.sent = -1, 0
+        self.snapshot = encode_snapshot(self.epoch, -1, [TierHolding("memory", [])])
+
+    def _send(self, events: list[WireEvent]) -> None:
+        self.seq += 1
+        self.pub.send_multipart((TOPIC, self.seq.to_bytes(8, "big"),
+                                 encode_batch(Batch(self.epoch, self.seq, time.time(), events))))
+        self.sent += len(events)
+
+    def _answer_snapshots(self) -> None:
+        while self.control.poll(0):
+            client_id, *_ = self.control.recv_multipart()
+            self.control.send_multipart((client_id, SNAPSHOT_REQUEST, self.snapshot))
+
+    def run(self) -> None:
+        while True:
+            self._answer_snapshots()
+            try:
+                job = self.jobs.get(timeout=0.2)
+            except queue.Empty:
+                self._send([])  # a heartbeat
+                continue
+            for start in range(0, job["keys"], BATCH):
+                self._send([WireEvent(True, "memory", bytes(fake_key(i)), 0)
+                            for i in range(start, min(start + BATCH, job["keys"]))])
+                if start % (50 * BATCH) == 0:
+                    self._answer_snapshots()
+            for i in range(job["tiers"]):
+                self._send([WireEvent(True, f"tier-{i}", bytes(fake_key(i)), 0)])
+            if job["snapshot"]:
+                keys = [fake_key(i) for i in range(job["snapshot"])]
+                self.snapshot = encode_snapshot(self.epoch, self.seq + 1, [TierHolding("memory", keys)])
+                self.seq += 1  # a batch skipped: the router sees a gap and asks for this snapshot
+
+
+def main() -> None:
+    port, info_path, huge = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    publisher = Publisher()
+    publisher.start()
+    info = json.loads(Path(info_path).read_text())
+    info["events"] = {"endpoint": f"tcp://127.0.0.1:{publisher.ports[0]}",
+                      "control": f"tcp://127.0.0.1:{publisher.ports[1]}", "epoch": publisher.epoch,
+                      "key": publisher.public_key}
+    stub = create_app(port)
+
+    async def kvtier_info(request: Request) -> Response:
+        return JSONResponse(info)
+
+    async def flood(request: Request) -> Response:
+        if request.method == "POST":
+            publisher.jobs.put(json.loads(await request.body()))
+        return JSONResponse({"sent": publisher.sent, "seq": publisher.seq})
+
+    routes = [Route("/kvtier/info", kvtier_info), Route("/hostile/flood", flood, methods=["GET", "POST"])]
+    app = Starlette(routes=routes + list(stub.routes))
+
+    async def asgi(scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            if b"HUGE" in body:
+                return await StreamingResponse(_huge(huge), media_type="application/json")(scope, receive, send)
+            sent = False
+
+            async def replay():
+                nonlocal sent
+                if sent:
+                    return {"type": "http.disconnect"}
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            return await app(scope, replay, send)
+        return await app(scope, receive, send)
+
+    uvicorn.run(asgi, host="127.0.0.1", port=port, log_level="warning")
+
+
+async def _huge(size: int):
+    yield b'{"id": "cmpl-huge", "object": "text_completion", "pad": "'
+    piece = b"x" * MIB
+    for _ in range(size // MIB):
+        yield piece
+    yield b'", "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}'
+
+
+if __name__ == "__main__":
+    main()
