@@ -4,7 +4,8 @@ Starts a real ``kvtier route`` process in front of two real ``kvtier serve`` rep
 config, as the router's tests build it, with its context raised to 16k so the blending prompt fits; both with
 ``--blend --blend-separator '\\n\\n'``) and a compromised third replica (benchmarks/_hostile_replica.py: real
 HTTP and a real CURVE event stream, hostile content). Every attacker is a real process or socket speaking the
-real wire format over loopback (benchmarks/_hostile_attacks.py says what each sends and how much).
+real wire format over loopback (benchmarks/_hostile_attacks.py and _hostile_channel.py say what each sends and how
+much).
 
 Measured for each attack, against the issue's targets:
 
@@ -44,6 +45,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _hostile_attacks as attacks  # noqa: E402
+import _hostile_channel as channel  # noqa: E402
 from _util import result  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
@@ -56,9 +58,9 @@ ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks
            ("R-4 heads->router", attacks.r4_half_heads("router")),
            ("R-4 heads->replica", attacks.r4_half_heads("replica")),
            ("R-5 1MB user", attacks.r5_sessions), ("R-6 1GiB answer", attacks.r6_huge_answer),
-           ("R-7 SIGSTOP", attacks.r7_stopped_replica), ("E-1 subscriptions", attacks.e1_subscriptions),
-           ("E-2 snapshots", attacks.e2_snapshots), ("B-1 blend", attacks.b1_blend),
-           ("E-3 index flood", attacks.e3_flood), ("E-4 impostor", attacks.e4_impostor)]
+           ("R-7 SIGSTOP", attacks.r7_stopped_replica), ("E-1 subscriptions", channel.e1_subscriptions),
+           ("E-2 snapshots", channel.e2_snapshots), ("B-1 blend", channel.b1_blend),
+           ("E-3 index flood", channel.e3_flood), ("E-4 impostor", channel.e4_impostor)]
 CLEAR = {"200", "408", "431", "503", "miss"}  #: besides any 4xx
 PROBE_S, HEALTH_MS, RSS_MB = 0.05, 100.0, 200.0
 

@@ -1,0 +1,162 @@
+"""The event-channel and blending attacks benchmarks/hostile_fleet.py replays (issue 29: E-1 to E-4, B-1).
+
+The same contract as ``_hostile_attacks`` (the HTTP ones): ``attack(fleet, big)`` returns ``{"codes": Counter of
+answers, "size": what was sent, "ok": the attack's own target (None: only the fleet-wide ones), "note":
+figures}``. The hostile peers are real processes speaking the real wire format (``tests/events/hostile.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import httpx
+from _hostile_attacks import code, post, series, sized_text
+
+from tests.router.fleet import scrape
+
+
+def hostile_peer(*args: str, wait_s: float) -> str:
+    """Run tests.events.hostile with ``args`` for ``wait_s`` seconds after it is ready; its first line."""
+    from tests.router.fleet import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        ready = proc.stdout.readline().strip()
+        time.sleep(wait_s)
+        return ready
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def e1_subscriptions(fleet, big: bool) -> dict:
+    """A local process opens millions of subscriptions on a replica's event PUB socket."""
+    n = 3_000_000 if big else 100_000
+    events = fleet.replicas[0].info()["events"]
+    sent = time.perf_counter()
+    ready = hostile_peer("subscribe", events["endpoint"], events["key"], str(n), wait_s=5.0)
+    return {"codes": Counter(["miss" if ready == "READY" else "error"]), "size": f"{n:,} subscriptions",
+            "ok": None, "note": f"peer held them {time.perf_counter() - sent:.0f}s"}
+
+
+def e2_snapshots(fleet, big: bool) -> dict:
+    """A local process asks a replica's control socket for snapshots and never reads a reply."""
+    n = 20_000 if big else 500
+    events = fleet.replicas[0].info()["events"]
+    ready = hostile_peer("snapshots", events["control"], events["key"], str(n), wait_s=5.0)
+    held = fleet.replicas[0].info()["tiers"]
+    return {"codes": Counter(["miss" if ready == "READY" else "error"]), "size": f"{n:,} unread snapshot requests",
+            "ok": None, "note": f"replica tiers: {json.dumps(held)[:80]}"}
+
+
+# -- E-3 ----------------------------------------------------------------------------------------------------
+def index_chunks(url: str, replica: str) -> float:
+    return series(url, "kvtier_router_index_chunks", replica=replica)
+
+
+def e3_flood(fleet, big: bool) -> dict:
+    """The compromised replica floods stored-chunk events (and a tier name per event, and a big snapshot); then
+    it dies and is ejected: the router's index holds at most its cap and frees it all."""
+    keys, tiers, snap = (4_000_000, 2_000, 2_500_000) if big else (100_000, 200, 50_000)
+    name = fleet.hostile_name
+    httpx.post(fleet.hostile_url + "/hostile/flood", json={"keys": keys, "tiers": tiers, "snapshot": snap})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # until every event went out and the router took the snapshot
+        sent = httpx.get(fleet.hostile_url + "/hostile/flood", timeout=10).json()["sent"]
+        if sent >= keys + tiers and series(fleet.url, "kvtier_router_events_total", replica=name, what="snapshot") >= 2:
+            break
+        time.sleep(0.5)
+    time.sleep(2.0)
+    held = index_chunks(fleet.url, name)
+    dropped = series(fleet.url, "kvtier_router_index_dropped_events", replica=name)
+    labels = sum(1 for k in scrape(fleet.url) if k.startswith("kvtier_router_index_chunks") and name in k)
+    start = time.perf_counter()
+    fleet.hostile.kill()
+    fleet.hostile.wait(timeout=10)
+    fleet.paused.add(name)
+    while fleet.replica_state(name) == "up" and time.perf_counter() - start < 30:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    after = index_chunks(fleet.url, name)
+    return {"codes": Counter(["miss"]), "size": f"{keys:,} stores, {tiers:,} tier names, {snap:,}-key snapshot",
+            "ok": held <= fleet.replica_key_cap and labels <= 16 and after == 0,
+            "note": f"index held {held:,.0f} keys ({dropped:,.0f} dropped, {labels} tier labels), "
+                    f"{after:,.0f} after ejection"}
+
+
+# -- E-4 ----------------------------------------------------------------------------------------------------
+def e4_impostor(fleet, big: bool) -> dict:
+    """A replica is killed and a process binds its (fixed) event ports at once, serving fake keys with a key pair
+    of its own: the router adopts none; the replica restarts on other ports and is followed again."""
+    from tests.router.fleet import ROOT
+
+    n = 1_000_000 if big else 100_000
+    replica = fleet.replicas[1]
+    snapshots = series(fleet.url, "kvtier_router_events_total", replica=replica.name, what="snapshot")
+    fleet.paused.add(replica.name)
+    replica.stop(signal.SIGKILL)
+    impostor = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", "impostor", str(replica.events_port),
+                                 str(replica.control_port), str(n)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        ready = impostor.stdout.readline().strip()
+        peak, deadline = 0.0, time.monotonic() + 6
+        while time.monotonic() < deadline:
+            peak = max(peak, index_chunks(fleet.url, replica.name))
+            time.sleep(0.1)
+        adopted = series(fleet.url, "kvtier_router_events_total", replica=replica.name, what="snapshot") - snapshots
+        replica.start()
+        replica.wait_healthy(120)
+        fleet.wait_all_up()
+        moved = replica.info()["events"]["endpoint"] != f"tcp://127.0.0.1:{replica.events_port}"
+        said = "is taken" in replica.log.read_text()
+        followed = False
+        for _ in range(100):
+            post(replica.url, "/v1/completions", json={"prompt": sized_text(400), "max_tokens": 1})
+            if index_chunks(fleet.url, replica.name) > 0:
+                followed = True
+                break
+            time.sleep(0.2)
+        impostor_alive = impostor.poll() is None
+    finally:
+        impostor.kill()
+        impostor.wait(timeout=10)
+        fleet.paused.discard(replica.name)
+    return {"codes": Counter(["miss" if ready == "READY" else "error"]), "size": f"impostor serving {n:,} fake keys",
+            "ok": peak == 0 and adopted == 0 and followed,
+            "note": f"fake keys adopted {peak:.0f}, impostor snapshots taken {adopted:.0f}, restarted on other "
+                    f"ports {moved} (logged {said}; impostor still bound: {impostor_alive}), followed again {followed}"}
+
+
+# -- B-1 ----------------------------------------------------------------------------------------------------
+def b1_blend(fleet, big: bool) -> dict:
+    """``"a\\n\\n" * 2000 + "Question: what?"`` to a --blend-separator replica, against the same length without
+    separators; another client's small request meanwhile."""
+    copies = 2000 if big else 500
+    url = fleet.replicas[0].url
+    attack, plain = "a\n\n" * copies + "Question: what?", "a  " * copies + "Question: what?"
+    times, codes, other = {}, Counter(), []
+
+    def bystander() -> None:
+        sent = time.perf_counter()
+        post(url, "/v1/completions", json={"prompt": "the cache", "max_tokens": 1})
+        other.append(time.perf_counter() - sent)
+
+    for label, prompt in (("plain", plain), ("attack", attack)):
+        thread = threading.Thread(target=bystander)
+        sent = time.perf_counter()
+        thread.start()
+        codes[code(post(url, "/v1/completions", json={"prompt": prompt, "max_tokens": 1}))] += 1
+        times[label] = time.perf_counter() - sent
+        thread.join()
+    ratio = times["attack"] / times["plain"]
+    return {"codes": codes, "size": f'"a\\n\\n" * {copies:,} + question (and its plain twin)', "ok": ratio <= 2.0,
+            "note": f"attack {times['attack']:.2f}s vs plain {times['plain']:.2f}s (x{ratio:.2f}); "
+                    f"bystander waited {max(other):.2f}s"}
