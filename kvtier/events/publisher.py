@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 #: Peers send subscriptions (7 bytes at most), snapshot requests (8) and CURVE handshake commands (HELLO: 200,
 #: INITIATE: ~300 with metadata): anything longer disconnects them.
 MAX_INBOUND_BYTES = 1024
-#: Subscription messages handled per loop turn (a flood of them must not hold back the batches).
-MAX_SUBSCRIPTIONS_PER_TURN = 10_000
+#: Subscriptions, and snapshot requests, handled per loop turn each (a flood must not hold back the batches).
+MAX_MESSAGES_PER_TURN = 10_000
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class EventPublisher:
 
     def _subscriptions(self) -> None:
         """Subscribe each peer to what it asked for if that is a prefix of the topic; refuse anything else."""
-        for _ in range(MAX_SUBSCRIPTIONS_PER_TURN):
+        for _ in range(MAX_MESSAGES_PER_TURN):
             try:
                 message = self._pub.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -177,7 +177,7 @@ class EventPublisher:
                 self._counted("subscription_refused")
 
     def _answer(self) -> None:
-        for _ in range(MAX_SUBSCRIPTIONS_PER_TURN):
+        for _ in range(MAX_MESSAGES_PER_TURN):
             try:
                 frames = self._control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -103,7 +103,9 @@ def test_wire_rejects_what_is_not_a_message():
     cache.close()
 
 
-class _Sink:
+class IndexSink:
+    """A subscriber's sink that feeds replica ``r``'s holdings in a FleetIndex (as the router does)."""
+
     def __init__(self, index: FleetIndex) -> None:
         self.held = index.holdings("r")
 
@@ -146,7 +148,8 @@ def test_subscriber_follows_stores_evictions_gaps_and_a_restart(tmp_path):
         cache.store(list(range(3 * CHUNK)), kv_for(3 * CHUNK))  # before anyone listens: only in the snapshot
         cache.tiers[1].flush()
         pub = start(cache)
-        sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, _Sink(index), SubscriberConfig(),
+        sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, IndexSink(index),
+                              SubscriberConfig(),
                               lambda what: counts.__setitem__(what, counts.get(what, 0) + 1))
         task = asyncio.ensure_future(sub.run())
         try:
@@ -170,7 +173,7 @@ def test_subscriber_follows_stores_evictions_gaps_and_a_restart(tmp_path):
             pub = start(cache)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, _Sink(index),
+            sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, IndexSink(index),
                                   SubscriberConfig(), lambda what: None)
             task = asyncio.ensure_future(sub.run())
             await _until(lambda: sub.epoch == pub.epoch and _matches(index, cache))

@@ -25,6 +25,7 @@ from kvtier.events.subscriber import EventSubscriber
 from kvtier.keys import ChunkHash
 from kvtier.router.index import FleetIndex
 from tests.events.hostile import fake_key
+from tests.events.test_events import IndexSink
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = PublisherConfig(heartbeat_s=0.05, batch_interval_s=0.005)
@@ -106,24 +107,10 @@ def test_a_snapshot_lists_at_most_max_snapshot_keys():
         pub.close()
 
 
-class _Sink:
-    def __init__(self, index: FleetIndex) -> None:
-        self.held = index.holdings("r")
-
-    def prepare(self, snapshot):
-        return self.held.prepare(snapshot)
-
-    def reset(self, prepared) -> None:
-        self.held.reset(prepared)
-
-    def apply(self, batch) -> None:
-        self.held.apply(batch)
-
-
 async def _follow(pub: EventPublisher, index: FleetIndex, done, after=None, timeout: float = 10.0) -> dict:
     ctx = zmq.asyncio.Context()
     counts: dict[str, int] = {}
-    sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, _Sink(index),
+    sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, IndexSink(index),
                           count=lambda what: counts.__setitem__(what, counts.get(what, 0) + 1))
     task = asyncio.ensure_future(sub.run())
     try:
