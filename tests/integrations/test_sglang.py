@@ -22,6 +22,7 @@ from kvtier.blob import encode_blob  # noqa: E402
 from kvtier.codecs import get_codec  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.integrations.sglang.backend import KVTierStorage  # noqa: E402
+from kvtier.integrations.sglang.pages import key_token_ids  # noqa: E402
 from tests.integrations.sglang_pool import HostPool, MambaHostPool, backend, page_keys  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -105,7 +106,7 @@ def test_partial_hit_is_the_leading_run():
 def _foreign_blob(store: KVTierStorage, tier, page: torch.Tensor):
     """A well-formed blob sealed for another key: what a buggy or hostile writer could leave in a shared tier."""
     other = store.kvtier_keys(["not-this-page"])[0]
-    return encode_blob(other, store._token_ids([other]), tier.codec, page, seal=tier.verifies)
+    return encode_blob(other, key_token_ids([other], store.geometry.page_size), tier.codec, page, seal=tier.verifies)
 
 
 @pytest.mark.parametrize("where", ["memory", "disk"])

@@ -33,7 +33,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -46,7 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvtier.cache import KVCache
 from kvtier.errors import ConfigError
 from kvtier.integrations.sglang.config import BackendConfig
-from kvtier.integrations.sglang.pages import PoolGeometry, check_buffer, geometry_of
+from kvtier.integrations.sglang.pages import PoolGeometry, check_buffer, geometry_of, key_token_ids
 from kvtier.integrations.sglang.side_pools import SidePool, restorable
 from kvtier.keys import ChunkHash
 from kvtier.tiers import SharedStore
@@ -181,13 +180,6 @@ class KVTierStorage(HiCacheStorage):
         root = self._root
         return [ChunkHash(hashlib.sha256(root + key.encode()).digest()) for key in keys]
 
-    def _token_ids(self, keys: Sequence[ChunkHash]) -> np.ndarray:
-        """The token ids recorded in each page's blob: its key's eight 32-bit words, repeated over the page
-        (SGLang passes no token ids; these make the memory tier, which keeps no checksum, check the key too)."""
-        size = self.geometry.page_size
-        words = np.frombuffer(b"".join(keys), dtype="<u4").reshape(len(keys), 8)
-        return np.ascontiguousarray(np.tile(words, (1, -(-size // 8)))[:, :size].reshape(-1))
-
     def _page_starts(self, n: int, host_indices: torch.Tensor) -> list[int] | None:
         """The first host slot of each of ``n`` pages, or None (logged) unless ``host_indices`` is ``n`` whole
         pages of consecutive slots inside the pool."""
@@ -243,12 +235,12 @@ class KVTierStorage(HiCacheStorage):
 
     def _load(self, keys: Sequence[str], pages: _HostPages) -> list[bool]:
         ids = self.kvtier_keys(keys)
-        good = self.cache.retrieve_keyed(ids, self._token_ids(ids), pages)
+        good = self.cache.retrieve_keyed(ids, key_token_ids(ids, self.geometry.page_size), pages)
         return [True] * good + [False] * (len(keys) - good)
 
     def _store(self, keys: Sequence[str], pages: _HostPages) -> list[bool]:
         ids = self.kvtier_keys(keys)
-        held = self.cache.store_keyed(ids, self._token_ids(ids), pages)
+        held = self.cache.store_keyed(ids, key_token_ids(ids, self.geometry.page_size), pages)
         missing = [i for i, ok in enumerate(held) if not ok]  # already stored, or refused by every tier
         if missing:
             for i, tier in zip(missing, self.cache.locate([ids[i] for i in missing])):

@@ -24,12 +24,15 @@ refused with ``ConfigError`` at registration: the backend then serves nothing ra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.keys import ChunkHash
 from kvtier.layout import KVSpec
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -126,3 +129,11 @@ def check_buffer(geometry: PoolGeometry, kv_buffer: Any) -> int:
         raise ConfigError(f"host kv_buffer {tuple(kv_buffer.shape)} {kv_buffer.dtype} is not a {geometry.layout} "
                           f"buffer of {geometry}")
     return tokens
+
+
+def key_token_ids(keys: Sequence[ChunkHash], page_size: int) -> np.ndarray:
+    """The token ids recorded in each page's blob: its key's eight 32-bit words, repeated over the page's
+    ``page_size`` slots (SGLang passes no token ids; these make a tier that keeps no checksum, the memory tier,
+    check the key too)."""
+    words = np.frombuffer(b"".join(keys), dtype="<u4").reshape(len(keys), 8)
+    return np.ascontiguousarray(np.tile(words, (1, -(-page_size // 8)))[:, :page_size].reshape(-1))

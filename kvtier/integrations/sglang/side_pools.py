@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvtier.cache import KVCache
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
+from kvtier.integrations.sglang.pages import key_token_ids
 from kvtier.keys import ChunkHash
 from kvtier.layout import KVSpec
 
@@ -97,11 +97,6 @@ class SidePool:
     def keys(self, keys: Sequence[str]) -> list[ChunkHash]:
         return [ChunkHash(hashlib.sha256(self._root + key.encode()).digest()) for key in keys]
 
-    @staticmethod
-    def token_ids(keys: Sequence[ChunkHash]) -> np.ndarray:
-        """One id a page, from its key (checked on every read)."""
-        return np.frombuffer(b"".join(k[:4] for k in keys), dtype="<u4").copy()
-
     def held(self, keys: Sequence[str]) -> list[bool]:
         return [t is not None for t in self.cache.locate(self.keys(keys))]
 
@@ -119,7 +114,7 @@ class SidePool:
         if offsets is None:
             return [False] * len(keys)
         ids = self.keys(keys)
-        written = self.cache.store_keyed(ids, self.token_ids(ids), _FlatPages(self.pool, offsets, self.spec))
+        written = self.cache.store_keyed(ids, key_token_ids(ids, 1), _FlatPages(self.pool, offsets, self.spec))
         return [w or t is not None for w, t in zip(written, self.cache.locate(ids))]
 
     def load(self, keys: Sequence[str], host_indices: torch.Tensor | None) -> list[bool]:
@@ -130,7 +125,7 @@ class SidePool:
             return [False] * len(keys)
         ids = self.keys(keys)
         sink = _FlatPages(self.pool, offsets, self.spec)
-        return [self.cache.retrieve_keyed([key], self.token_ids([key]), _Shifted(sink, i)) == 1
+        return [self.cache.retrieve_keyed([key], key_token_ids([key], 1), _Shifted(sink, i)) == 1
                 for i, key in enumerate(ids)]
 
 
