@@ -25,9 +25,6 @@ from kvtier.server.protocol import ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
-#: Chat requests with more messages get no segments: finding message boundaries renders the template once per
-#: message, a cost quadratic in the count that a hostile request could otherwise choose.
-MAX_SEGMENT_MESSAGES = MAX_SEGMENTS
 
 
 class NoSegments:
@@ -59,8 +56,9 @@ class Segmenter:
 
     def chat(self, messages: list[dict[str, str]], prompt_ids: list[int]) -> tuple[Span, ...]:
         """Spans of every message but the last in ``prompt_ids``, the chat template's rendering of them."""
-        if len(messages) > MAX_SEGMENT_MESSAGES:
-            log.debug("%d messages (more than %d): no segments", len(messages), MAX_SEGMENT_MESSAGES)
+        if len(messages) > MAX_SEGMENTS:  # finding message boundaries renders the template once per message:
+            # a cost quadratic in the count, which a hostile request could otherwise choose
+            log.debug("%d messages (more than %d): no segments", len(messages), MAX_SEGMENTS)
             return ()
         render = self.tokenizer.apply_chat_template
         texts = [render(messages[:i], tokenize=False) for i in range(1, len(messages))]

@@ -60,7 +60,7 @@ def test_a_template_that_rewrites_earlier_turns_gives_no_segments(tokenizer):
 
 
 def test_a_chat_of_too_many_messages_gives_no_segments(tokenizer):
-    from kvtier.server.segments import MAX_SEGMENT_MESSAGES
+    from kvtier.segments import MAX_SEGMENTS as MAX_SEGMENT_MESSAGES
 
     many = messages(*[DOC_A] * MAX_SEGMENT_MESSAGES, question="q")  # 66 messages
     assert Segmenter(tokenizer).chat(many, chat_ids(tokenizer, many)) == ()
