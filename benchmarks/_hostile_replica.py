@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtier.events.model import TierHolding  # noqa: E402
+from kvtier.core.events import TierHolding  # noqa: E402
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, WireEvent, encode_batch, encode_snapshot  # noqa: E402
 from tests.events.hostile import fake_key  # noqa: E402
 from tests.router.stub_replica import create_app  # noqa: E402

@@ -8,7 +8,7 @@ import statistics
 import time
 from collections.abc import Iterable
 
-from kvtier.calibration import timed  # noqa: F401  (re-exported: every benchmark times with it)
+from kvtier.apps.calibrate.measure import timed  # noqa: F401  (re-exported: every benchmark times with it)
 
 
 def best(values: list[float]) -> float:

@@ -42,11 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import result  # noqa: E402
 
 from kvtier import CacheConfig, KVCache  # noqa: E402
+from kvtier.apps.serve.segments import Segmenter  # noqa: E402
 from kvtier.integrations.blend import BlendConfig, BlendedLM  # noqa: E402
-from kvtier.integrations.transformers import (  # noqa: E402
-    GenerationStats, Prefill, PrefixCachedLM, kv_spec, model_identity)
-from kvtier.models import load_model  # noqa: E402
-from kvtier.server.segments import Segmenter  # noqa: E402
+from kvtier.integrations.models import load_model  # noqa: E402
+from kvtier.integrations.transformers import GenerationStats, Prefill, PrefixCachedLM, kv_spec, model_identity  # noqa: E402
 
 SYSTEM = "Answer the question using only the documents provided."
 RATIOS = (0.05, 0.10, 0.15, 0.30, 0.50)

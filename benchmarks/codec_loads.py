@@ -9,7 +9,7 @@
    figure is raw's time over its own (>1: it loads faster than raw).
 2. **Codec speed.** Each codec's encode and decode GB/s (of KV) on one thread and on every core (a thread
    pool; the codecs release the GIL), decoding into reused tensors as a retrieve does, against a plain copy
-   of the same bytes into reused tensors (``kvtier.calibration``).
+   of the same bytes into reused tensors (``kvtier.apps.calibrate.measure``).
 
 Run as root for the cold disk reads (else they are warm and the output says so). Prints tables with the
 load average next to them, writes ``--plot`` (PNG), and ends with ``RESULT {json}``.
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _util import best, drop_caches, result, timed  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
-from kvtier.calibration import measure_codec, plain_copy_seconds, synthetic_kv  # noqa: E402
-from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.apps.calibrate.measure import measure_codec, plain_copy_seconds, synthetic_kv  # noqa: E402
+from kvtier.base.errors import ConfigError  # noqa: E402
 from kvtier.tiers import Flushable  # noqa: E402
 
 CODECS = ["raw", "lossless", "int8", "int4", "cachegen"]
@@ -49,8 +49,8 @@ DOCS = next((p for p in (Path(os.environ.get("KVTIER_WORKLOADS", "/nonexistent")
 def real_chunks(n_docs: int, tokens: int) -> tuple[list[torch.Tensor], KVSpec, str]:
     """256-token chunks of SmolLM2's bf16 KV over the first ``tokens`` tokens of ``n_docs`` documents."""
     try:
+        from kvtier.integrations.models import load_model
         from kvtier.integrations.transformers import to_canonical
-        from kvtier.models import load_model
 
         model, tok = load_model()
     except (ImportError, OSError, ConfigError) as exc:  # no transformers / model package: synthetic KV

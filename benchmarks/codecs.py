@@ -127,7 +127,7 @@ def build_cases(tok, docs: list[dict], args) -> list[dict]:
 
 
 def measure(args) -> dict:
-    from kvtier.models import load_model
+    from kvtier.integrations.models import load_model
 
     model, tok = load_model()
     cases = build_cases(tok, load_docs(DOCS / "loogle_longdep_qa.jsonl", args.docs), args)

@@ -10,7 +10,7 @@
 2. **Re-index.** 100,000 small chunks are written through the tier (fsync off to create them quickly), the
    tier is closed, and opening a new one on the directory is timed: a listing and a stat per file. Timed
    with the page cache dropped (cold) and warm, best of three each.
-3. **Time to first token.** SmolLM2-135M-Instruct (``kvtier.models``; a random-weights Llama of the same
+3. **Time to first token.** SmolLM2-135M-Instruct (``kvtier.integrations.models``; a random-weights Llama of the same
    shape if that package is missing) on a 2,048-token prompt: recompute (no cache) against the prompt's
    prefix only on disk (a new KVCache of memory + disk whose memory tier is empty, page cache dropped).
    Torch runs one intra-op thread for both sides (see ``main``); best of the rounds on each side.
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import best, drop_caches, median, plain_read, plain_write, result  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
-from kvtier.blob import blob_bytes, encode_blob  # noqa: E402
+from kvtier.base.keys import Namespace  # noqa: E402
+from kvtier.base.metrics import Metrics  # noqa: E402
 from kvtier.codecs import BytesPayload, get_codec  # noqa: E402
-from kvtier.keys import Namespace  # noqa: E402
-from kvtier.metrics import Metrics  # noqa: E402
+from kvtier.codecs.blob import blob_bytes, encode_blob  # noqa: E402
 from kvtier.tiers import DiskTier, DiskTierConfig, MemoryTierConfig, TierContext  # noqa: E402
 
 SPEC = KVSpec(num_layers=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)  # Llama-3.2-1B-like
@@ -174,7 +174,7 @@ def reindex(base: Path, n: int) -> dict:
 
 def load_model():
     try:
-        from kvtier.models import load_model as load
+        from kvtier.integrations.models import load_model as load
 
         model, _ = load()
         return model, "SmolLM2-135M-Instruct"

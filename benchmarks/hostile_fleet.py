@@ -101,7 +101,7 @@ class Fleet:
         self.router = self._spawn(["-m", "kvtier", "route", *[a for u in urls for a in ("--replica", u)], "--port",
                                    str(router_port), "--model", str(model), "--health-interval", "0.5",
                                    "--log-level", "warning"], work / "router.log")
-        self.replica_key_cap = min(2_000_000, 8_000_000 // len(urls))  # kvtier.router.index.FleetIndex's defaults
+        self.replica_key_cap = min(2_000_000, 8_000_000 // len(urls))  # kvtier.fleet.index.FleetIndex's defaults
         self.wait_all_up(following=True)
 
     def _spawn(self, args: list[str], log: Path) -> subprocess.Popen:

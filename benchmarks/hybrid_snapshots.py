@@ -35,7 +35,7 @@ from _util import result  # noqa: E402
 from hybrid_ttft import granite_h_350m, smollm2_360m  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
-from kvtier.bench.workloads import (  # noqa: E402
+from kvtier.apps.bench.workloads import (  # noqa: E402
     MultiRoundSpec,
     QASpec,
     count,
@@ -44,8 +44,8 @@ from kvtier.bench.workloads import (  # noqa: E402
     multiround,
     words,
 )
-from kvtier.errors import ConfigError  # noqa: E402
-from kvtier.state import ModelStateSpec, SnapshotPolicy  # noqa: E402
+from kvtier.base.errors import ConfigError  # noqa: E402
+from kvtier.base.state import ModelStateSpec, SnapshotPolicy  # noqa: E402
 
 CHUNK = 256
 ANSWER_WORDS = 60
@@ -225,7 +225,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from kvtier.models import ensure_smollm2
+    from kvtier.integrations.models import ensure_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
     policies = [SnapshotPolicy.parse(p) for p in args.policies.split(",")]

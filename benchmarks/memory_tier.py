@@ -6,7 +6,7 @@ and retrieved from a KVCache whose only tier is the memory tier, into reused buf
 Three more limits are printed: a flat torch copy between the buffers the tier itself uses (the KV into the
 tier's buffer, and the tier's buffer into the retrieve's output; on this machine the same copy ran at
 0.91-1.22x of itself from one buffer to another in one process, where a buffer's pages land), and the
-streaming-store copy the tier uses (kvtier/bulkcopy.py) as one flat copy between those same buffers, which
+streaming-store copy the tier uses (kvtier/native/bulkcopy.py) as one flat copy between those same buffers, which
 isolates what kvtier adds to its own copy. The tier's buffer sits on huge pages (tiers/slab.py), the other
 tensors on the 4 KiB pages torch gives them; the time to start the tier (allocate and prefault its buffer) is
 printed too, since huge pages move cost there.
@@ -29,7 +29,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import best, median, result, timed  # noqa: E402
 
-from kvtier import CacheConfig, KVCache, KVSpec, bulkcopy  # noqa: E402
+from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
+from kvtier.native import bulkcopy  # noqa: E402
 
 SPEC = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 

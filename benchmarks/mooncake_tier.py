@@ -20,7 +20,7 @@ The pool's memory is a second process's (tests/mooncake_master.SegmentHost), and
 client contributes any: every byte of both crosses the transfer engine over TCP, as between replicas. Ratios
 are kvtier throughput / raw throughput (the target is >= 0.8) from the best of interleaved repetitions on both
 sides (interference only adds time); medians are printed too. A bar chart goes to results/mooncake_tier.png.
-Fleet hit ratio, through ``kvtier sim`` (kvtier.sim.pooling), in the same run: 4 replicas replay the Mooncake
+Fleet hit ratio, through ``kvtier sim`` (kvtier.apps.sim.pooling), in the same run: 4 replicas replay the Mooncake
 synthetic trace (``$KVTIER_WORKLOADS`` or ``../shared/workloads/``) with 1,000 and 10,000 chunks of memory in
 all, kept private (a quarter each), pooled (one shared tier every replica sees, as a Mooncake pool), or mixed
 (each replica keeps 1/8 of its share private in front of a pool of the rest), all LRU, behind round-robin and
@@ -48,9 +48,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _util import best, median, result, timed  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
-from kvtier.blob import blob_bytes, encode_blob  # noqa: E402
+from kvtier.base.keys import token_array  # noqa: E402
 from kvtier.codecs import BytesPayload  # noqa: E402
-from kvtier.keys import token_array  # noqa: E402
+from kvtier.codecs.blob import blob_bytes, encode_blob  # noqa: E402
 from kvtier.tiers import MooncakeTierConfig, RedisTierConfig  # noqa: E402
 
 MiB = 1 << 20
@@ -245,15 +245,15 @@ def run_redis(args, prefix: Prefix) -> dict:
 
 
 def run_fleet(args, png: Path) -> dict:
-    """Pooled vs private vs mixed memory of 4 replicas on the Mooncake trace (kvtier.sim.pooling)."""
+    """Pooled vs private vs mixed memory of 4 replicas on the Mooncake trace (kvtier.apps.sim.pooling)."""
     from tqdm import tqdm
 
-    from kvtier.bench.workloads import find_workload_file
-    from kvtier.router.scoring import Routing
-    from kvtier.sim.pooling import ARMS, compare
-    from kvtier.sim.reference import ideal_hits
-    from kvtier.sim.study import chunk_chains
-    from kvtier.sim.trace import read_mooncake
+    from kvtier.apps.bench.workloads import find_workload_file
+    from kvtier.apps.sim.pooling import ARMS, compare
+    from kvtier.apps.sim.reference import ideal_hits
+    from kvtier.apps.sim.study import chunk_chains
+    from kvtier.apps.sim.trace import read_mooncake
+    from kvtier.fleet.scoring import Routing
 
     trace = find_workload_file("mooncake_synthetic_trace.jsonl")
     requests = read_mooncake(trace, block_tokens=args.block_tokens)
@@ -287,7 +287,7 @@ def plot_fleet(points, ideal: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvtier.sim.pooling import ARMS
+    from kvtier.apps.sim.pooling import ARMS
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(9, 4))

@@ -7,7 +7,7 @@ affinity routing (a quarter of the chunks each). Workloads, and their sizes in c
   chunk: the block-level model of the trace's reference figures (LRU 0.424 at 10k chunks);
 * ``mooncake-cut`` (1k, 10k): the same prompts cut to their real length, so a partial last block is never
   stored, as a server would see them;
-* ``chat`` (1k, 3k): kvtier.sim.synthetic's chat / agent / RAG workload, another reuse shape generated here
+* ``chat`` (1k, 3k): kvtier.apps.sim.synthetic's chat / agent / RAG workload, another reuse shape generated here
   (its working set fits in 10k chunks, where every policy hits what an infinite cache does).
 
 For each replay: chunk hit ratio, its ratio to LRU's and the share of the LRU-to-Belady gap it closes.
@@ -34,14 +34,14 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import result  # noqa: E402
 
-from kvtier.bench.workloads import find_workload_file  # noqa: E402
+from kvtier.apps.bench.workloads import find_workload_file  # noqa: E402
+from kvtier.apps.sim import report, synthetic  # noqa: E402
+from kvtier.apps.sim.fleet import FleetConfig, SimTier  # noqa: E402
+from kvtier.apps.sim.replica import SIM_MODEL  # noqa: E402
+from kvtier.apps.sim.study import Study, chunk_chains, run_study  # noqa: E402
+from kvtier.apps.sim.trace import read_mooncake  # noqa: E402
+from kvtier.fleet.scoring import Routing, RoutingConfig  # noqa: E402
 from kvtier.policy import POLICIES, make_policy  # noqa: E402
-from kvtier.router.scoring import Routing, RoutingConfig  # noqa: E402
-from kvtier.sim import report, synthetic  # noqa: E402
-from kvtier.sim.fleet import FleetConfig, SimTier  # noqa: E402
-from kvtier.sim.replica import SIM_MODEL  # noqa: E402
-from kvtier.sim.study import Study, chunk_chains, run_study  # noqa: E402
-from kvtier.sim.trace import read_mooncake  # noqa: E402
 
 SIZES = {"mooncake": (1_000, 10_000), "mooncake-cut": (1_000, 10_000), "chat": (1_000, 3_000)}
 SETUPS = {"single": 1, "4 replicas": 4}

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import best, median, result, timed  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
-from kvtier.blob import blob_bytes, encode_blob  # noqa: E402
-from kvtier.keys import token_array  # noqa: E402
+from kvtier.base.keys import token_array  # noqa: E402
+from kvtier.codecs.blob import blob_bytes, encode_blob  # noqa: E402
 from kvtier.tiers import RedisTierConfig  # noqa: E402
 
 MiB = 1 << 20

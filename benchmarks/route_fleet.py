@@ -37,11 +37,11 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.bench import report
-from kvtier.bench.cli import bench
-from kvtier.bench.client import Target
-from kvtier.bench.launch import serve_processes
-from kvtier.bench.workloads import MultiRoundSpec
+from kvtier.apps.bench import report
+from kvtier.apps.bench.cli import bench
+from kvtier.apps.bench.client import Target
+from kvtier.apps.bench.launch import serve_processes
+from kvtier.apps.bench.workloads import MultiRoundSpec
 from kvtier.net.ports import free_port
 
 POLICIES = {

@@ -1,7 +1,7 @@
 """kvtier route's scoring in `kvtier sim`: 4 replicas on the Mooncake synthetic trace, policies side by side.
 
 Replays the trace (``../shared/workloads/mooncake_synthetic_trace.jsonl``; each 512-token block one chunk)
-through simulated fleets of real KVCaches whose router is ``kvtier.router.scoring``, the module `kvtier route`
+through simulated fleets of real KVCaches whose router is ``kvtier.fleet.scoring``, the module `kvtier route`
 decides with:
 
 * the peer measured in the same run: one cache holding all the fleet's chunks (``--capacity``, 10,000);
@@ -32,11 +32,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import result  # noqa: E402
 
-from kvtier.bench.workloads import find_workload_file  # noqa: E402
-from kvtier.router.scoring import Routing, RoutingConfig  # noqa: E402
-from kvtier.sim.fleet import FleetConfig, SimTier  # noqa: E402
-from kvtier.sim.replay import SimResult, replay  # noqa: E402
-from kvtier.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_mooncake  # noqa: E402
+from kvtier.apps.bench.workloads import find_workload_file  # noqa: E402
+from kvtier.apps.sim.fleet import FleetConfig, SimTier  # noqa: E402
+from kvtier.apps.sim.replay import SimResult, replay  # noqa: E402
+from kvtier.apps.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_mooncake  # noqa: E402
+from kvtier.fleet.scoring import Routing, RoutingConfig  # noqa: E402
 
 TARGET_HIT_VS_ONE_CACHE = 0.95
 TARGET_MAX_OVER_MEAN = 1.25

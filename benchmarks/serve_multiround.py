@@ -21,10 +21,10 @@ import shlex
 import statistics
 from pathlib import Path
 
-from kvtier.bench import report
-from kvtier.bench.cli import bench
-from kvtier.bench.launch import cache_on_and_off
-from kvtier.bench.workloads import MultiRoundSpec
+from kvtier.apps.bench import report
+from kvtier.apps.bench.cli import bench
+from kvtier.apps.bench.launch import cache_on_and_off
+from kvtier.apps.bench.workloads import MultiRoundSpec
 
 TARGET_SPEEDUP = 5.0
 LONG_HISTORY = 4096

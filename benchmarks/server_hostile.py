@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 import httpx
+from _util import result
 from tqdm import tqdm
 
-from _util import result
-from kvtier.bench.launch import ServeProcess
+from kvtier.apps.bench.launch import ServeProcess
 
 ATTACKS = (("text 10 MB", "/v1/completions", 10_000_000), ("text 6 MB", "/v1/completions", 6_000_000),
            ("chat 6 MB", "/v1/chat/completions", 6_000_000))

@@ -1,18 +1,50 @@
-"""kvtier: a tiered prefix KV cache for LLM serving."""
+"""kvtier: a tiered prefix KV cache for LLM serving.
 
-from kvtier.cache import KVCache, KVSink, KVSource, TensorSink, TensorSource
-from kvtier.config import CacheConfig
-from kvtier.errors import BlobError, CodecError, ConfigError, InvalidArgument, KVTierError, TierError
-from kvtier.keys import ChunkHash, Namespace
-from kvtier.layout import KVSpec
-from kvtier.metrics import Metrics
-from kvtier.state import ModelStateSpec, SnapshotPolicy, StateKind, StateSpec
-from kvtier.state_cache import PrefixState
+The public names below load on first use, so ``import kvtier`` (and ``kvtier --help``) imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BlobError", "CacheConfig", "ChunkHash", "CodecError", "ConfigError", "InvalidArgument", "KVCache", "KVSink",
-    "KVSource", "KVSpec", "KVTierError", "Metrics", "ModelStateSpec", "Namespace", "PrefixState", "SnapshotPolicy",
-    "StateKind", "StateSpec", "TensorSink", "TensorSource", "TierError",
-]
+#: public name -> the module that defines it
+_PUBLIC: dict[str, str] = {
+    **dict.fromkeys(("BlobError", "CodecError", "ConfigError", "InvalidArgument", "KVTierError", "TierError"),
+                    "kvtier.base.errors"),
+    **dict.fromkeys(("ChunkHash", "Namespace"), "kvtier.base.keys"),
+    "KVSpec": "kvtier.base.layout",
+    "Metrics": "kvtier.base.metrics",
+    **dict.fromkeys(("ModelStateSpec", "SnapshotPolicy", "StateKind", "StateSpec"), "kvtier.base.state"),
+    **dict.fromkeys(("KVCache", "KVSink", "KVSource", "TensorSink", "TensorSource"), "kvtier.core.cache"),
+    "CacheConfig": "kvtier.core.config",
+    "PrefixState": "kvtier.core.snapshots",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from kvtier.base.errors import BlobError, CodecError, ConfigError, InvalidArgument, KVTierError, TierError
+    from kvtier.base.keys import ChunkHash, Namespace
+    from kvtier.base.layout import KVSpec
+    from kvtier.base.metrics import Metrics
+    from kvtier.base.state import ModelStateSpec, SnapshotPolicy, StateKind, StateSpec
+    from kvtier.core.cache import KVCache, KVSink, KVSource, TensorSink, TensorSource
+    from kvtier.core.config import CacheConfig
+    from kvtier.core.snapshots import PrefixState

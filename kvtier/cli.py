@@ -12,12 +12,12 @@ import sys
 
 #: command name -> module implementing it
 COMMANDS: dict[str, str] = {
-    "demo": "kvtier.demo",
-    "serve": "kvtier.server.cli",
-    "bench": "kvtier.bench.cli",
-    "route": "kvtier.router.cli",
-    "sim": "kvtier.sim.cli",
-    "calibrate": "kvtier.calibrate",
+    "demo": "kvtier.apps.demo",
+    "serve": "kvtier.apps.serve.cli",
+    "bench": "kvtier.apps.bench.cli",
+    "route": "kvtier.apps.route.cli",
+    "sim": "kvtier.apps.sim.cli",
+    "calibrate": "kvtier.apps.calibrate.cli",
 }
 
 

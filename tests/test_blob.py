@@ -4,9 +4,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.blob import MAGIC, blob_bytes, decode_blob, encode_blob, parse_blob
+from kvtier.base.errors import BlobError
 from kvtier.codecs import get_codec
-from kvtier.errors import BlobError
+from kvtier.codecs.blob import MAGIC, blob_bytes, decode_blob, encode_blob, parse_blob
 
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))

@@ -1,4 +1,4 @@
-"""Streaming copies (kvtier.bulkcopy): bit-exact where they copy, untouched memory where they decline, and the
+"""Streaming copies (kvtier.native.bulkcopy): bit-exact where they copy, untouched memory where they decline, and the
 memory tier's large stores and retrieves going through them."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier import CacheConfig, KVCache, KVSpec, bulkcopy
+from kvtier import CacheConfig, KVCache, KVSpec
+from kvtier.native import bulkcopy
 from kvtier.codecs import base as codecs_base
 
 
@@ -126,7 +127,7 @@ def test_concurrent_callers_share_the_threads() -> None:
 
 
 def test_turned_off_by_the_environment_copies_with_torch() -> None:
-    code = ("import torch; from kvtier import bulkcopy; from kvtier.codecs.base import copy_tensors\n"
+    code = ("import torch; from kvtier.native import bulkcopy; from kvtier.codecs.base import copy_tensors\n"
             "s = torch.randn(8 << 20); d = torch.zeros_like(s)\n"
             "assert not bulkcopy.available() and not bulkcopy.copy_pairs([(d, s)])\n"
             "copy_tensors([(d, s)]); assert torch.equal(d, s); print('torch copied')")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.errors import ConfigError, TierError
+from kvtier.base.errors import ConfigError, TierError
 from kvtier.tiers import MemoryTierConfig, TierConfig, TierStats, WriteMode, register_tier
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)

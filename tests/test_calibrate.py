@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from kvtier.calibration import calibrate
+from kvtier.apps.calibrate.measure import calibrate
+from kvtier.base.layout import KVSpec
 from kvtier.cli import main
-from kvtier.layout import KVSpec
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)

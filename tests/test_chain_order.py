@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvtier.pipeline
+import kvtier.core.pipeline
 from kvtier import CacheConfig, KVCache, KVSpec
 from kvtier.policy import POLICIES
 from kvtier.tiers import DiskTierConfig, Flushable, MemoryTierConfig
@@ -28,7 +28,7 @@ def kv_for(n_tokens: int) -> torch.Tensor:
 
 @pytest.fixture(params=["memory", "disk"])
 def make_cache(request, tmp_path, monkeypatch):
-    monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 2 * CHUNK_BYTES)  # two chunks a window
+    monkeypatch.setattr(kvtier.core.pipeline, "WINDOW_BYTES", 2 * CHUNK_BYTES)  # two chunks a window
 
     def make(policy: str) -> KVCache:
         room = SLOTS * (CHUNK_BYTES + 320)  # payload and header of each chunk
@@ -96,7 +96,7 @@ def test_a_prefix_read_then_a_longer_prompt_stored_is_evicted_from_its_end(make_
 def test_a_restarted_disk_tier_still_evicts_a_prompt_from_its_end(tmp_path, monkeypatch, policy):
     """The prompt's windows are written and read as separate batches, each stamped on its own; ``order_chain``
     stamps the chain again, so the order a restart rebuilds from the files' mtimes keeps it whole."""
-    monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 2 * CHUNK_BYTES)
+    monkeypatch.setattr(kvtier.core.pipeline, "WINDOW_BYTES", 2 * CHUNK_BYTES)
     tier = DiskTierConfig(path=tmp_path, capacity_bytes=SLOTS * (CHUNK_BYTES + 320), policy=policy, fsync=False,
                           o_direct=False)
     config = CacheConfig(chunk_size=CHUNK, tiers=(tier,))

@@ -1,7 +1,7 @@
 import pytest
 
-from kvtier.config import CacheConfig, parse_size
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.core.config import CacheConfig, parse_size
 from kvtier.tiers import MemoryTierConfig, WriteMode
 
 

@@ -1,4 +1,4 @@
-"""Copies between the host and a GPU (kvtier.gpu) and the cache's paths through them.
+"""Copies between the host and a GPU (kvtier.native.gpu) and the cache's paths through them.
 
 Without a GPU only the checks that need none run; the rest are reported as skipped with that reason. On a GPU
 these run the side-stream copies, the readiness events, CUDA tensors handed to ``KVCache.store`` and
@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier import CacheConfig, KVCache, KVSpec, gpu
+from kvtier import CacheConfig, KVCache, KVSpec
+from kvtier.native import gpu
 from kvtier.codecs.base import copy_tensors
+from kvtier.tiers.slab import HostSlab
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig
 from kvtier.tiers import slab as slab_module
-from kvtier.tiers.slab import HostSlab
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.errors import ConfigError
-from kvtier.keys import Namespace, chunk_hashes, token_array
-from kvtier.layout import KVSpec
+from kvtier.base.errors import ConfigError
+from kvtier.base.keys import Namespace, chunk_hashes, token_array
+from kvtier.base.layout import KVSpec
 
 SPEC = KVSpec(2, 4, 8, torch.bfloat16)
 NS = Namespace("golden/model@rev1", SPEC, 4, salt=b"tenant-a")
@@ -39,7 +39,7 @@ def test_chain_definition_matches_the_documented_formula():
 @pytest.mark.parametrize("seed", ["0", "1", "random"])
 def test_deterministic_across_processes(seed):
     code = (
-        "import torch; from kvtier.keys import Namespace; from kvtier.layout import KVSpec;"
+        "import torch; from kvtier.base.keys import Namespace; from kvtier.base.layout import KVSpec;"
         "ns = Namespace('golden/model@rev1', KVSpec(2, 4, 8, torch.bfloat16), 4, salt=b'tenant-a');"
         "print(ns.root.hex(), *[h.hex() for h in ns.chunk_hashes(list(range(10)))])"
     )

@@ -10,7 +10,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.metrics import Metrics, MetricKind, MetricsServer
+from kvtier.base.metrics import MetricKind, Metrics, MetricsServer
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 

@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-import kvtier.pipeline
+import kvtier.core.pipeline
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.blob import parse_blob
+from kvtier.base.errors import TierError
+from kvtier.base.metrics import Metrics
 from kvtier.codecs import BytesPayload
-from kvtier.errors import TierError
-from kvtier.metrics import Metrics
+from kvtier.codecs.blob import parse_blob
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig
 from tests.codecs.conftest import kv_like
 from tests.codecs.test_cache import cache_roundtrip
@@ -27,8 +27,8 @@ N_CHUNKS = 12
 @pytest.fixture(autouse=True)
 def one_chunk_windows(monkeypatch):
     """Every chunk its own window, so a dozen small chunks exercise many tasks in flight."""
-    monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 1)
-    monkeypatch.setattr(kvtier.pipeline, "MAX_WINDOW_BYTES", 1)
+    monkeypatch.setattr(kvtier.core.pipeline, "WINDOW_BYTES", 1)
+    monkeypatch.setattr(kvtier.core.pipeline, "MAX_WINDOW_BYTES", 1)
 
 
 def memory_cache(codec: str = "raw", **kw) -> KVCache:
@@ -59,7 +59,7 @@ def test_many_windows_from_disk_give_what_each_chunk_decodes_to(tmp_path, codec:
 
 
 def test_corrupt_chunk_ends_the_prefix_and_later_windows_are_not_read(monkeypatch) -> None:
-    monkeypatch.setattr(kvtier.pipeline, "WORKERS", 1)  # windows one after another: which are read is certain
+    monkeypatch.setattr(kvtier.core.pipeline, "WORKERS", 1)  # windows one after another: which are read is certain
     with memory_cache("int8") as cache:
         tokens, kv = data()
         cache.store(tokens, kv)
@@ -214,8 +214,8 @@ class ConcurrencySink:
 
 @pytest.mark.parametrize("decoders", [1, 2])
 def test_windows_decode_in_at_most_one_slot_per_core_while_others_read_ahead(monkeypatch, decoders: int) -> None:
-    monkeypatch.setattr(kvtier.pipeline, "DECODERS", decoders)
-    monkeypatch.setattr(kvtier.pipeline, "WORKERS", decoders + 3)
+    monkeypatch.setattr(kvtier.core.pipeline, "DECODERS", decoders)
+    monkeypatch.setattr(kvtier.core.pipeline, "WORKERS", decoders + 3)
     with memory_cache("int8") as cache:
         tokens, kv = data()
         cache.store(tokens, kv)
@@ -228,14 +228,14 @@ def test_windows_decode_in_at_most_one_slot_per_core_while_others_read_ahead(mon
 def test_a_sink_without_a_destination_gets_chunks_in_reused_buffers(monkeypatch) -> None:
     """Decoding allocates no chunk per chunk: each worker decodes into its own scratch chunk, again and again."""
     # fewer workers than chunks, whatever the machine (a 16-core one has 19 workers by default)
-    monkeypatch.setattr(kvtier.pipeline, "DECODERS", 2)
-    monkeypatch.setattr(kvtier.pipeline, "WORKERS", 5)
+    monkeypatch.setattr(kvtier.core.pipeline, "DECODERS", 2)
+    monkeypatch.setattr(kvtier.core.pipeline, "WORKERS", 5)
     with memory_cache("int8") as cache:
         tokens, kv = data()
         cache.store(tokens, kv)
         sink = ConcurrencySink(torch.empty_like(kv))
         assert cache.retrieve(tokens, sink) == (None, len(tokens))
-        assert len(sink.buffers) <= kvtier.pipeline.WORKERS < N_CHUNKS
+        assert len(sink.buffers) <= kvtier.core.pipeline.WORKERS < N_CHUNKS
         for i in range(N_CHUNKS):
             part = slice(i * CHUNK, (i + 1) * CHUNK)
             assert torch.equal(sink.out[:, :, part], cache_roundtrip("int8", kv[:, :, part]))
@@ -294,9 +294,9 @@ def test_load_windows_grow_with_the_prefix_up_to_the_cap_and_store_windows_do_no
     """Windows of two chunks at least and eight at most, equal in size, and never fewer than 15 (3 per worker)
     while they can grow."""
     chunk_bytes = SPEC.bytes_per_token * CHUNK
-    monkeypatch.setattr(kvtier.pipeline, "WINDOW_BYTES", 2 * chunk_bytes)
-    monkeypatch.setattr(kvtier.pipeline, "MAX_WINDOW_BYTES", 8 * chunk_bytes)
-    pipeline = kvtier.pipeline.Pipeline(SPEC, CHUNK, Metrics(), workers=5)  # 3 windows per worker: 15 at least
+    monkeypatch.setattr(kvtier.core.pipeline, "WINDOW_BYTES", 2 * chunk_bytes)
+    monkeypatch.setattr(kvtier.core.pipeline, "MAX_WINDOW_BYTES", 8 * chunk_bytes)
+    pipeline = kvtier.core.pipeline.Pipeline(SPEC, CHUNK, Metrics(), workers=5)  # 3 windows per worker: 15 at least
     for n, size in [(0, 2), (1, 2), (29, 2), (45, 3), (90, 6), (120, 8), (1000, 8)]:
         idx = list(range(n))
         windows = list(pipeline.windows(idx, grow=True))
@@ -311,9 +311,9 @@ def test_a_long_load_reads_in_grown_windows_and_gives_the_same_bytes(monkeypatch
     two workers, two windows per worker), and every chunk arrives as it decodes alone. A tier without
     ``large_load_windows`` (a network tier) keeps one-chunk windows."""
     chunk_bytes = SPEC.bytes_per_token * CHUNK
-    monkeypatch.setattr(kvtier.pipeline, "MAX_WINDOW_BYTES", 3 * chunk_bytes)
-    monkeypatch.setattr(kvtier.pipeline, "WORKERS", 2)
-    monkeypatch.setattr(kvtier.pipeline, "WINDOWS_PER_WORKER", 2)
+    monkeypatch.setattr(kvtier.core.pipeline, "MAX_WINDOW_BYTES", 3 * chunk_bytes)
+    monkeypatch.setattr(kvtier.core.pipeline, "WORKERS", 2)
+    monkeypatch.setattr(kvtier.core.pipeline, "WINDOWS_PER_WORKER", 2)
     with memory_cache("int8") as cache:
         tokens, kv = data(5)
         tier = cache.tiers[0]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, KVCache
-from kvtier.errors import ConfigError
-from kvtier.segments import SegmentCache
+from kvtier.base.errors import ConfigError
+from kvtier.core.segments import SegmentCache
 from kvtier.tiers import MemoryTierConfig
 from tests.test_cache import CHUNK, CHUNK_BYTES, SPEC, BrokenTierConfig, kv_for
 

@@ -1,4 +1,4 @@
-"""Model-state specs, snapshot keys and snapshot policies (kvtier.state)."""
+"""Model-state specs, snapshot keys and snapshot policies (kvtier.base.state)."""
 
 import hashlib
 import struct
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvtier import CacheConfig
-from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
-from kvtier.layout import KVSpec
-from kvtier.state import ModelStateSpec, SnapshotPolicy, StateKind, StateSpec, state_key
+from kvtier.base.errors import ConfigError
+from kvtier.base.keys import Namespace
+from kvtier.base.layout import KVSpec
+from kvtier.base.state import ModelStateSpec, SnapshotPolicy, StateKind, StateSpec, state_key
 
 KV = KVSpec(2, 4, 8, torch.bfloat16)
 CONV = StateSpec(StateKind.CONV, 3, (160, 4), torch.bfloat16)

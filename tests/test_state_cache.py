@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, KVCache, KVSpec
+from kvtier.base.errors import ConfigError
+from kvtier.base.state import ModelStateSpec, StateKind, StateSpec, state_key
 from kvtier.codecs import BytesPayload
-from kvtier.errors import ConfigError
-from kvtier.state import ModelStateSpec, StateKind, StateSpec, state_key
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig, WriteMode
 
 CHUNK = 16
@@ -233,7 +233,7 @@ def test_store_states_checks_its_input():
 
 def test_restore_under_inference_mode_across_pipeline_windows(monkeypatch):
     """Engines retrieve inside torch.inference_mode; the pipeline's workers write the KV on other threads."""
-    monkeypatch.setattr("kvtier.pipeline.WINDOW_BYTES", 1)  # one chunk per window: several windows, a pool
+    monkeypatch.setattr("kvtier.core.pipeline.WINDOW_BYTES", 1)  # one chunk per window: several windows, a pool
     cache = make()
     toks = tokens(100)
     fill(cache, toks, [6])

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import threading
 
+from kvtier.base.errors import BlobError, CodecError, ConfigError
 from kvtier.codecs.base import BytesPayload, Codec, Payload
 from kvtier.codecs.raw import RawCodec
-from kvtier.errors import BlobError, CodecError, ConfigError
 
 _BY_NAME: dict[str, Codec] = {}
 _BY_ID: dict[int, Codec] = {}

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 
 import torch
 
-
 #: float32 values per block: 2 MiB, with the block's codes and output within a core's L2 and its share of L3.
 BLOCK_ELEMS = 1 << 19
 

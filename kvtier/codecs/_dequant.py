@@ -4,7 +4,7 @@ rotated back by the Hadamard transform.
 
 torch does it in passes over an L2-sized float32 scratch (codes to float, minus the zero point, times the
 scale, for the rotating codecs a 64x64 matrix product per head vector, converted into place), each a call
-that holds the GIL between its kernels. These kernels of LLVM IR (``kvtier.kernels``) read each code once and
+that holds the GIL between its kernels. These kernels of LLVM IR (``kvtier.native.kernels``) read each code once and
 write each value once, 16 at a time. int8: float32 arithmetic in torch's order, rounded to the destination
 dtype as torch rounds (to nearest, ties to even), so the bytes are identical to the torch path's. int4 and
 cachegen: the rotation is the fast Walsh-Hadamard transform (butterflies: log2(dim) additions per value
@@ -28,7 +28,7 @@ import threading
 import torch
 from torch.autograd.graph import increment_version
 
-from kvtier import kernels
+from kvtier.native import kernels
 
 _LANES = 16
 _OUT_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}

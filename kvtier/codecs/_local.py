@@ -15,7 +15,7 @@ from typing import TypeVar
 import numpy as np
 import zstandard
 
-from kvtier.errors import CodecError
+from kvtier.base.errors import CodecError
 
 T = TypeVar("T")
 _LOCAL = threading.local()

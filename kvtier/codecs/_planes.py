@@ -5,7 +5,7 @@ tensor's row-major order. For bf16 KV, plane 1 (sign and exponent) carries ~3 bi
 (mantissa) is close to random, so the lossless codec compresses planes, not elements.
 
 ``join`` writes a tensor (any strides: a token range of the engine's KV) from its planes, ``split`` fills
-planes from one. For 2- and 4-byte elements they run a kernel of LLVM IR (``kvtier.kernels``): 64 bytes at a
+planes from one. For 2- and 4-byte elements they run a kernel of LLVM IR (``kvtier.native.kernels``): 64 bytes at a
 time through one byte permutation (``vpermb`` on AVX-512 VBMI), the joined bytes written with streaming
 stores, since a decoded chunk is megabytes headed for memory the engine reads later. Measured on SmolLM2's KV
 (5.6 MiB chunks into token ranges, one thread): join 16-17 GB/s, about a torch copy of the same bytes and a
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
-from kvtier import kernels
+from kvtier.native import kernels
 
 #: element sizes the kernel handles (bf16/fp16 and fp32 KV)
 KERNEL_ITEMSIZES = (2, 4)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtier.errors import CodecError
+from kvtier.base.errors import CodecError
 
 #: Largest element count a compressed codec accepts (the blob header already caps decoded bytes).
 MAX_NUMEL = 1 << 33

@@ -19,9 +19,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kvtier import gpu
-from kvtier.bulkcopy import copy_pairs
-from kvtier.errors import CodecError
+from kvtier.base.errors import CodecError
+from kvtier.native import gpu
+from kvtier.native.bulkcopy import copy_pairs
 
 
 @runtime_checkable
@@ -82,7 +82,7 @@ class Codec(Protocol):
     # pipeline then runs in the calling thread instead of on its pool.
     #
     # Optional: device_chunks: bool -- True for a codec whose encode takes a chunk on a GPU (its payload copies
-    # it to the host when written); others are handed a host copy (``kvtier.blob.encode_blob``).
+    # it to the host when written); others are handed a host copy (``kvtier.codecs.blob.encode_blob``).
     #
     # Optional: def decode_into(self, payload, shape, dtype, out: torch.Tensor) -> None
     #     Decode into ``out`` (``shape``, on the CPU, any floating dtype the codec accepts, any strides: a
@@ -110,10 +110,10 @@ def decode_into(codec: Codec, payload: memoryview, shape: tuple[int, ...], dtype
 
 def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dest.copy_(src)`` for every pair: with streaming stores over all copy threads where the copies are
-    large and fit (kvtier.bulkcopy: 1.3-1.5x torch's copy here), else in one call into torch where it has one
+    large and fit (kvtier.native.bulkcopy: 1.3-1.5x torch's copy here), else in one call into torch where it has one
     (``_foreach_copy_``, which torch's optimizers use; a loop otherwise). Python work between large copies
     slowed them by 5-10% here (the memory tier's retrieve: 0.85-0.88 of one flat copy in a loop, 0.91-0.94 in
-    one call). Pairs with a GPU on either side go to ``kvtier.gpu.copy_pairs`` (its side stream, back to back)."""
+    one call). Pairs with a GPU on either side go to ``gpu.copy_pairs`` (its side stream, back to back)."""
     on_gpu = [(d, s) for d, s in pairs if gpu.on_gpu(d) or gpu.on_gpu(s)]
     if on_gpu:
         gpu.copy_pairs(on_gpu)

@@ -40,12 +40,12 @@ import numpy as np
 import torch
 import zstandard
 
+from kvtier.base.errors import CodecError
 from kvtier.codecs._blocks import BLOCK_ELEMS, blocks
 from kvtier.codecs._dequant import dequantise_symbols_rotated
 from kvtier.codecs._local import inflate_into, local, scratch
 from kvtier.codecs._wire import PartsPayload, PayloadReader, can_rotate, check_canonical, fp16_scale, hadamard
 from kvtier.codecs.base import check_destination
-from kvtier.errors import CodecError
 
 _VERSION = 1
 _HEAD = struct.Struct("<BBHffff")

@@ -30,13 +30,15 @@ import numpy as np
 import torch
 import zstandard
 
+from kvtier.base.errors import CodecError
 from kvtier.codecs import _planes
 from kvtier.codecs._local import inflate_into, local, scratch
 from kvtier.codecs._wire import PartsPayload, PayloadReader, numel_of
 from kvtier.codecs.base import check_destination
-from kvtier.codecs.lossless_blosc2 import LZ4, VERSION as _V2, ZSTD, checked_frame, decode_v2_into, encode_v2
-from kvtier.codecs.lossless_v1 import VERSION as _V1, decode_v1
-from kvtier.errors import CodecError
+from kvtier.codecs.lossless_blosc2 import LZ4, ZSTD, checked_frame, decode_v2_into, encode_v2
+from kvtier.codecs.lossless_blosc2 import VERSION as _V2
+from kvtier.codecs.lossless_v1 import VERSION as _V1
+from kvtier.codecs.lossless_v1 import decode_v1
 
 _VERSION = 3
 _HEAD = struct.Struct("<BBBB")

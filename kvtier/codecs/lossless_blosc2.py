@@ -27,9 +27,9 @@ import blosc2
 import numpy as np
 import torch
 
+from kvtier.base.errors import CodecError
 from kvtier.codecs._local import scratch
 from kvtier.codecs._wire import PartsPayload, PayloadReader, numel_of
-from kvtier.errors import CodecError
 
 VERSION = 2
 HEAD = struct.Struct("<BBBB")

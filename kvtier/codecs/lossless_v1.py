@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import zstandard
 
+from kvtier.base.errors import CodecError
 from kvtier.codecs._wire import PayloadReader, numel_of
-from kvtier.errors import CodecError
 
 VERSION = 1
 _HEAD = struct.Struct("<BBBB")

@@ -34,11 +34,11 @@ import struct
 import numpy as np
 import torch
 
+from kvtier.base.errors import CodecError
 from kvtier.codecs._blocks import BLOCK_ELEMS, blocks, destination_blocks
 from kvtier.codecs._dequant import dequantise_int4_rotated, dequantise_int8
 from kvtier.codecs._wire import PartsPayload, PayloadReader, can_rotate, check_canonical, fp16_scale, hadamard
 from kvtier.codecs.base import check_destination
-from kvtier.errors import CodecError
 
 _VERSION = 1
 _HEAD = struct.Struct("<BBHB")

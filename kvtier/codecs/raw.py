@@ -1,16 +1,16 @@
 """The raw codec: the tensor's bytes as they are. Zero-copy decode, one copy on encode.
 
 A chunk on a GPU stays there until the tier writes the payload: its one copy is then the device-to-host copy
-straight into the tier's memory (``kvtier.gpu``), with no host copy in between.
+straight into the tier's memory (``kvtier.native.gpu``), with no host copy in between.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvtier.base.errors import CodecError
+from kvtier.base.layout import tensor_view
 from kvtier.codecs.base import copy_tensors
-from kvtier.errors import CodecError
-from kvtier.layout import tensor_view
 
 
 class _TensorPayload:
@@ -41,7 +41,7 @@ class RawCodec:
     #: encode defers its one copy to the tier (``write_into``) and decode views the payload: the codec itself
     #: does no work, so the pipeline has nothing to spread over threads (see ``Codec``)
     copies_only = True
-    #: encode takes a chunk on a GPU as it is (``kvtier.blob.encode_blob`` copies it to the host for codecs
+    #: encode takes a chunk on a GPU as it is (``kvtier.codecs.blob.encode_blob`` copies it to the host for codecs
     #: without this flag)
     device_chunks = True
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvtier.errors import ConfigError
-from kvtier.events.model import ChunkEvent, TierHolding
+from kvtier.base.errors import ConfigError
+from kvtier.core.events import ChunkEvent, TierHolding
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, encode_batch, encode_snapshot, wire_event
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ The subscriber keeps a ``ReplicaHoldings`` (what the replica holds, per tier) in
   the replica's control socket for a snapshot and replaces what it knew; batches the snapshot already
   reflects (``seq`` <= the snapshot's) are skipped, later ones applied in order;
 * every ``resync_s`` it takes a snapshot anyway, which bounds the damage of the rare reordering a stream can
-  have (see kvtier.events.model);
+  have (see kvtier.core.events);
 * a message that does not decode is counted and dropped (then the next batch shows a gap).
 
 Only the replica itself can feed the sink: both sockets are CURVE clients of the replica's public key (from its

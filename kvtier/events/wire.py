@@ -20,10 +20,10 @@ from typing import Annotated
 
 import msgspec
 
-from kvtier.errors import KVTierError
-from kvtier.events.model import ChunkEvent, ChunkEventKind, TierHolding
-from kvtier.keys import HASH_BYTES, ChunkHash, Namespace
-from kvtier.layout import KVSpec, dtype_from_name, dtype_name
+from kvtier.base.errors import KVTierError
+from kvtier.base.keys import HASH_BYTES, ChunkHash, Namespace
+from kvtier.base.layout import KVSpec, dtype_from_name, dtype_name
+from kvtier.core.events import ChunkEvent, ChunkEventKind, TierHolding
 
 SNAPSHOT_REQUEST = b"snapshot"
 TOPIC = b"kvtier"

@@ -26,12 +26,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from kvtier.cache import KVCache
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.base.layout import KVSpec
+from kvtier.base.state import ModelStateSpec, StateKind, StateSpec
+from kvtier.core.cache import KVCache
+from kvtier.core.snapshots import PrefixState, Snapshot
 from kvtier.integrations.transformers import GenerationStats, Prefill, PrefixCachedLM
-from kvtier.layout import KVSpec
-from kvtier.state import ModelStateSpec, StateKind, StateSpec
-from kvtier.state_cache import PrefixState, Snapshot
 
 Slot = tuple[int, int]  #: (layer index, state index within the layer)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 
 
 class PromptTokenizer:
@@ -20,7 +20,7 @@ class PromptTokenizer:
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         from transformers import AutoTokenizer
 
-        from kvtier.models import ensure_smollm2
+        from kvtier.integrations.models import ensure_smollm2
 
         folder = Path(path).expanduser() if path is not None else ensure_smollm2()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,6 +44,6 @@ class PromptTokenizer:
 
     @staticmethod
     def _encode(encode, text: str, max_tokens: int | None) -> list[int]:
-        from kvtier.server.prompts import encode_prefix
+        from kvtier.apps.serve.prompts import encode_prefix
 
         return list(encode(text)) if max_tokens is None else encode_prefix(encode, text, max_tokens)

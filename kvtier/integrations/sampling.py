@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 
 #: torch.Generator.manual_seed accepts exactly this range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1

@@ -25,12 +25,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from kvtier import gpu
-from kvtier.cache import KVCache
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.base.layout import KVSpec
+from kvtier.base.state import ModelStateSpec
+from kvtier.core.cache import KVCache
 from kvtier.integrations.sampling import GREEDY, Sampler, SamplingParams
-from kvtier.layout import KVSpec
-from kvtier.state import ModelStateSpec
+from kvtier.native import gpu
 
 
 def kv_spec(model: PreTrainedModel) -> KVSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.lru import LRUPolicy

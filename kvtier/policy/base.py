@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from kvtier.keys import ChunkHash
+from kvtier.base.keys import ChunkHash
 
 
 class EvictionPolicy(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.keys import ChunkHash
+from kvtier.base.keys import ChunkHash
 from kvtier.policy.base import renew_in_order
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.keys import ChunkHash
+from kvtier.base.keys import ChunkHash
 from kvtier.policy.base import first_evictable, renew_in_order
 
 SMALL_SHARE = 0.1  #: S's share of the entries (the paper's choice across its traces)

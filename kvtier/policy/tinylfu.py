@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import chain
 
-from kvtier.keys import ChunkHash
+from kvtier.base.keys import ChunkHash
 from kvtier.policy.base import first_evictable, renew_in_order
 from kvtier.policy.sketch import FrequencySketch
 

@@ -15,7 +15,7 @@ conformance suite in tests/conformance checks them):
 * Every tier is built as ``XTier(config, ctx)``: its ``TierConfig`` subclass and the ``TierContext`` of the
   cache that owns it. Optional capabilities are the protocols ``EvictionReporter``, ``Flushable``,
   ``RemovalReporter``, ``Listable`` and ``SharedStore``, and the attribute ``large_load_windows`` (True where
-  a long load should ask ``get`` for fewer, larger windows: see ``kvtier.pipeline.Pipeline.windows``).
+  a long load should ask ``get`` for fewer, larger windows: see ``kvtier.core.pipeline.Pipeline.windows``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
+from kvtier.base.errors import ConfigError, KVTierError
+from kvtier.base.keys import ChunkHash
+from kvtier.base.layout import KVSpec
+from kvtier.base.metrics import Metrics
+from kvtier.base.state import ModelStateSpec
 from kvtier.codecs import Codec, Payload, get_codec
-from kvtier.errors import ConfigError, KVTierError
-from kvtier.keys import ChunkHash
-from kvtier.layout import KVSpec
-from kvtier.metrics import Metrics
-from kvtier.state import ModelStateSpec
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
 * GPU (``cuda:N``), for a node whose spare VRAM should hold KV: the buffer lives on that device. The tier
   protocol hands out bytes the CPU reads (memoryviews), so an entry is staged through a reused pinned host
   buffer on the way in and copied into pinned host memory on the way out: one more copy per hop, over PCIe,
-  in exchange for capacity that host RAM lacks. Both copies run on kvtier's side stream (``kvtier.gpu``).
+  in exchange for capacity that host RAM lacks. Both copies run on kvtier's side stream (``kvtier.native.gpu``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier import gpu
+from kvtier.base.errors import ConfigError
 from kvtier.codecs import Payload
 from kvtier.codecs.base import write_payloads
-from kvtier.errors import ConfigError
-from kvtier.tiers.hugepages import HUGE_PAGE, huge_page_map
+from kvtier.native import gpu
+from kvtier.native.hugepages import HUGE_PAGE, huge_page_map
 
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 

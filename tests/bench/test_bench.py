@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import report
-from kvtier.bench import workloads as wl
-from kvtier.bench.cli import bench
-from kvtier.bench.client import RequestResult, Target
-from kvtier.bench.runner import RunResult
+from kvtier.apps.bench import report
+from kvtier.apps.bench import workloads as wl
+from kvtier.apps.bench.cli import bench
+from kvtier.apps.bench.client import RequestResult, Target
+from kvtier.apps.bench.runner import RunResult
 from tests.server.conftest import start_server
 
 

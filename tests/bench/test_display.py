@@ -7,10 +7,10 @@ import io
 import pytest
 from rich.console import Console
 
-from kvtier.bench import report
-from kvtier.bench.client import RequestResult
-from kvtier.bench.progress import BenchProgress
-from kvtier.bench.runner import RunResult
+from kvtier.apps.bench import report
+from kvtier.apps.bench.client import RequestResult
+from kvtier.apps.bench.progress import BenchProgress
+from kvtier.apps.bench.runner import RunResult
 
 
 def recording_console(width: int) -> Console:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.blob import blob_bytes, decode_blob, encode_blob
+from kvtier.base.errors import BlobError
 from kvtier.codecs import BytesPayload, get_codec
-from kvtier.errors import BlobError
+from kvtier.codecs.blob import blob_bytes, decode_blob, encode_blob
 from kvtier.tiers import MemoryTierConfig
 from tests.codecs.conftest import kv_like
 
@@ -77,7 +77,7 @@ def test_damaged_payload_is_a_miss(codec: str, damage: str) -> None:
         cache.store(tokens, kv)
         key = cache.keys(tokens)[1]
         blob = _blob_of(cache, key)
-        from kvtier.blob import parse_blob
+        from kvtier.codecs.blob import parse_blob
 
         start = parse_blob(blob, key, verify=False)[0].header_len
         if damage == "truncate":

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from kvtier.base.errors import CodecError, ConfigError
 from kvtier.codecs import codec_by_id, codec_names, get_codec
-from kvtier.errors import CodecError, ConfigError
 from kvtier.tiers import MemoryTierConfig
 from tests.codecs.conftest import kv_like, roundtrip
 

@@ -9,10 +9,10 @@ import torch
 
 import kvtier.codecs._blocks
 import kvtier.codecs.quant
+from kvtier.base.errors import CodecError
 from kvtier.codecs import get_codec
 from kvtier.codecs._blocks import destination_blocks
 from kvtier.codecs.base import decode_into
-from kvtier.errors import CodecError
 from tests.codecs.conftest import kv_like, roundtrip
 from tests.codecs.test_codecs import ALL
 

@@ -8,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.base.errors import CodecError
 from kvtier.codecs import codec_by_id, get_codec
 from kvtier.codecs.base import decode_into
-from kvtier.errors import CodecError
 from tests.codecs.conftest import kv_like, roundtrip
 
 NAMES = ["raw", "lossless", "lossless-lz4", "int8", "int4", "int4-g32", "cachegen"]

@@ -14,10 +14,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.base.errors import CodecError
+from kvtier.base.layout import DTYPE_CODES
 from kvtier.codecs import _planes, get_codec
 from kvtier.codecs.lossless import _HEAD, _PLANE
-from kvtier.errors import CodecError
-from kvtier.layout import DTYPE_CODES
 from tests.codecs.conftest import kv_like, roundtrip
 
 V1_PAYLOADS = Path(__file__).parent / "data" / "lossless_v1_payloads.json"

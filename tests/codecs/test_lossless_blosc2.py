@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.base.errors import CodecError
 from kvtier.codecs import get_codec
 from kvtier.codecs.lossless_blosc2 import _CHUNK
-from kvtier.errors import CodecError
 from tests.codecs.conftest import kv_like, roundtrip
 
 V2_PAYLOADS = Path(__file__).parent / "data" / "lossless_v2_payloads.json"

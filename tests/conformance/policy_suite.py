@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.keys import ChunkHash
+from kvtier.base.keys import ChunkHash
 from kvtier.policy import POLICIES, EvictionPolicy
 
 

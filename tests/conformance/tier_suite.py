@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.blob import blob_bytes, encode_blob
+from kvtier.base.keys import ChunkHash
+from kvtier.base.layout import KVSpec
+from kvtier.base.metrics import Metrics
 from kvtier.codecs import BytesPayload, get_codec
-from kvtier.keys import ChunkHash
-from kvtier.layout import KVSpec
-from kvtier.metrics import Metrics
+from kvtier.codecs.blob import blob_bytes, encode_blob
 from kvtier.tiers import Flushable, Tier, TierContext
 
 TOKENS = 16

@@ -17,9 +17,9 @@ import time
 
 import zmq
 
-from kvtier.events.model import TierHolding
+from kvtier.base.keys import ChunkHash
+from kvtier.core.events import TierHolding
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, WireEvent, encode_batch, encode_snapshot
-from kvtier.keys import ChunkHash
 
 LIFETIME_S = 20.0
 

@@ -13,11 +13,11 @@ import zmq
 import zmq.asyncio
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.events.model import ChunkEvent, ChunkEventKind, holdings
+from kvtier.core.events import ChunkEvent, ChunkEventKind, holdings
 from kvtier.events.publisher import EventPublisher, PublisherConfig
 from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
 from kvtier.events.wire import WireError, decode_batch, decode_snapshot, namespace_from_json, namespace_json
-from kvtier.router.index import FleetIndex
+from kvtier.fleet.index import FleetIndex
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig, WriteMode
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)

@@ -19,11 +19,11 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from kvtier.events.model import TierHolding
+from kvtier.base.keys import ChunkHash
+from kvtier.core.events import TierHolding
 from kvtier.events.publisher import EventPublisher, PublisherConfig
 from kvtier.events.subscriber import EventSubscriber
-from kvtier.keys import ChunkHash
-from kvtier.router.index import FleetIndex
+from kvtier.fleet.index import FleetIndex
 from tests.events.hostile import fake_key
 from tests.events.test_events import IndexSink
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, KVCache
+from kvtier.base.errors import ConfigError
 from kvtier.integrations.blend import BlendConfig, BlendedLM, UnsupportedModel
 from kvtier.integrations.blend.lm import check_spans
 from kvtier.integrations.blend.rope import Rerotator
 from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity, to_canonical
-from kvtier.errors import ConfigError
 from tests.integrations.blend_models import ROPES, assemble, tiny_decoder, tokens
 
 CHUNK = 32

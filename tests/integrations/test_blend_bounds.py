@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvtier import CacheConfig, KVCache
+from kvtier.core.segments import MAX_SEGMENTS
 from kvtier.integrations.blend import BlendConfig, BlendedLM
 from kvtier.integrations.transformers import kv_spec, model_identity
-from kvtier.segments import MAX_SEGMENTS
 from tests.integrations.blend_models import tiny_decoder, tokens
 
 SYS, DOC, QUERY = tokens(20, 1), tokens(48, 2), tokens(12, 7)

@@ -9,10 +9,10 @@ import torch
 import transformers
 
 from kvtier import CacheConfig
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.base.state import StateKind, state_key
 from kvtier.integrations.hybrid import StatefulPrefixCachedLM, probe_layout
 from kvtier.integrations.transformers import PrefixCachedLM, cache_spec, prefix_cached_lm
-from kvtier.state import StateKind, state_key
 
 CHUNK = 32
 VOCAB = 512

@@ -17,7 +17,7 @@ import tracemalloc
 import pytest
 
 from kvtier import CacheConfig, KVCache
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from kvtier.integrations.vllm.lookup import LookupClient, LookupLimits, LookupServer, socket_path
 from kvtier.integrations.vllm.paged import PagedKV, PagedSource
 from tests.integrations.test_vllm_parts import cpu_layers

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvtier import CacheConfig
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from kvtier.integrations.sampling import GREEDY, Sampler, SamplingParams
 from kvtier.integrations.transformers import PrefixCachedLM
 

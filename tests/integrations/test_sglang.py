@@ -18,9 +18,9 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="scripts/setu
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
 
-from kvtier.blob import encode_blob  # noqa: E402
+from kvtier.base.errors import ConfigError  # noqa: E402
 from kvtier.codecs import get_codec  # noqa: E402
-from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.codecs.blob import encode_blob  # noqa: E402
 from kvtier.integrations.sglang.backend import KVTierStorage  # noqa: E402
 from kvtier.integrations.sglang.pages import key_token_ids  # noqa: E402
 from tests.integrations.sglang_pool import HostPool, MambaHostPool, backend, page_keys  # noqa: E402

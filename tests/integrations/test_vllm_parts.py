@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, KVCache
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource

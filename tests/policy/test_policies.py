@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from kvtier.policy import POLICIES, EvictionPolicy, make_policy
 from tests.conformance.policy_suite import PolicyConformance, key
 

@@ -80,9 +80,9 @@ class LiveRouter:
     def __init__(self, config, model: Path) -> None:
         import uvicorn
 
+        from kvtier.apps.route.app import server_config
+        from kvtier.apps.route.service import Router
         from kvtier.integrations.prompts import PromptTokenizer
-        from kvtier.router.app import server_config
-        from kvtier.router.service import Router
 
         self.router = Router(config, PromptTokenizer(model))
         self.port = free_port()

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvtier.router.config import HealthConfig, RouterConfig
-from kvtier.router.index import RECENT
+from kvtier.apps.route.config import HealthConfig, RouterConfig
+from kvtier.fleet.index import RECENT
 from tests.router.fleet import LiveRouter, ReplicaProcess, scrape
 from tests.server.conftest import WORDS, build_tiny_model
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvtier.apps.route.config import HealthConfig, ProxyConfig, RouterConfig
 from kvtier.net.ports import free_port
-from kvtier.router.config import HealthConfig, ProxyConfig, RouterConfig
 from tests.router.fleet import ROOT, LiveRouter, scrape
 from tests.server.conftest import build_tiny_model
 from tests.server.test_hostile import MALFORMED_JSON
@@ -155,7 +155,7 @@ def test_r2_a_huge_prompt_is_tokenized_a_bounded_prefix_off_the_event_loop(model
 
 # -- sticky sessions bounded and per tenant ----------------------------------------------------------------
 def test_r5_sticky_sessions_are_bounded_and_kept_per_tenant(model, stubs):
-    from kvtier.router.config import default_routing
+    from kvtier.apps.route.config import default_routing
 
     routing = replace(default_routing(), max_sessions=8)
     with router(model, stubs, routing=routing) as (live, client):
@@ -221,7 +221,7 @@ def answer(sock: socket.socket) -> int:
 
 
 def test_r3_r4_heads_and_bodies_that_never_end_and_too_many_connections_are_answered_and_closed(model, stubs):
-    from kvtier.server.http_limits import HttpLimits
+    from kvtier.web.http_limits import HttpLimits
 
     limits = HttpLimits(max_head_bytes=16 << 10, max_headers=20, head_timeout_s=1.0, body_timeout_s=1.0,
                         max_connections=8)

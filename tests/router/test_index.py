@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
+from kvtier.base.keys import ChunkHash
 from kvtier.events.wire import Batch, Snapshot, WireEvent, WireTier
-from kvtier.keys import ChunkHash
-from kvtier.router.index import RECENT, FleetIndex
+from kvtier.fleet.index import RECENT, FleetIndex
 
 
 def key(i: int) -> ChunkHash:

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvtier.router.config import AdmissionConfig, HealthConfig, ProxyConfig, RouterConfig, default_routing
-from kvtier.router.scoring import Routing
+from kvtier.apps.route.config import AdmissionConfig, HealthConfig, ProxyConfig, RouterConfig, default_routing
+from kvtier.fleet.scoring import Routing
 from tests.router.fleet import LiveRouter, ReplicaProcess
 from tests.server.conftest import WORDS, build_tiny_model
 
@@ -195,9 +195,9 @@ def test_a_client_that_disconnects_cancels_the_upstream_request(fleet):
 
 
 def test_kvtier_bench_runs_against_the_router_unchanged(fleet):
-    from kvtier.bench.cli import bench
-    from kvtier.bench.client import Target
-    from kvtier.bench.workloads import MultiRoundSpec
+    from kvtier.apps.bench.cli import bench
+    from kvtier.apps.bench.client import Target
+    from kvtier.apps.bench.workloads import MultiRoundSpec
 
     spec = MultiRoundSpec(users=2, rounds=3, system_words=40, turn_words=15, max_tokens=8, seed=5)
     with router(fleet) as (live, _):

@@ -6,16 +6,16 @@ import collections
 
 import pytest
 
-from kvtier.errors import ConfigError
-from kvtier.router.scoring import (
+from kvtier.base.errors import ConfigError
+from kvtier.fleet.scoring import (
     LoadBoundedAffinity,
     PrefixAffinity,
     RandomChoice,
     ReplicaView,
     RoundRobin,
+    RouteRequest,
     Routing,
     RoutingConfig,
-    RouteRequest,
     StickySessions,
     load_bound,
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.router.scoring import (
+from kvtier.fleet.scoring import (
     LoadBoundedAffinity,
     PrefixAffinity,
     Reason,

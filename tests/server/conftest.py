@@ -53,7 +53,7 @@ class LiveServer:
     def __init__(self, backend) -> None:
         import uvicorn
 
-        from kvtier.server.app import create_app, server_config
+        from kvtier.apps.serve.app import create_app, server_config
 
         self.backend = backend
         self.port = free_port()
@@ -83,8 +83,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 def start_server(model_dir: Path, *, cache: bool = True, max_queue: int = 16, chunk_size: int = 16) -> LiveServer:
-    from kvtier.config import CacheConfig
-    from kvtier.server.backend import Backend, ServerConfig
+    from kvtier.apps.serve.backend import Backend, ServerConfig
+    from kvtier.core.config import CacheConfig
     from kvtier.tiers import MemoryTierConfig
 
     cache_config = CacheConfig(chunk_size=chunk_size, tiers=(MemoryTierConfig(capacity_bytes=32 << 20),))

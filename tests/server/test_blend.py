@@ -10,9 +10,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from kvtier.bench.launch import serve_processes
-from kvtier.server.protocol import ChatRequest, CompletionRequest, parse
-from kvtier.server.segments import NoSegments, Segmenter
+from kvtier.apps.bench.launch import serve_processes
+from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
+from kvtier.apps.serve.segments import NoSegments, Segmenter
 from tests.server.conftest import WORDS
 
 DOC_A = " ".join(WORDS[:20])
@@ -60,7 +60,7 @@ def test_a_template_that_rewrites_earlier_turns_gives_no_segments(tokenizer):
 
 
 def test_a_chat_of_too_many_messages_gives_no_segments(tokenizer):
-    from kvtier.segments import MAX_SEGMENTS as MAX_SEGMENT_MESSAGES
+    from kvtier.core.segments import MAX_SEGMENTS as MAX_SEGMENT_MESSAGES
 
     many = messages(*[DOC_A] * MAX_SEGMENT_MESSAGES, question="q")  # 66 messages
     assert Segmenter(tokenizer).chat(many, chat_ids(tokenizer, many)) == ()
@@ -122,7 +122,7 @@ def test_kvtier_serve_blend_reuses_documents_in_any_order(deep_model_dir, tmp_pa
 def test_blend_flags_build_the_blend_config():
     import argparse
 
-    from kvtier.server.cli import add_parser, blend_config
+    from kvtier.apps.serve.cli import add_parser, blend_config
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -140,7 +140,7 @@ def test_blend_needs_the_cache(tiny_model_dir):
 
 def test_a_text_of_too_many_separated_pieces_gives_no_segments(tokenizer):
     """Issue 29 B-1: ``"a\\n\\n" * 2000`` must not make 2000 segments (each a forward pass of its own)."""
-    from kvtier.segments import MAX_SEGMENTS
+    from kvtier.core.segments import MAX_SEGMENTS
 
     segmenter = Segmenter(tokenizer, separator="\n\n")
     hostile = "a\n\n" * 2000 + "Question: what?"

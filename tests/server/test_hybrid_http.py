@@ -86,10 +86,10 @@ def test_prompt_shorter_than_a_chunk(client):
 
 def test_blend_refuses_models_with_ssm_layers(model_dir):
     """A passage cached alone has KV but no SSM state to continue from: ``--blend`` says so at start."""
-    from kvtier.config import CacheConfig
-    from kvtier.errors import ConfigError
-    from kvtier.segments import BlendConfig
-    from kvtier.server.backend import Backend, ServerConfig
+    from kvtier.apps.serve.backend import Backend, ServerConfig
+    from kvtier.base.errors import ConfigError
+    from kvtier.core.config import CacheConfig
+    from kvtier.core.segments import BlendConfig
     from kvtier.tiers import MemoryTierConfig
 
     cache = CacheConfig(chunk_size=16, tiers=(MemoryTierConfig(capacity_bytes=4 << 20),))

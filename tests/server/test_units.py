@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from kvtier.errors import ConfigError
-from kvtier.server.backend import tenant_salt
-from kvtier.server.protocol import ChatRequest, CompletionRequest, RequestError, parse
-from kvtier.server.textstream import TextStream
+from kvtier.apps.serve.backend import tenant_salt
+from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
+from kvtier.apps.serve.textstream import TextStream
+from kvtier.base.errors import ConfigError
+from kvtier.web.errors import RequestError
 from tests.server.conftest import WORDS
 
 
@@ -68,7 +69,7 @@ def test_bad_stop_lists_are_refused(body):
 def test_serve_binds_loopback_unless_told_and_builds_the_cache_from_flags():
     import argparse
 
-    from kvtier.server.cli import add_parser, cache_config
+    from kvtier.apps.serve.cli import add_parser, cache_config
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -82,10 +83,10 @@ def test_serve_binds_loopback_unless_told_and_builds_the_cache_from_flags():
 def test_serve_and_route_take_the_same_http_limit_flags_with_the_same_defaults():
     import argparse
 
-    from kvtier.router.cli import add_parser as add_route
-    from kvtier.router.cli import router_config
-    from kvtier.server.cli import add_parser as add_serve
-    from kvtier.server.http_limits import HttpLimits, http_limits
+    from kvtier.apps.route.cli import add_parser as add_route
+    from kvtier.apps.route.cli import router_config
+    from kvtier.apps.serve.cli import add_parser as add_serve
+    from kvtier.web.http_limits import HttpLimits, http_limits
 
     parser = argparse.ArgumentParser()
     commands = parser.add_subparsers()
@@ -106,7 +107,7 @@ def test_serve_and_route_take_the_same_http_limit_flags_with_the_same_defaults()
 @given(words=st.lists(st.sampled_from(WORDS + ["  ", "\n", "é", "zq"]), min_size=1, max_size=400),
        context=st.integers(4, 120))
 def test_bounded_encoding_is_exact_when_it_fits_and_refuses_only_what_cannot(tokenizer, words, context):
-    from kvtier.server import prompts
+    from kvtier.apps.serve import prompts
 
     text = " ".join(words)
     whole = tokenizer.encode(text)
@@ -119,7 +120,7 @@ def test_bounded_encoding_is_exact_when_it_fits_and_refuses_only_what_cannot(tok
 
 
 def test_bounded_encoding_reads_a_bounded_prefix_of_a_huge_text(tokenizer):
-    from kvtier.server import prompts
+    from kvtier.apps.serve import prompts
 
     lengths = []
 

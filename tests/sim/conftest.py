@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.sim.synthetic import SyntheticWorkload, write
+from kvtier.apps.sim.synthetic import SyntheticWorkload, write
 
 SMALL = SyntheticWorkload(sessions=60, session_rate_per_s=2.0, apps=4, docs=15, doc_tokens=(1000, 6000), seed=1)
 BLOCK_TOKENS = 16  # tokens per block in tests: the structure is what matters, and hashing stays cheap

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.errors import ConfigError
-from kvtier.router.scoring import Routing
-from kvtier.sim import fleet as fleet_module
-from kvtier.sim.fleet import FleetConfig, SimTier, TierKind
+from kvtier.apps.sim import fleet as fleet_module
+from kvtier.apps.sim.fleet import FleetConfig, SimTier, TierKind
+from kvtier.base.errors import ConfigError
+from kvtier.fleet.scoring import Routing
 from kvtier.tiers import WriteMode
 
 

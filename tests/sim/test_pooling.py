@@ -1,16 +1,16 @@
-"""Pooled against private memory at equal total capacity (kvtier.sim.pooling): what the Mooncake benchmark's
+"""Pooled against private memory at equal total capacity (kvtier.apps.sim.pooling): what the Mooncake benchmark's
 fleet figures rest on."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.errors import ConfigError
-from kvtier.router.scoring import Routing
-from kvtier.sim.fleet import FleetConfig, SimTier
-from kvtier.sim.pooling import ARMS, compare, fleets
-from kvtier.sim.replay import replay
-from kvtier.sim.trace import read_mooncake
+from kvtier.apps.sim.fleet import FleetConfig, SimTier
+from kvtier.apps.sim.pooling import ARMS, compare, fleets
+from kvtier.apps.sim.replay import replay
+from kvtier.apps.sim.trace import read_mooncake
+from kvtier.base.errors import ConfigError
+from kvtier.fleet.scoring import Routing
 from tests.sim.conftest import BLOCK_TOKENS
 
 TOTAL = 240

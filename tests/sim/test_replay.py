@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from kvtier.router.scoring import Routing, RoutingConfig
-from kvtier.sim.fleet import FleetConfig, SimTier, TierKind
-from kvtier.sim.reference import belady_hits, ideal_hits
-from kvtier.sim.replay import replay
-from kvtier.sim.replica import Replica, chunk_slot_bytes
-from kvtier.sim.study import chunk_chains
-from kvtier.sim.trace import read_mooncake
+from kvtier.apps.sim.fleet import FleetConfig, SimTier, TierKind
+from kvtier.apps.sim.reference import belady_hits, ideal_hits
+from kvtier.apps.sim.replay import replay
+from kvtier.apps.sim.replica import Replica, chunk_slot_bytes
+from kvtier.apps.sim.study import chunk_chains
+from kvtier.apps.sim.trace import read_mooncake
+from kvtier.fleet.scoring import Routing, RoutingConfig
 from kvtier.tiers import WriteMode
 from tests.sim.conftest import BLOCK_TOKENS
 

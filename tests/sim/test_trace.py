@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from kvtier.errors import ConfigError
-from kvtier.sim.synthetic import generate
-from kvtier.sim.trace import block_token_ids, is_mooncake, read_mooncake
+from kvtier.apps.sim.synthetic import generate
+from kvtier.apps.sim.trace import block_token_ids, is_mooncake, read_mooncake
+from kvtier.base.errors import ConfigError
 from tests.sim.conftest import SMALL
 
 

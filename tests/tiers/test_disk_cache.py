@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.blob import parse_blob
+from kvtier.codecs.blob import parse_blob
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig, WriteMode
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
@@ -140,7 +140,7 @@ def test_tensor_parallel_ranks_get_their_own_directories(tmp_path):
 
 
 def test_a_second_cache_on_one_directory_is_refused(tmp_path):
-    from kvtier.errors import ConfigError
+    from kvtier.base.errors import ConfigError
 
     with cache(tmp_path), pytest.raises(ConfigError, match="give each process its own path"):
         cache(tmp_path)

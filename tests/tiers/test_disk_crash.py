@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.blob import blob_bytes, encode_blob
 from kvtier.codecs import BytesPayload, get_codec
+from kvtier.codecs.blob import blob_bytes, encode_blob
 from tests.conformance.tier_suite import key
 from tests.tiers.disk_helpers import disk_tier
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from tests.conformance.tier_suite import blob, key
 from tests.tiers.disk_helpers import disk_tier, put, read
 

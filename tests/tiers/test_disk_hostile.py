@@ -14,7 +14,7 @@ import socket
 import pytest
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from tests.conformance.tier_suite import blob, key
 from tests.tiers.disk_helpers import disk_tier, put, read
 from tests.tiers.test_disk_cache import CHUNK, cache, flush, kv, tokens

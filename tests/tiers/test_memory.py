@@ -99,7 +99,7 @@ def test_zero_capacity_tier_stores_nothing():
 
 @pytest.mark.parametrize("align", [256])
 def test_allocator_coalesces(align):
-    from kvtier.tiers.allocator import Allocator
+    from kvtier.native.allocator import Allocator
 
     a = Allocator(10 * align, align)
     offs = [a.alloc(align) for _ in range(10)]
@@ -139,8 +139,8 @@ def test_a_batch_larger_than_the_tier_keeps_its_shallowest_chunks_as_one_by_one_
     it reserved so far is written and published, so its later (shallower) chunks can evict its deeper ones."""
     import torch
 
-    from kvtier.blob import blob_bytes, encode_blob
     from kvtier.codecs import get_codec
+    from kvtier.codecs.blob import blob_bytes, encode_blob
     from tests.conformance.tier_suite import key
 
     chunks = [torch.full((1, 2, 4, 1, 1024), float(i), dtype=torch.bfloat16) for i in range(6)]

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, ConfigError, KVCache, KVSpec
-from kvtier.blob import blob_bytes, encode_blob
 from kvtier.codecs import BytesPayload, get_codec
+from kvtier.codecs.blob import blob_bytes, encode_blob
 from kvtier.net.ports import free_port
 from kvtier.tiers import RedisTier, RedisTierConfig
 from tests.conformance.tier_suite import BLOB_BYTES, TierConformance, blob, key, tier_context

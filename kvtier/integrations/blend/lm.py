@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.cache import KVCache
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.core.cache import KVCache
+from kvtier.core.segments import MAX_SEGMENTS, SegmentCache
 from kvtier.integrations.blend.prefill import BlendConfig, BlendResult, ReusedSpan, blended_prefill
 from kvtier.integrations.blend.rope import Rerotator, UnsupportedModel
 from kvtier.integrations.transformers import (
@@ -41,7 +42,6 @@ from kvtier.integrations.transformers import (
     has_recurrent_state,
     to_canonical,
 )
-from kvtier.segments import MAX_SEGMENTS, SegmentCache
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvtier.base.layout import KVSpec
+from kvtier.core.segments import BlendConfig
 from kvtier.integrations.transformers import kv_spec
-from kvtier.layout import KVSpec
-from kvtier.segments import BlendConfig
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 
 #: RoPE types whose frequencies do not depend on the sequence length (see module docstring).
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})

@@ -42,12 +42,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvtier.cache import KVCache
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.base.keys import ChunkHash
+from kvtier.core.cache import KVCache
 from kvtier.integrations.sglang.config import BackendConfig
 from kvtier.integrations.sglang.pages import PoolGeometry, check_buffer, geometry_of, key_token_ids
 from kvtier.integrations.sglang.side_pools import SidePool, restorable
-from kvtier.keys import ChunkHash
 from kvtier.tiers import SharedStore
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _n_keys(keys: Sequence[str], *_: Any, **__: Any) -> int:
 
 
 class _HostPages:
-    """Pages of the host pool as a KVSource and KVSink (see kvtier.cache): chunk ``i`` is the page whose first
+    """Pages of the host pool as a KVSource and KVSink (see kvtier.core.cache): chunk ``i`` is the page whose first
     token slot is ``starts[i]``; a view of the pool, so decodes land in it and stores read from it."""
 
     concurrent_writes = True  #: pages are disjoint

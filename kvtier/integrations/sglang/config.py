@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.core.config import CacheConfig
 
 #: keys SGLang reads from the same JSON (the dynamic loader and its zero-copy switch)
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")

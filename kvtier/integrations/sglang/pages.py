@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
-from kvtier.keys import ChunkHash
-from kvtier.layout import KVSpec
+from kvtier.base.errors import ConfigError
+from kvtier.base.keys import ChunkHash
+from kvtier.base.layout import KVSpec
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 

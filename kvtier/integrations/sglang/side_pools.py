@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from kvtier.cache import KVCache
-from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.base.keys import ChunkHash
+from kvtier.base.layout import KVSpec
+from kvtier.core.cache import KVCache
+from kvtier.core.config import CacheConfig
 from kvtier.integrations.sglang.pages import key_token_ids
-from kvtier.keys import ChunkHash
-from kvtier.layout import KVSpec
 
 #: the smallest memory or disk capacity a pool's scaled tier gets
 MIN_CAPACITY = 64 << 20

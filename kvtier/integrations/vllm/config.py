@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
+from kvtier.core.config import CacheConfig
 
 _OWN_KEYS = ("model_id", "socket_dir", "metrics_host")
 

@@ -19,16 +19,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvtier.cache import KVCache
-from kvtier.errors import ConfigError
-from kvtier.metrics import MetricsServer
+from kvtier.base.errors import ConfigError
+from kvtier.base.metrics import MetricsServer
+from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, TierEvents
 from kvtier.integrations.vllm.lookup import LookupClient, socket_path
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.paged import PagedKV
-from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.prom import KVTierPromMetrics
+from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierStats, MetricsFeed
 from kvtier.integrations.vllm.worker import WorkerSide
 

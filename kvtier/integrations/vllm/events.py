@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
-from kvtier.cache import KVCache
-from kvtier.events.model import ChunkEvent, ChunkEventKind
+from kvtier.core.cache import KVCache
+from kvtier.core.events import ChunkEvent, ChunkEventKind
 
 OWNERSHIP = "kvtier"
 MAX_PENDING = 100_000  # events kept between two steps; beyond, the oldest are dropped

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.cache import KVCache
-from kvtier.errors import ConfigError
-from kvtier.keys import token_array
+from kvtier.base.errors import ConfigError
+from kvtier.base.keys import token_array
+from kvtier.core.cache import KVCache
 
 log = logging.getLogger(__name__)
 

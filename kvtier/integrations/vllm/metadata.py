@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvtier.keys import Tokens, token_array
+from kvtier.base.keys import Tokens, token_array
 
 
 def pack_tokens(tokens: Tokens) -> bytes:

@@ -22,7 +22,7 @@ runs off the model's stream:
 
 * a save gathers a chunk on a side stream into GPU memory and marks it ready there; the raw codec's payload
   then copies it straight into the tier's (pinned) memory, waiting on the GPU, not the host, so the copy of
-  one chunk overlaps the gather of the next (``kvtier.gpu``);
+  one chunk overlaps the gather of the next (``kvtier.native.gpu``);
 * a load copies each chunk to the GPU on one stream, straight out of pinned memory (the memory tier's buffer)
   or else through one of two pinned staging buffers, into one of two GPU buffers that a second stream scatters
   into the blocks: one chunk's scatter overlaps the next one's copy. :meth:`PagedKV.settle` returns when the
@@ -36,9 +36,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier import gpu
-from kvtier.errors import ConfigError
-from kvtier.layout import KVSpec
+from kvtier.base.errors import ConfigError
+from kvtier.base.layout import KVSpec
+from kvtier.native import gpu
 
 
 def kv_view(layer: torch.Tensor, *, rows_split: bool) -> torch.Tensor:
@@ -109,7 +109,7 @@ class PagedKV:
     def gather(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Canonical KV of tokens ``[start, end)`` as a new tensor on the cache's device. On a GPU it is gathered
         on a side stream after everything queued on the default stream (the blocks are fully written) and
-        marked ready there (``kvtier.gpu.ready_after``): read it through ``kvtier.gpu`` or synchronise first."""
+        marked ready there (``kvtier.native.gpu.ready_after``): read it through ``kvtier.native.gpu`` or synchronise first."""
         ids = self.kernel_blocks(block_ids, start, end)
         if self._gpu is None:
             return self._gather(ids, end - start)

@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from kvtier.metrics import HELP
+from kvtier.base.metrics import HELP
 
 PREFIX = "vllm:"
 

@@ -15,7 +15,7 @@ import hashlib
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from kvtier.keys import ChunkHash, chunk_hashes
+from kvtier.base.keys import ChunkHash, chunk_hashes
 from kvtier.integrations.vllm.lookup import LookupClient
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec, pack_tokens
 

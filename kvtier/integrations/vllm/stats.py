@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.metrics import Metrics, MetricKind
+from kvtier.base.metrics import MetricKind, Metrics
 
 FIELDS = ("loaded_tokens", "failed_blocks", "stored_tokens", "saved_requests")
 #: Seconds between two reports of the cache's gauges (counters are reported whenever they moved).

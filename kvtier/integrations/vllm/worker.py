@@ -17,7 +17,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 
-from kvtier.cache import KVCache
+from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.lookup import LookupLimits, LookupServer
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource

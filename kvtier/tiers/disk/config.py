@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from kvtier.policy import DEFAULT_POLICY, make_policy
 from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
 

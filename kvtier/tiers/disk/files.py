@@ -22,10 +22,10 @@ import os
 import stat
 import threading
 
-from kvtier.blob import header_length
-from kvtier.errors import ConfigError, TierError
-from kvtier.keys import HASH_BYTES, ChunkHash
-from kvtier.tiers.hugepages import HUGE_PAGE, huge_page_map
+from kvtier.base.errors import ConfigError, TierError
+from kvtier.base.keys import HASH_BYTES, ChunkHash
+from kvtier.codecs.blob import header_length
+from kvtier.native.hugepages import HUGE_PAGE, huge_page_map
 
 TEMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"

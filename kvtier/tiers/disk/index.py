@@ -29,8 +29,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtier.keys import ChunkHash
-from kvtier.metrics import Metrics
+from kvtier.base.keys import ChunkHash
+from kvtier.base.metrics import Metrics
 from kvtier.policy import EvictionPolicy
 from kvtier.tiers.base import RemovalListener, TierStats
 

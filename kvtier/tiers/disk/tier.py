@@ -38,16 +38,16 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from time import perf_counter
 
+from kvtier.base.errors import ConfigError
+from kvtier.base.keys import ChunkHash
 from kvtier.codecs import Payload, get_codec
-from kvtier.errors import ConfigError
-from kvtier.keys import ChunkHash
 from kvtier.policy import make_policy
 from kvtier.tiers.base import RemovalListener, TierContext, TierStats, stats_gauges
 from kvtier.tiers.disk.config import DiskTierConfig
 from kvtier.tiers.disk.files import (
     AlignedBufferPool,
-    DiskIOError,
     ChunkPaths,
+    DiskIOError,
     lock_directory,
     read_into,
     remove,
@@ -71,7 +71,7 @@ class DiskTier:
 
     verifies = True
     #: a get fans its reads out to the readers: fewer, larger windows spare a long load thread hand-offs
-    #: (kvtier.pipeline)
+    #: (kvtier.core.pipeline)
     large_load_windows = True
 
     def __init__(self, config: DiskTierConfig, ctx: TierContext) -> None:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvtier.errors import TierError
-from kvtier.tiers.allocator import Allocator
+from kvtier.base.errors import TierError
+from kvtier.native.allocator import Allocator
 
 #: Registers (address, bytes, owner, deadline) with the transfer engine; 0 on success; may raise TierError.
 Register = Callable[[int, int, object, float], int]

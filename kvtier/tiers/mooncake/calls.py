@@ -18,7 +18,7 @@ from collections.abc import Callable
 from time import monotonic
 from typing import Any, Generic, TypeVar
 
-from kvtier.errors import TierError
+from kvtier.base.errors import TierError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

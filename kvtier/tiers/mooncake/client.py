@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from time import monotonic
 from typing import Any, TypeVar
 
-from kvtier.errors import ConfigError, TierError
+from kvtier.base.errors import ConfigError, TierError
 from kvtier.tiers.mooncake.calls import CallNotStarted, DeadlineCalls
 from kvtier.tiers.mooncake.config import (
     ENGINE_LOCAL_BUFFER_BYTES,

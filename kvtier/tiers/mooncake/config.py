@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvtier.errors import ConfigError
-from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
+from kvtier.base.errors import ConfigError
 from kvtier.tiers.slab import check_device
+from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
 
 MiB = 1 << 20
 #: Mooncake refuses smaller segments (its allocator works in 16 MiB slabs); 0 contributes nothing.

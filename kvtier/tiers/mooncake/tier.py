@@ -41,11 +41,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from time import monotonic
 
+from kvtier.base.errors import ConfigError, TierError
+from kvtier.base.keys import ChunkHash
 from kvtier.codecs import Payload, get_codec
-from kvtier.errors import ConfigError, TierError
-from kvtier.keys import ChunkHash
-from kvtier.tiers.base import TierContext, TierStats, stats_gauges
 from kvtier.net.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.base import TierContext, TierStats, stats_gauges
 from kvtier.tiers.mooncake.buffers import Lease, RegisteredBuffers
 from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
 from kvtier.tiers.mooncake.client import MASTER_DOWN, Code, MooncakeClient

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from time import monotonic
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from kvtier.tiers.redis.resp import Packer, RespError, RespReader, WireClosed, WireTimeout, send_all
 
 log = logging.getLogger(__name__)

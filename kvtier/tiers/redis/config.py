@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.errors import ConfigError
+from kvtier.base.errors import ConfigError
 from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
 from kvtier.tiers.redis.split import HEADER_BYTES, MIN_PART_BYTES, REDIS_MAX_BULK
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
-from kvtier.errors import TierError
+from kvtier.base.errors import TierError
 
 CRLF = b"\r\n"
 #: Arguments at least this long are sent as their own piece (zero copy) instead of being joined.

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from time import monotonic
 from typing import Any
 
-from kvtier.metrics import Metrics
+from kvtier.base.metrics import Metrics
 from kvtier.net.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.redis.client import Endpoint, key_slot_function
 from kvtier.tiers.redis.config import RedisTierConfig

@@ -44,8 +44,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from kvtier.base.keys import ChunkHash
 from kvtier.codecs import Payload, get_codec
-from kvtier.keys import ChunkHash
 from kvtier.net.buffers import TransferBufferPool
 from kvtier.tiers.base import TierContext, TierStats
 from kvtier.tiers.redis.client import Endpoint

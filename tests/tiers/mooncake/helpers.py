@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.metrics import Metrics
+from kvtier.base.metrics import Metrics
 from kvtier.tiers import MooncakeTier, MooncakeTierConfig, TierContext
 from tests.mooncake_master import MooncakeMaster
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import signal
 from pathlib import Path
 
 import pytest
 
-from tests.tiers.mooncake.conftest import CLIENT_TTL_S
 from tests.harness import timed, wait_for
+from tests.tiers.mooncake.conftest import CLIENT_TTL_S
 from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, prompt
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,0 +1,209 @@
+"""Workloads: multi-round chat, long-document QA (LooGLE) and Mooncake trace replay.
+
+Each workload is an async function ``run(runner, spec)`` that sends its requests through a ``Runner``
+(which times them, bounds concurrency and advances the progress bar) and returns nothing; the runner
+keeps the results. ``round`` in a result means: the chat round (multi-round), how many times the document
+was asked about before (QA), the request's index (trace).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.base.errors import ConfigError
+
+#: Plain English words for generated conversation text: the main job needs no data files.
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country problem "
+    "hand part place case week company system program question work government number night point home water room "
+    "mother area money story fact month lot right study book eye job word business issue side kind head house "
+    "service friend father power hour game line end member law car city community name president team minute "
+    "idea kid body information back parent face others level office door health person art war history party "
+    "result change morning reason research girl guy moment air teacher force education foot boy age policy "
+    "music market sense nation plan college interest death experience effect use class control care field "
+    "development role effort rate heart drug show leader light voice wife police mind price report decision son "
+    "view relationship town road arm difference value building action model season society tax director position "
+    "player record paper space ground form event official matter center couple site project activity star table "
+    "need court oil situation cost industry figure street image phone data picture practice piece land product "
+    "doctor wall patient worker news test movie north love support technology step baby computer type attention "
+    "film tree source organization hair window evidence population site river garden cache prefix memory disk"
+).split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    """``n`` seeded pseudo-English words, with a full stop every dozen or so."""
+    out = []
+    for i in range(n):
+        out.append(rng.choice(WORDS))
+        if i % 12 == 11:
+            out[-1] += "."
+    return " ".join(out)
+
+
+def find_workload_file(name: str, path: str | None = None) -> Path:
+    """``path`` if given, else ``$KVTIER_WORKLOADS/<name>``, else ``../shared/workloads/<name>`` next to the repo."""
+    candidates = [Path(path)] if path else []
+    if not path:
+        if os.environ.get("KVTIER_WORKLOADS"):
+            candidates.append(Path(os.environ["KVTIER_WORKLOADS"]) / name)
+        repo = Path(__file__).resolve().parents[2]
+        candidates += [repo.parent / "shared" / "workloads" / name, Path.cwd().parent / "shared" / "workloads" / name]
+    for candidate in candidates:
+        if candidate.expanduser().is_file():
+            return candidate.expanduser()
+    raise ConfigError(f"cannot find {name}: pass its path (--data) or set KVTIER_WORKLOADS to its folder")
+
+
+# -- multi-round chat -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MultiRoundSpec:
+    """``users`` conversations of ``rounds`` turns sharing one system prompt; each turn adds ``turn_words``.
+    ``sessions``: each request names its conversation in OpenAI's ``user`` field (for session-sticky routers)."""
+
+    users: int = 2
+    rounds: int = 4
+    system_words: int = 300
+    turn_words: int = 150
+    max_tokens: int = 16
+    seed: int = 0
+    sessions: bool = False
+
+
+async def multiround(runner, spec: MultiRoundSpec) -> None:
+    rng = random.Random(spec.seed)
+    system = "You are a helpful assistant. Here are the notes of the project: " + words(rng, spec.system_words)
+    histories = [[{"role": "system", "content": system},
+                  {"role": "user", "content": f"I am user {u}. " + words(rng, spec.turn_words)}]
+                 for u in range(spec.users)]
+    turns = [[words(rng, spec.turn_words) for _ in range(spec.rounds)] for _ in range(spec.users)]
+
+    async def one(r: int, u: int) -> None:
+        body = {"messages": histories[u], "max_tokens": spec.max_tokens}
+        if spec.sessions:
+            body["user"] = f"user-{u}"
+        result = await runner.request("/v1/chat/completions", body, workload="multiround", round=r, user=u)
+        histories[u] = histories[u] + [{"role": "assistant", "content": result.text},
+                                       {"role": "user", "content": turns[u][r]}]
+
+    for r in range(spec.rounds):
+        await asyncio.gather(*(one(r, u) for u in range(spec.users)))
+
+
+# -- long-document QA -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QASpec:
+    """``docs`` LooGLE documents (cut to ``doc_chars``), ``questions`` each, asked ``order``-ly."""
+
+    path: str | None = None
+    docs: int = 3
+    questions: int = 3
+    doc_chars: int = 12_000
+    order: str = "interleaved"  # or "random"
+    max_tokens: int = 16
+    seed: int = 0
+
+
+def load_loogle(path: Path, docs: int, questions: int) -> list[tuple[str, list[str]]]:
+    """``[(document, [question, ...]), ...]``. ``qa_pairs`` is a Python literal: parsed, never evaluated."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if len(out) == docs:
+                break
+            row = json.loads(line)
+            pairs = ast.literal_eval(row["qa_pairs"]) if isinstance(row["qa_pairs"], str) else row["qa_pairs"]
+            out.append((row["input"], [str(p["Q"]) for p in pairs[:questions]]))
+    return out
+
+
+async def longdoc_qa(runner, spec: QASpec) -> None:
+    if spec.order not in ("interleaved", "random"):
+        raise ConfigError(f"order must be 'interleaved' or 'random', not {spec.order!r}")
+    items = load_loogle(find_workload_file("loogle_longdep_qa.jsonl", spec.path), spec.docs, spec.questions)
+    schedule = [(d, q) for q in range(spec.questions) for d in range(len(items)) if q < len(items[d][1])]
+    if spec.order == "random":
+        random.Random(spec.seed).shuffle(schedule)
+    seen: dict[int, int] = {}
+    for d, q in schedule:
+        doc, questions = items[d]
+        messages = [{"role": "system", "content": "Answer the question from the document, briefly."},
+                    {"role": "user", "content": f"Document:\n{doc[: spec.doc_chars]}\n\nQuestion: {questions[q]}"}]
+        visit = seen.get(d, 0)
+        seen[d] = visit + 1
+        await runner.request("/v1/chat/completions", {"messages": messages, "max_tokens": spec.max_tokens},
+                             workload="qa", round=visit, user=d)
+
+
+# -- Mooncake trace replay --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TraceSpec:
+    """The first ``requests`` of a Mooncake trace; each 512-token block id becomes ``block_tokens`` token ids."""
+
+    path: str | None = None
+    requests: int = 20
+    block_tokens: int = 64
+    max_prompt_tokens: int = 4096
+    max_tokens: int = 16
+    timestamps: bool = False
+    speed: float = 1.0
+    token_range: tuple[int, int] = (1000, 30000)
+
+
+def block_tokens(block_id: int, n: int, token_range: tuple[int, int]) -> list[int]:
+    """Deterministic token run of one block: equal ids give equal runs, on every machine."""
+    rng = np.random.default_rng([0x6B76, block_id])
+    return rng.integers(token_range[0], token_range[1], size=n).tolist()
+
+
+def trace_requests(spec: TraceSpec) -> Iterator[tuple[float, list[int], int]]:
+    """``(arrival seconds, prompt token ids, max_tokens)`` per trace row, prompts scaled and capped."""
+    path = find_workload_file("mooncake_synthetic_trace.jsonl", spec.path)
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if i == spec.requests:
+                return
+            row = json.loads(line)
+            length = max(1, row["input_length"] * spec.block_tokens // 512)
+            prompt: list[int] = []
+            for block in row["hash_ids"]:
+                if len(prompt) >= min(length, spec.max_prompt_tokens):
+                    break
+                prompt += block_tokens(block, spec.block_tokens, spec.token_range)
+            prompt = prompt[: min(length, spec.max_prompt_tokens)]
+            yield row["timestamp"] / 1000.0, prompt, max(1, min(row["output_length"], spec.max_tokens))
+
+
+async def trace_replay(runner, spec: TraceSpec) -> None:
+    """Replay in order: at the trace's (``speed``-scaled) arrival times, or back to back."""
+    start = time.perf_counter()
+    tasks = []
+    for i, (arrival, prompt, max_tokens) in enumerate(trace_requests(spec)):
+        body = {"prompt": prompt, "max_tokens": max_tokens}
+        if spec.timestamps:
+            delay = arrival / spec.speed - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(
+                runner.request("/v1/completions", body, workload="trace", round=i, user=0, bounded=False)))
+        else:
+            await runner.request("/v1/completions", body, workload="trace", round=i, user=0)
+    await asyncio.gather(*tasks)
+
+
+def count(workload: str, spec) -> int:
+    """How many requests a workload will send (for the progress bar)."""
+    if workload == "multiround":
+        return spec.users * spec.rounds
+    if workload == "qa":
+        return spec.docs * spec.questions
+    return spec.requests

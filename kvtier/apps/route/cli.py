@@ -1,0 +1,108 @@
+"""``kvtier route``: a cache-aware, load-bounded, session-sticky router in front of OpenAI-compatible replicas.
+
+    kvtier route --replica http://10.0.0.1:8000 --replica http://10.0.0.2:8000 --port 8000
+    kvtier route --replica URL ... --policy round-robin --no-sticky        # the baseline
+    kvtier route --replica URL ... --model ./my-llama --tier-weight disk=0.7
+
+Replicas are kvtier serve (whose /kvtier/info and event stream tell the router precisely where prefixes
+are), vLLM with the kvtier connector, or any OpenAI-compatible server (the router then relies on its own
+record of what it sent where). ``--model`` is the folder whose tokenizer and chat template the replicas use
+(default: the packaged SmolLM2-135M-Instruct): the router hashes prompts exactly as they do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from kvtier.base.errors import ConfigError
+from kvtier.web.http_limits import add_http_limit_flags, http_limits
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("route", help="cache-aware router in front of several replicas",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replica", action="append", default=[], required=True, help="base URL of a replica (repeat)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", help="folder of the replicas' tokenizer and chat template (default: SmolLM2)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--policy", default="load-bounded", choices=["load-bounded", "prefix", "round-robin", "random"])
+    r.add_argument("--sticky", action=argparse.BooleanOptionalAction, default=True,
+                   help="send a session (X-Session-ID or the user field) back to its replica (default on)")
+    r.add_argument("--epsilon", type=float, default=0.25, help="load bound: no replica above (1+eps) x mean")
+    r.add_argument("--tier-weight", action="append", default=[], metavar="TIER=W",
+                   help="worth of a cached token in TIER (memory 1.0, disk 0.9, redis 0.8 by default)")
+    r.add_argument("--decode-stream-tokens", type=float, help="cost of one decoding request, in prefill tokens")
+    r.add_argument("--record-ttl", type=float, default=600.0,
+                   help="seconds the router trusts its own record of replicas that publish no events")
+    f = p.add_argument_group("limits and failures")
+    f.add_argument("--max-in-flight", type=int, default=256, help="requests proxied at once")
+    f.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond that; more get 429")
+    f.add_argument("--max-attempts", type=int, default=3, help="replicas tried for a request that failed early")
+    f.add_argument("--read-timeout", type=float, default=600.0, help="longest wait for a replica's next bytes")
+    f.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    add_http_limit_flags(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+    return p
+
+
+def router_config(args: argparse.Namespace):
+    """The RouterConfig the flags describe."""
+    from kvtier.apps.route.config import (
+        AdmissionConfig,
+        HealthConfig,
+        IndexConfig,
+        ProxyConfig,
+        RouterConfig,
+        default_routing,
+    )
+    from kvtier.fleet.scoring import Routing
+
+    weights = dict(default_routing().tier_weights)
+    for item in args.tier_weight:
+        tier, sep, value = item.partition("=")
+        try:
+            weights[tier.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not tier.strip():
+            raise ConfigError(f"--tier-weight takes TIER=WEIGHT, got {item!r}")
+    routing = dataclasses.replace(default_routing(), routing=Routing(args.policy), sticky=args.sticky,
+                                  epsilon=args.epsilon, tier_weights=tuple(weights.items()))
+    if args.decode_stream_tokens is not None:
+        routing = dataclasses.replace(routing, decode_stream_tokens=args.decode_stream_tokens)
+    if routing.epsilon < 0:
+        raise ConfigError("--epsilon must not be negative")
+    return RouterConfig(
+        replicas=tuple(url.rstrip("/") for url in args.replica), routing=routing,
+        proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts),
+        admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue),
+        health=HealthConfig(interval_s=args.health_interval), index=IndexConfig(recent_ttl_s=args.record_ttl),
+        tokenizer=Path(args.model) if args.model else None, http=http_limits(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvtier.apps.route.app import server_config
+    from kvtier.apps.route.service import Router
+    from kvtier.integrations.prompts import PromptTokenizer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request and health probe
+    try:
+        config = router_config(args)
+        tokenizer = PromptTokenizer(config.tokenizer)
+    except ConfigError as exc:
+        print(f"kvtier route: {exc}", file=sys.stderr)
+        return 2
+    policy = config.routing.routing.value + (" + sticky sessions" if config.routing.sticky else "")
+    print(f"kvtier route: {len(config.replicas)} replicas, {policy}, on http://{args.host}:{args.port}", flush=True)
+    uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level)).run()
+    return 0

@@ -1,0 +1,101 @@
+"""Replay a ``kvtier bench`` result file: the prompts it sent, rebuilt by the bench's own workload code.
+
+A bench JSON records every request's answer but not its prompt. The workloads are deterministic given their
+spec (saved in the file) and the answers (multi-round chat feeds each answer into the next prompt), so this
+module runs the workload again against a stand-in runner that answers each request with the recorded text
+and keeps the prompt it was given. Chat prompts become token ids through a fixed word-level tokenizer
+(words and punctuation, each hashed to an id): not the served model's tokenizer, but prefix-preserving,
+which is all a prefix cache sees. Token counts and chunk sizes are then in these tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from kvtier.apps.sim.trace import TokenPrompt, TraceRequest
+from kvtier.base.errors import ConfigError
+
+_PIECES = re.compile(r"\w+|[^\w\s]")
+
+
+def chat_token_ids(messages: list[dict[str, Any]]) -> np.ndarray:
+    """Token ids of a chat prompt: role markers, then each word or punctuation mark as crc32 of its bytes."""
+    ids: list[int] = []
+    for message in messages:
+        for piece in [f"<|{message.get('role', '')}|>", *_PIECES.findall(str(message.get("content", "")))]:
+            ids.append(zlib.crc32(piece.encode("utf-8")))
+    ids.append(zlib.crc32(b"<|assistant|>"))
+    return np.asarray(ids, dtype="<u4")
+
+
+class _ReplayRunner:
+    """Stands in for kvtier.apps.bench's Runner: keeps each prompt, answers with the recorded result."""
+
+    def __init__(self, recorded: dict[tuple[int, int], dict[str, Any]]) -> None:
+        self.recorded = recorded
+        self.sent: list[tuple[int, int, dict[str, Any]]] = []
+
+    async def request(self, path: str, body: dict[str, Any], *, workload: str, round: int, user: int,
+                      bounded: bool = True) -> SimpleNamespace:
+        self.sent.append((round, user, body))
+        result = self.recorded.get((round, user), {})
+        return SimpleNamespace(text=result.get("text") or "", status=result.get("status", 0))
+
+
+def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None = None,
+                    limit: int | None = None) -> list[TraceRequest]:
+    """The requests of one target's run in a bench JSON, in the order they were sent."""
+    from kvtier.apps.bench import workloads as wl
+    from kvtier.apps.bench.cli import WORKLOAD_FUNCS
+
+    doc = _load(path)
+    runs = doc.get("runs") or []
+    run = next((r for r in runs if target is None or r.get("target") == target), None)
+    if run is None:
+        raise ConfigError(f"{path}: no run for target {target!r}; runs: {[r.get('target') for r in runs]}")
+    workload = doc.get("config", {}).get("workload")
+    specs = {"multiround": wl.MultiRoundSpec, "qa": wl.QASpec, "trace": wl.TraceSpec}
+    if workload not in specs:
+        raise ConfigError(f"{path}: unknown workload {workload!r}")
+    spec = _spec(specs[workload], doc["config"].get("spec", {}), path)
+    if workload == "trace":
+        spec = dataclasses.replace(spec, timestamps=False)  # prompts only: never wait for arrival times
+    recorded = {(int(r["round"]), int(r["user"])): r for r in run.get("requests", [])}
+    runner = _ReplayRunner(recorded)
+    asyncio.run(WORKLOAD_FUNCS[workload](runner, spec=spec))
+    out = []
+    for round_, user, body in runner.sent:
+        ids = (np.asarray(body["prompt"], dtype="<u4") if "prompt" in body else chat_token_ids(body["messages"]))
+        result = recorded.get((round_, user), {})
+        out.append(TraceRequest(float(result.get("sent_at", 0.0)), TokenPrompt(ids), len(ids),
+                                int(result.get("completion_tokens") or 0), chunk_tokens, f"{workload}:{user}"))
+    out.sort(key=lambda r: r.arrival_s)
+    return out[:limit] if limit is not None else out
+
+
+def _load(path: str | Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read bench results {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a kvtier bench result (a JSON object)")
+    return doc
+
+
+def _spec(cls: type, values: dict[str, Any], path: str | Path) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    try:
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known}
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{path}: bad workload spec ({exc})") from None

@@ -1,0 +1,128 @@
+"""The fleet to simulate: replicas, each one's tier chain, an optional shared tier, and the routing.
+
+YAML (every key optional)::
+
+    replicas: 4
+    routing: load-bounded       # round-robin | random | prefix | load-bounded
+    load_epsilon: 0.25          # load-bounded: no replica above ceil((1 + eps) x mean in-flight requests)
+    sticky: false               # keep each session (bench JSON: conversation / document) on one replica
+    tier_weights: {disk: 0.9}   # what a cached token in each tier is worth to the router (default 1.0)
+    kv_bytes_per_token: 131072  # the served model's KV per token (Llama-3-8B, bf16): turns bytes into chunks
+    prefill_tokens_per_s: 20000 # each replica's prefill rate (prefills run one at a time) ...
+    decode_tokens_per_s: 30     # ... and each request's decode rate (batched): in-flight requests, waits
+    tiers:                      # each replica's own chain, fastest first
+      - kind: memory            # memory | disk
+        chunks: 2500            # capacity in chunks, or capacity_bytes: 64GiB (with codec_ratio)
+        policy: arc-lfu         # default: the tiers' default (arc-lfu)
+      - kind: disk
+        capacity_bytes: 2TiB
+        codec_ratio: 1.9        # the tier's codec: chunks are this many times smaller than raw KV
+        policy: lru
+        write: back             # through (default) | back
+    shared:                     # one more tier every replica sees, after its own (Redis/Valkey, a pool)
+      chunks: 100000
+      policy: lru
+
+How tiers are simulated. Every tier is kvtier's real ``MemoryTier`` (buffer, allocator, eviction policy,
+pins) sized to hold exactly its capacity in chunks of a tiny KV spec, inside a real ``KVCache``. A ``disk``
+tier is such a memory tier as well: what the simulator needs from a disk is its capacity accounting and
+eviction order, which live in the same index code; files, fsyncs and the write queue (which drops stores
+when full) are not simulated, so a simulated disk never loses a store. The shared tier is one tier object
+placed at the end of every replica's chain, as a Redis/Valkey store would be.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.base.errors import ConfigError
+from kvtier.core.config import build_dataclass, read_yaml_mapping
+from kvtier.fleet.scoring import Routing, RoutingConfig
+from kvtier.policy import DEFAULT_POLICY, POLICIES
+from kvtier.tiers import WriteMode
+
+
+class TierKind(enum.Enum):
+    MEMORY = "memory"
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class SimTier:
+    """One simulated tier. Capacity in ``chunks``, or in ``capacity_bytes`` of KV compressed ``codec_ratio``-fold."""
+
+    kind: TierKind = TierKind.MEMORY
+    chunks: int | None = None
+    capacity_bytes: int | None = None
+    codec_ratio: float = 1.0
+    policy: str = DEFAULT_POLICY
+    write: WriteMode = WriteMode.THROUGH
+
+    def __post_init__(self) -> None:
+        if (self.chunks is None) == (self.capacity_bytes is None):
+            raise ConfigError("a simulated tier needs exactly one of chunks or capacity_bytes")
+        if self.chunks is not None and self.chunks < 0:
+            raise ConfigError(f"chunks must not be negative, got {self.chunks}")
+        if self.codec_ratio <= 0:
+            raise ConfigError(f"codec_ratio must be positive, got {self.codec_ratio}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown eviction policy {self.policy!r}; known: {sorted(POLICIES)}")
+
+    def capacity_chunks(self, chunk_kv_bytes: int) -> int:
+        """Chunks this tier holds when one chunk of raw KV is ``chunk_kv_bytes`` bytes."""
+        if self.chunks is not None:
+            return self.chunks
+        assert self.capacity_bytes is not None
+        return int(self.capacity_bytes * self.codec_ratio // chunk_kv_bytes)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    replicas: int = 1
+    tiers: tuple[SimTier, ...] = (SimTier(chunks=10_000),)
+    shared: SimTier | None = None
+    routing: RoutingConfig = RoutingConfig()
+    kv_bytes_per_token: int = 131_072
+    prefill_tokens_per_s: float = 20_000.0
+    decode_tokens_per_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be at least 1, got {self.replicas}")
+        if not self.tiers:
+            raise ConfigError("each replica needs at least one tier")
+        if min(self.kv_bytes_per_token, self.prefill_tokens_per_s, self.decode_tokens_per_s) <= 0:
+            raise ConfigError("kv_bytes_per_token, prefill_tokens_per_s and decode_tokens_per_s must be positive")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> FleetConfig:
+        values = dict(values)
+        routing = {
+            "routing": values.pop("routing", Routing.LOAD_BOUNDED.value),
+            "epsilon": values.pop("load_epsilon", 0.25),
+            "sticky": values.pop("sticky", False),
+            "tier_weights": tuple(dict(values.pop("tier_weights", None) or {}).items()),
+        }
+        values["routing"] = build_dataclass(RoutingConfig, routing, "fleet.routing")
+        values["tiers"] = tuple(_tier(t, f"fleet.tiers[{i}]") for i, t in enumerate(values.pop("tiers", None) or []))
+        if not values["tiers"]:
+            del values["tiers"]
+        if values.get("shared") is not None:
+            values["shared"] = _tier(values["shared"], "fleet.shared")
+        return build_dataclass(cls, values, "fleet")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> FleetConfig:
+        return cls.from_dict(read_yaml_mapping(path, "fleet"))
+
+
+def _tier(values: Any, owner: str) -> SimTier:
+    if isinstance(values, SimTier):
+        return values
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{owner}: expected a mapping")
+    return build_dataclass(SimTier, values, owner)

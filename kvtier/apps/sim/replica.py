@@ -1,0 +1,126 @@
+"""One simulated replica: a real ``KVCache`` over real memory tiers, with a tiny KV spec.
+
+The simulator exercises kvtier's own code: the cache hashes the prompt, looks its chunks up tier by tier,
+loads the prefix (parsing every blob header and checking its token ids), promotes hits from slower tiers,
+stores what was missing, and the tiers evict through their policies. Only the KV is tiny: one layer, one
+head, head_dim 1, uint8, so a chunk of ``t`` tokens is a blob of a ``t``-token header plus ``2t`` bytes, and
+100,000 chunks of 512 tokens fit in about 300 MiB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.apps.sim.fleet import FleetConfig, SimTier, TierKind
+from kvtier.base.keys import ChunkHash
+from kvtier.base.layout import KVSpec
+from kvtier.base.metrics import Metrics
+from kvtier.codecs.blob import header_length
+from kvtier.core.cache import KVCache
+from kvtier.core.config import CacheConfig
+from kvtier.native.allocator import Allocator
+from kvtier.tiers import MemoryTier, MemoryTierConfig, Tier, TierConfig, TierContext
+
+SIM_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.uint8)
+SIM_MODEL = "kvtier-sim"
+_ALIGN = 64  # the memory tier's allocator alignment
+
+
+def chunk_slot_bytes(chunk_tokens: int) -> int:
+    """Bytes one stored chunk takes in a memory tier: blob header with token ids, payload, alignment."""
+    blob = header_length(5, chunk_tokens) + SIM_SPEC.bytes_per_token * chunk_tokens
+    return Allocator(0, align=_ALIGN).rounded(blob)
+
+
+@dataclass(frozen=True)
+class _ModelledDisk(MemoryTierConfig):
+    """A disk tier's capacity and eviction order, held in RAM (see kvtier.apps.sim.fleet)."""
+
+    kind = "disk"
+
+
+@dataclass(frozen=True)
+class _Existing(TierConfig):
+    """A tier built once and placed in several caches' chains (the shared tier)."""
+
+    kind = "shared"
+    tier: Tier | None = None
+
+    def build(self, ctx: TierContext) -> Tier:
+        assert self.tier is not None
+        return self.tier
+
+
+def tier_config(tier: SimTier, chunk_tokens: int, chunk_kv_bytes: int) -> MemoryTierConfig:
+    capacity = tier.capacity_chunks(chunk_kv_bytes) * chunk_slot_bytes(chunk_tokens)
+    cls = MemoryTierConfig if tier.kind is TierKind.MEMORY else _ModelledDisk
+    return cls(capacity_bytes=capacity, policy=tier.policy, write=tier.write, prefault=False)
+
+
+def build_shared(fleet: FleetConfig, chunk_tokens: int, chunk_kv_bytes: int) -> MemoryTier | None:
+    if fleet.shared is None:
+        return None
+    config = tier_config(fleet.shared, chunk_tokens, chunk_kv_bytes)
+    return config.build(TierContext(SIM_SPEC, Metrics(), "shared"))
+
+
+class _Discard:
+    """A KVSink that drops what it is given: the simulator needs hits, not KV."""
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        return None
+
+
+class _Zeros:
+    """A KVSource of zeros (the stored bytes do not matter, their count and headers do)."""
+
+    def __init__(self, chunk_tokens: int) -> None:
+        self._kv = SIM_SPEC.empty(chunk_tokens).zero_()
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        return self._kv  # the cache asks for whole chunks only
+
+
+class Replica:
+    """A KVCache built from a fleet's tier chain (plus the shared tier), serving requests one at a time."""
+
+    def __init__(self, fleet: FleetConfig, chunk_tokens: int, chunk_kv_bytes: int, shared: Tier | None,
+                 model: str = SIM_MODEL) -> None:
+        tiers: list[TierConfig] = [tier_config(t, chunk_tokens, chunk_kv_bytes) for t in fleet.tiers]
+        if shared is not None and fleet.shared is not None:
+            tiers.append(_Existing(write=fleet.shared.write, tier=shared))
+        self.cache = KVCache(SIM_SPEC, model, CacheConfig(chunk_size=chunk_tokens, tiers=tuple(tiers)))
+        #: the tiers' names (kinds, numbered when repeated: memory, disk, shared), as reports show them
+        self.labels = [tier.name for tier in self.cache.tiers]
+        self._hits_seen = [0.0] * len(self.labels)
+        self._sink = _Discard()
+        self._source = _Zeros(chunk_tokens)
+
+    def cached_chunks(self, keys: Sequence[ChunkHash]) -> dict[str, int]:
+        """Chunks of the longest held prefix of ``keys``, by tier label (each in the fastest tier holding it)."""
+        where = self.cache.locate(keys)
+        out: dict[str, int] = {}
+        for t in where:
+            if t is None:
+                break
+            out[self.labels[t]] = out.get(self.labels[t], 0) + 1
+        return out
+
+    def serve(self, tokens: np.ndarray) -> list[int]:
+        """Load the prompt's cached prefix and store the rest, as an engine would; hit chunks per tier."""
+        self.cache.retrieve(tokens, self._sink)
+        self.cache.store(tokens, self._source)
+        hits = []
+        size = self.cache.chunk_size
+        for i, name in enumerate(self.labels):
+            total = self.cache.metrics.get("kvtier_hit_tokens_total", tier=name)
+            hits.append(int(total - self._hits_seen[i]) // size)
+            self._hits_seen[i] = total
+        return hits
+
+    def close(self) -> None:
+        self.cache.close()

@@ -1,0 +1,398 @@
+"""KVCache: the chain of tiers behind three calls, lookup / store / retrieve.
+
+* ``lookup(tokens)`` -> how many leading tokens are cached (a multiple of the chunk size), with the chunks
+  allowed to sit in different tiers. No side effects (eviction order untouched).
+* ``store(tokens, kv)`` writes the full chunks of ``kv`` that tiers lack: to the first tier and to every tier
+  in write-through mode; write-back tiers receive chunks when the tier above evicts them.
+* ``retrieve(tokens)`` loads the longest cached prefix, verifying every chunk (token ids always; checksum
+  for tiers whose bytes left the process). A chunk that fails is deleted, counted and ends the prefix: the
+  engine recomputes from there. Hits in slower tiers are promoted into the faster ones.
+
+Failures of a tier (``KVTierError``) become misses or skipped stores plus a metric; they never propagate.
+
+Models with SSM layers (a ``ModelStateSpec`` instead of a ``KVSpec``) also keep state snapshots at chunk
+boundaries (``store_states`` / ``retrieve_states``, logic in state_cache.py); their ``lookup`` counts only
+prefixes whose every kind is cached: the KV of each chunk up to a boundary and the snapshot at it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvtier.base.errors import ConfigError, InvalidArgument, KVTierError
+from kvtier.base.keys import ChunkHash, Namespace, Tokens, token_array
+from kvtier.base.layout import KVSpec
+from kvtier.base.metrics import Metrics
+from kvtier.base.state import ModelStateSpec
+from kvtier.codecs import codec_by_id
+from kvtier.codecs.blob import encode_blob, parse_blob
+from kvtier.core.config import CacheConfig
+from kvtier.core.pipeline import Pipeline
+from kvtier.core.snapshots import NoStates, PrefixState, Snapshot, StateSnapshots
+from kvtier.core.events import CacheEvents
+from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, TierContext, WriteMode, locate_keys
+
+log = logging.getLogger(__name__)
+
+
+class KVSource(Protocol):
+    """Where ``store`` reads KV from, one chunk at a time (engine integrations adapt their layout here).
+
+    Optional: ``device``, where the chunks are (``cpu`` when absent). A store from a GPU first waits for the
+    work queued on the caller's current stream, and bounds the chunks it holds there at once
+    (``pipeline.DEVICE_WINDOW_BYTES``)."""
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        """Canonical KV of tokens ``[start, end)``: ``[layers, 2, end - start, kv_heads, head_dim]``, any strides,
+        on the CPU or on a GPU (then ready to read from any stream: kvtier copies it on its own, ``native.gpu``)."""
+
+
+class KVSink(Protocol):
+    """Where ``retrieve`` writes KV to, one chunk at a time.
+
+    Optional: ``destination(start, end) -> torch.Tensor | None``, a CPU tensor (canonical shape for tokens
+    ``[start, end)``, any strides) that the retrieve decodes straight into instead of calling ``write``: no
+    temporary chunk and no extra copy. The sink then promises that disjoint token ranges may be written from
+    several threads at once. A chunk that fails after verification may leave partial bytes there; as with
+    ``write``, only the prefix ``retrieve`` returns is valid.
+
+    Optional: ``settle()``, for a sink whose ``write`` may go on reading ``chunk`` after it returns (an
+    asynchronous copy to a GPU straight out of a tier's pinned memory). ``chunk`` then stays valid until the
+    next ``settle()`` returns: the retrieve calls it before it reuses or releases the memory of any chunk it
+    has written (after each write of a reused decode buffer, and before a window's tier reads are released).
+    """
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        """Copy canonical KV of tokens ``[start, end)`` out of ``chunk`` (valid only during the call, or until
+        ``settle()`` for a sink that has it)."""
+
+
+class TensorSource:
+    """A canonical ``[L, 2, T, H, D]`` tensor as a KVSource."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.device = kv.device
+
+    def chunk(self, start: int, end: int) -> torch.Tensor:
+        return self.kv[:, :, start:end]
+
+
+class TensorSink:
+    """A canonical ``[L, 2, T, H, D]`` tensor as a KVSink."""
+
+    #: writes of disjoint token ranges may run in parallel (the retrieve pipeline's workers)
+    concurrent_writes = True
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.out[:, :, start:end].copy_(chunk)
+
+    def destination(self, start: int, end: int) -> torch.Tensor | None:
+        """The token range itself, where ``out`` is on the CPU (codecs decode into it)."""
+        return self.out[:, :, start:end] if self.out.device.type == "cpu" else None
+
+
+def _tier_names(kinds: Sequence[str]) -> list[str]:
+    names: list[str] = []
+    for kind in kinds:
+        name, n = kind, 2
+        while name in names:
+            name, n = f"{kind}{n}", n + 1
+        names.append(name)
+    return names
+
+
+class KVCache:
+    """Tiered prefix KV cache for one model (one namespace apart from per-call tenant salts).
+
+    Thread-safe: tiers lock their own state and the cache keeps none besides them.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec | ModelStateSpec,
+        model: str,
+        config: CacheConfig | None = None,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        adapter: str = "",
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config if config is not None else CacheConfig()
+        self.model_spec = ModelStateSpec.of(spec)
+        self.spec = self.model_spec.attention  #: None for models without attention layers (pure SSM)
+        self.chunk_size = self.config.chunk_size
+        self.namespace = Namespace(model, spec, self.chunk_size, tp_rank, tp_size, adapter)
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.events = CacheEvents()  #: chunks stored / removed per tier (kvtier.events)
+        self._pipeline = Pipeline(self.spec, self.chunk_size, self.metrics)  # a pure SSM model moves no KV
+        names = _tier_names([cfg.kind for cfg in self.config.tiers])
+        self.tiers: list[Tier] = []
+        try:
+            for cfg, name in zip(self.config.tiers, names):
+                self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
+            self._wire_write_back()
+            self.events.watch(self.tiers)
+            self._states = (StateSnapshots(self.model_spec, self.config, self.tiers, self.metrics, self._tier_failed)
+                            if self.model_spec.states else NoStates())
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public API ----------------------------------------------------------------------------------------
+    def keys(self, tokens: Tokens, *, salt: bytes = b"") -> list[ChunkHash]:
+        """Chunk keys of the full chunks of ``tokens`` in this cache's namespace (with ``salt``)."""
+        return self.namespace.with_salt(salt).chunk_hashes(tokens)
+
+    def lookup(self, tokens: Tokens, *, salt: bytes = b"") -> int:
+        """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size)."""
+        with self.metrics.timer("kvtier_lookup_seconds"):
+            keys = self.keys(tokens, salt=salt)
+            n = self._states.usable(keys, self._kv_prefix(keys))
+        self.metrics.inc("kvtier_lookups_total")
+        self.metrics.inc("kvtier_lookup_tokens_total", len(keys) * self.chunk_size)
+        return n * self.chunk_size
+
+    def store(self, tokens: Tokens, kv: torch.Tensor | KVSource, *, salt: bytes = b"") -> int:
+        """Store the full chunks of ``tokens`` whose KV ``kv`` holds (canonical tensor or KVSource).
+
+        Returns the number of tokens newly written to at least one tier. Never raises for tier failures.
+        """
+        with self.metrics.timer("kvtier_store_seconds"):
+            self._require_attention()
+            token_ids = token_array(tokens)
+            keys = self.keys(token_ids, salt=salt)
+            if isinstance(kv, torch.Tensor):
+                if kv.dim() != 5 or kv.shape[2] < len(keys) * self.chunk_size:
+                    raise InvalidArgument(f"kv {tuple(kv.shape)} does not cover {len(keys)} chunks")
+                self.spec.check(kv[:, :, :0], 0)
+                source: KVSource = TensorSource(kv)
+            else:
+                source = kv
+            return sum(self.store_keyed(keys, token_ids, source)) * self.chunk_size
+
+    def store_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource) -> list[bool]:
+        """``store`` under keys the caller derived itself (an engine's own chained page hashes mapped into this
+        namespace), chunk ``i`` being tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of ``source`` and of
+        ``token_ids`` (recorded in, and checked on every read of, its blob). True per chunk newly written to at
+        least one tier. Never raises for tier failures."""
+        device = torch.device(getattr(source, "device", "cpu"))
+        if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
+            torch.cuda.current_stream(device).synchronize()
+        written = [False] * len(keys)
+        for tier, cfg in zip(self.tiers, self.config.tiers):
+            if tier is not self.tiers[0] and cfg.write is WriteMode.BACK:
+                continue
+            for i in self._store_into(tier, keys, token_ids, source):
+                written[i] = True
+        self._order_chains(keys)
+        return written
+
+    def retrieve(
+        self,
+        tokens: Tokens,
+        out: torch.Tensor | KVSink | None = None,
+        *,
+        salt: bytes = b"",
+        max_tokens: int | None = None,
+    ) -> tuple[torch.Tensor | None, int]:
+        """Load the longest cached prefix of ``tokens`` (at most ``max_tokens``).
+
+        ``out`` is a canonical tensor with room for the prefix, or a KVSink; when omitted a tensor is
+        allocated. Returns ``(tensor or None for a sink, n_tokens)``; only the first ``n_tokens`` are valid.
+        """
+        with self.metrics.timer("kvtier_retrieve_seconds"):
+            self._require_attention()
+            token_ids = token_array(tokens)
+            keys = self.keys(token_ids, salt=salt)
+            if max_tokens is not None:
+                keys = keys[: max(max_tokens, 0) // self.chunk_size]
+            where = self._locate(keys)
+            n = self._prefix(where)
+            if n == 0:
+                self.metrics.inc("kvtier_miss_tokens_total", len(keys) * self.chunk_size)
+                return (None if out is not None and not isinstance(out, torch.Tensor) else out), 0
+            tensor: torch.Tensor | None
+            if out is None:
+                tensor = self.spec.empty(n * self.chunk_size)
+                sink: KVSink = TensorSink(tensor)
+            elif isinstance(out, torch.Tensor):
+                if out.dim() != 5 or out.shape[2] < n * self.chunk_size:
+                    raise InvalidArgument(f"out {tuple(out.shape)} has no room for {n * self.chunk_size} tokens")
+                self.spec.check(out[:, :, :0], 0)
+                tensor, sink = out, TensorSink(out)
+            else:
+                tensor, sink = None, out
+            good = self._load_prefix(keys, where, token_ids, sink)
+        return tensor, good * self.chunk_size
+
+    def retrieve_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, sink: KVSink) -> int:
+        """``retrieve`` under keys the caller derived itself (see ``store_keyed``) into ``sink``: returns how many
+        leading chunks of ``keys`` arrived verified. Never raises for tier failures."""
+        with self.metrics.timer("kvtier_retrieve_seconds"):
+            return self._load_prefix(keys, self._locate(keys), token_ids, sink)
+
+    def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
+        """For each key, the index of the fastest tier holding it (None where no tier does; a prefix ends at the
+        first None). No side effects: what a router or a simulator asks before choosing where a request goes."""
+        return self._locate(keys)
+
+    # -- state beyond attention KV (SSM layers; see kvtier.base.state) ---------------------------------------------
+    def store_states(self, tokens: Tokens, snapshots: dict[int, Snapshot], *, salt: bytes = b"") -> int:
+        """Store state snapshots ``{k: {kind: tensor}}``, each taken after the first ``k`` full chunks of
+        ``tokens``; store their KV chunks with ``store``. Returns how many boundaries were newly stored."""
+        token_ids = token_array(tokens)
+        return self._states.store(self.keys(token_ids, salt=salt), token_ids, snapshots)
+
+    def retrieve_states(self, tokens: Tokens, *, salt: bytes = b"", max_tokens: int | None = None) -> PrefixState:
+        """Restore the longest prefix of ``tokens`` (at most ``max_tokens``) whose attention KV and state
+        snapshot are all cached and verify: a hit at boundary ``k`` needs the KV of chunks ``1..k`` and the
+        snapshot at ``k``. A miss is ``PrefixState()`` (0 tokens)."""
+        with self.metrics.timer("kvtier_retrieve_seconds"):
+            token_ids = token_array(tokens)
+            limit = len(token_ids) if max_tokens is None else max(max_tokens, 0)
+            keys = self.keys(token_ids, salt=salt)[: limit // self.chunk_size]
+            load_kv = (None if self.spec is None else
+                       lambda n: self.retrieve(token_ids, salt=salt, max_tokens=n))
+            return self._states.restore(keys, token_ids, self._kv_prefix(keys), load_kv)
+
+    def close(self) -> None:
+        self._pipeline.close()
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except KVTierError as exc:
+                log.warning("closing tier %s: %s", tier.name, exc)
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _wire_write_back(self) -> None:
+        for i, cfg in enumerate(self.config.tiers[1:], start=1):
+            if cfg.write is not WriteMode.BACK:
+                continue
+            upper = self.tiers[i - 1]
+            if not isinstance(upper, EvictionReporter):
+                raise ConfigError(f"tier {upper.name} cannot feed a write-back tier (it reports no evictions)")
+            target = self.tiers[i]
+            upper.set_eviction_listener(lambda key, blob, target=target: self._demote(key, blob, target))
+
+    def _locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
+        """For each key, the index of the fastest tier holding it (None where no tier does)."""
+        return locate_keys(self.tiers, keys, self._tier_failed)
+
+    def _kv_prefix(self, keys: Sequence[ChunkHash]) -> int:
+        """Leading chunks whose KV some tier holds; all of them for models without attention layers."""
+        return self._prefix(self._locate(keys)) if self.spec is not None else len(keys)
+
+    def _require_attention(self) -> None:
+        if self.spec is None:
+            raise ConfigError("this model has no attention layers: use store_states / retrieve_states")
+
+    @staticmethod
+    def _prefix(where: Sequence[int | None]) -> int:
+        for i, t in enumerate(where):
+            if t is None:
+                return i
+        return len(where)
+
+    def _load_prefix(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray,
+                     sink: KVSink) -> int:
+        """Load the located prefix of ``keys`` into ``sink``, count the misses; return the chunks that arrived."""
+        n = self._prefix(where)
+        good = self._load(keys[:n], where[:n], token_ids, sink) if n else 0
+        if n:
+            self._order_chains(keys[:good])
+        self.metrics.inc("kvtier_miss_tokens_total", (len(keys) - good) * self.chunk_size)
+        return good
+
+    def _load(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray, sink: KVSink) -> int:
+        """Copy chunks into ``sink`` (pipeline.py: windows overlapped on a pool); return how many leading
+        chunks arrived intact."""
+        size = self.chunk_size
+        ok = self._pipeline.load(self.tiers, keys, where, token_ids, sink,
+                                 lambda i, tokens, chunk, t: self._promote(keys[i], tokens, chunk, t),
+                                 self._tier_failed)
+        good = self._prefix([t if hit else None for t, hit in zip(where, ok)])
+        for t, tier in enumerate(self.tiers):
+            hits = sum(1 for i in range(good) if where[i] == t)
+            if hits:
+                self.metrics.inc("kvtier_hit_tokens_total", hits * size, tier=tier.name)
+        return good
+
+    def _order_chains(self, keys: Sequence[ChunkHash]) -> None:
+        """Tell every tier with a policy the request's chain, once all its windows are done (chunks load on
+        a pool and store window by window, so their touches reach a policy in no chain order)."""
+        for tier in self.tiers:
+            if isinstance(tier, ChainOrdered):
+                try:
+                    tier.order_chain(keys)
+                except KVTierError as exc:
+                    self._tier_failed(tier, "order_chain", exc)
+
+    def _store_into(self, tier: Tier, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource) -> list[int]:
+        """Write the chunks ``tier`` lacks; return the indices it newly stored."""
+        size = self.chunk_size
+        try:
+            present = tier.contains(keys)
+        except KVTierError as exc:
+            self._tier_failed(tier, "put", exc)
+            return []
+        missing = [i for i, p in enumerate(present) if not p]
+        if not missing:
+            return []
+        done = self._pipeline.encode_and_put(tier, missing, keys, token_ids, source, self._tier_failed)
+        self.events.stored(tier.name, keys, done, token_ids, size)
+        self.metrics.inc("kvtier_stored_tokens_total", len(done) * size, tier=tier.name)
+        return done
+
+    def _promote(self, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, found_in: int) -> None:
+        """Copy a chunk found in tier ``found_in`` into every faster tier.
+
+        Called inside the slower tier's ``get`` block: ``chunk`` may view that tier's buffer (the raw codec
+        decodes without copying), which is valid only until the block ends."""
+        for tier in self.tiers[:found_in]:
+            if self._copy_into(tier, key, tokens, chunk, "promote"):
+                self.metrics.inc("kvtier_promotions_total", tier=tier.name)
+
+    def _demote(self, key: ChunkHash, blob: memoryview, target: Tier) -> None:
+        """Write-back: re-encode an entry the upper tier is evicting into ``target``.
+
+        Runs as the upper tier's eviction listener, while ``blob`` is still valid (see EvictionReporter)."""
+        try:
+            header, payload = parse_blob(blob, key, verify=False)
+            chunk = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
+        except KVTierError as exc:
+            self._tier_failed(target, "demote", exc)
+            return
+        if self._copy_into(target, key, header.tokens(blob), chunk, "demote"):
+            self.metrics.inc("kvtier_demotions_total", tier=target.name)
+
+    def _copy_into(self, tier: Tier, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, op: str) -> bool:
+        """Encode ``chunk`` for ``tier`` (its codec, sealed where it verifies) and store it; True if stored.
+        A failure of the tier is counted under ``op`` and is a False, never an exception."""
+        try:
+            stored = tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])[0]
+        except KVTierError as exc:
+            self._tier_failed(tier, op, exc)
+            return False
+        if stored:
+            self.events.moved_in(tier.name, key)
+        return stored
+
+    def _tier_failed(self, tier: Tier, op: str, exc: KVTierError) -> None:
+        self.metrics.inc("kvtier_tier_errors_total", tier=tier.name, op=op)
+        log.warning("tier %s failed on %s: %s", tier.name, op, exc)

@@ -1,0 +1,277 @@
+"""Which replica should serve a request: pure decisions over the router's view of the fleet.
+
+The view of one replica for one request is a ``ReplicaView``: how many tokens of the request's prefix the
+replica holds, per tier (each chunk counted once, in the fastest tier holding it; a chunk in a shared store
+the replica reads counts under that store's tier), and its load: requests in flight, and of those the prompt
+tokens still to prefill and the streams already decoding. Every ``RoutingPolicy`` turns a request and the
+views into a ``Decision``: a replica index and the reason for it. ``kvtier sim`` and ``kvtier route`` import
+this one module, so what the simulator predicts is what the router does.
+
+Cost of a replica for a request, in prefill tokens::
+
+    prompt tokens - sum(cached tokens x tier weight)        # what it would compute for this request
+      + prefill tokens in flight                             # what it must compute first
+      + decode streams x decode_stream_tokens                # what its running generations cost it
+
+Tier weights say what a cached token is worth against one in the fastest tier (RAM 1.0; a slower tier
+less: its load is not free), so a prefix in RAM beats the same prefix on disk.
+
+Policies:
+
+* ``RoundRobin`` and ``RandomChoice``: ignore the cache (baselines).
+* ``PrefixAffinity``: the cheapest replica.
+* ``LoadBoundedAffinity``: the same, among replicas within the load bound of consistent hashing with
+  bounded loads (Mirrokni et al., 2018): a replica may take the request only if its in-flight requests, plus
+  this one, stay within ``ceil((1 + epsilon) x (all in flight + 1) / replicas)``. No replica runs far above
+  the mean while the others idle, whatever the prefix sharing.
+* ``StickySessions``: a session's later requests go back to the replica that served its last one, unless
+  that replica is above the load bound (or gone); then an inner policy chooses and the break is counted.
+
+Ties (no replica holds anything, or several cost the same) are broken by load, then by rendezvous hashing of
+the request's first chunk key and the replica's name, so a new prefix has a stable home from its first
+request on, whichever replicas are up.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.base.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the router knows of one replica for one request."""
+
+    #: tokens of the request's prefix the replica holds, by tier name (each chunk in its fastest tier)
+    cached: Mapping[str, int] = field(default_factory=dict)
+    #: requests in flight on the replica
+    load: float = 0.0
+    #: prompt tokens of in-flight requests the replica has yet to compute (the router's own accounting)
+    prefill_tokens: int = 0
+    #: in-flight requests past their first token
+    decode_streams: int = 0
+    #: a stable name (sessions and rendezvous homes follow it when the list of replicas changes); "" = index
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows of a request before choosing."""
+
+    prompt_tokens: int
+    #: the key of the prompt's first chunk (b"" for a prompt shorter than a chunk): the tie-breaker's input
+    first_key: bytes = b""
+    #: a conversation or client id, for sticky sessions
+    session: str | None = None
+
+
+class Reason(enum.Enum):
+    """Why a replica was chosen (the router counts decisions by reason)."""
+
+    CACHED = "cached"  #: the cheapest replica, and it holds part of the prompt
+    SPREAD = "spread"  #: no replica holds any of the prompt: least loaded, then the rendezvous home
+    BOUND = "bound"  #: a replica holding more of the prompt was above the load bound
+    STICKY = "sticky"  #: the session's last replica
+    STICKY_BREAK = "sticky-break"  #: the session's last replica was above the bound or gone
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: int
+    reason: Reason
+
+
+class RoutingPolicy(Protocol):
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        """The replica (an index into ``replicas``, never empty) that serves ``request``, and why."""
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
+        """``decide(...).replica``."""
+
+
+def expected_saved_tokens(view: ReplicaView, tier_weights: Mapping[str, float]) -> float:
+    """Prefill tokens the replica is expected to save: cached tokens, weighted by tier (1.0 when unnamed)."""
+    return sum(tokens * tier_weights.get(tier, 1.0) for tier, tokens in view.cached.items())
+
+
+def prefill_cost(request: RouteRequest, view: ReplicaView, tier_weights: Mapping[str, float],
+                 decode_stream_tokens: float = 0.0) -> float:
+    """The replica's cost for ``request`` in prefill tokens (see the module docstring)."""
+    compute = max(request.prompt_tokens - expected_saved_tokens(view, tier_weights), 0.0)
+    return compute + view.prefill_tokens + decode_stream_tokens * view.decode_streams
+
+
+def load_bound(replicas: Sequence[ReplicaView], epsilon: float) -> float:
+    """The most requests in flight a replica may have after taking one more (bounded-load hashing)."""
+    total = sum(view.load for view in replicas) + 1
+    return math.ceil((1 + epsilon) * total / len(replicas))
+
+
+def within_bound(replicas: Sequence[ReplicaView], epsilon: float) -> list[int]:
+    """Indices of the replicas that may take one more request; never empty."""
+    bound = load_bound(replicas, epsilon)
+    allowed = [i for i, view in enumerate(replicas) if view.load + 1 <= bound]
+    return allowed or [min(range(len(replicas)), key=lambda i: replicas[i].load)]
+
+
+def replica_name(replicas: Sequence[ReplicaView], i: int) -> str:
+    return replicas[i].name or str(i)
+
+
+def rendezvous_rank(first_key: bytes, replica: str) -> bytes:
+    """Highest-random-weight hashing: each (prefix, replica) pair gets a stable pseudo-random rank."""
+    return hashlib.blake2b(first_key + b"\0" + replica.encode(), digest_size=8).digest()
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How a policy prices replicas: tier weights and what one decoding stream costs in prefill tokens."""
+
+    tier_weights: Mapping[str, float] = field(default_factory=dict)
+    decode_stream_tokens: float = 0.0
+
+    def best(self, request: RouteRequest, replicas: Sequence[ReplicaView], candidates: Sequence[int]) -> int:
+        """The cheapest candidate; ties go to the one saving more, the least loaded, the rendezvous winner."""
+        def rank(i: int):
+            view = replicas[i]
+            return (-prefill_cost(request, view, self.tier_weights, self.decode_stream_tokens),
+                    expected_saved_tokens(view, self.tier_weights), -view.load,
+                    rendezvous_rank(request.first_key, replica_name(replicas, i)))
+
+        return max(candidates, key=rank)
+
+    def saved(self, view: ReplicaView) -> float:
+        return expected_saved_tokens(view, self.tier_weights)
+
+
+class _Policy:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        raise NotImplementedError
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
+        return self.decide(request, replicas).replica
+
+
+class RoundRobin(_Policy):
+    def __init__(self) -> None:
+        self._next = 0
+
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        index = self._next % len(replicas)
+        self._next = index + 1
+        return Decision(index, Reason.ROUND_ROBIN)
+
+
+class RandomChoice(_Policy):
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        return Decision(self._rng.randrange(len(replicas)), Reason.RANDOM)
+
+
+class PrefixAffinity(_Policy):
+    def __init__(self, tier_weights: Mapping[str, float] | None = None, decode_stream_tokens: float = 0.0) -> None:
+        self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens)
+        self.tier_weights = self.cost.tier_weights
+
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        best = self.cost.best(request, replicas, range(len(replicas)))
+        return Decision(best, Reason.CACHED if self.cost.saved(replicas[best]) > 0 else Reason.SPREAD)
+
+
+class LoadBoundedAffinity(_Policy):
+    def __init__(self, epsilon: float = 0.25, tier_weights: Mapping[str, float] | None = None,
+                 decode_stream_tokens: float = 0.0) -> None:
+        if epsilon < 0:
+            raise ConfigError(f"load epsilon must not be negative, got {epsilon}")
+        self.epsilon = epsilon
+        self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens)
+        self.tier_weights = self.cost.tier_weights
+
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        allowed = within_bound(replicas, self.epsilon)
+        chosen = self.cost.best(request, replicas, allowed)
+        most = max(self.cost.saved(view) for view in replicas)
+        if self.cost.saved(replicas[chosen]) < most:
+            return Decision(chosen, Reason.BOUND)
+        return Decision(chosen, Reason.CACHED if most > 0 else Reason.SPREAD)
+
+
+class StickySessions(_Policy):
+    """Keeps each session on one replica; the ``max_sessions`` most recent sessions are remembered (the router
+    passes fixed-size digests as sessions, so the table's memory is bounded by its count).
+
+    ``breaks`` counts requests whose session had a replica that could not take them (above the bound, or no
+    longer among the replicas)."""
+
+    def __init__(self, inner: RoutingPolicy, epsilon: float = 0.25, max_sessions: int = 100_000) -> None:
+        self.inner = inner
+        self.epsilon = epsilon
+        self.max_sessions = max_sessions
+        self.breaks = 0
+        self._homes: OrderedDict[str, str] = OrderedDict()
+
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        session = request.session
+        home = self._homes.get(session) if session is not None else None
+        if home is not None:
+            index = next((i for i in range(len(replicas)) if replica_name(replicas, i) == home), None)
+            if index is not None and index in within_bound(replicas, self.epsilon):
+                self._homes.move_to_end(session)
+                return Decision(index, Reason.STICKY)
+            self.breaks += 1
+        decision = self.inner.decide(request, replicas)
+        if session is not None:
+            self.remember(session, replica_name(replicas, decision.replica))
+        return Decision(decision.replica, Reason.STICKY_BREAK) if home is not None else decision
+
+    def remember(self, session: str, replica: str) -> None:
+        """``session`` was served by ``replica`` (a retry may serve it elsewhere than decided)."""
+        self._homes[session] = replica
+        self._homes.move_to_end(session)
+        while len(self._homes) > self.max_sessions:
+            self._homes.popitem(last=False)
+
+
+class Routing(enum.Enum):
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    PREFIX = "prefix"
+    LOAD_BOUNDED = "load-bounded"
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """``routing``: the policy; ``epsilon``: the load bound's slack; ``sticky``: keep sessions on one replica;
+    ``tier_weights``: what a cached token of each tier is worth against one in the fastest (default 1.0);
+    ``decode_stream_tokens``: what one decoding request costs a replica, in prefill tokens; ``max_sessions``:
+    the sticky sessions remembered (least recently used forgotten first)."""
+
+    routing: Routing = Routing.LOAD_BOUNDED
+    epsilon: float = 0.25
+    sticky: bool = False
+    tier_weights: tuple[tuple[str, float], ...] = ()
+    seed: int = 0
+    decode_stream_tokens: float = 0.0
+    max_sessions: int = 100_000
+
+    def build(self) -> RoutingPolicy:
+        weights = dict(self.tier_weights)
+        policy: RoutingPolicy = {
+            Routing.ROUND_ROBIN: RoundRobin,
+            Routing.RANDOM: lambda: RandomChoice(self.seed),
+            Routing.PREFIX: lambda: PrefixAffinity(weights, self.decode_stream_tokens),
+            Routing.LOAD_BOUNDED: lambda: LoadBoundedAffinity(self.epsilon, weights, self.decode_stream_tokens),
+        }[self.routing]()
+        return StickySessions(policy, self.epsilon, self.max_sessions) if self.sticky else policy

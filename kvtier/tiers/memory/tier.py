@@ -1,0 +1,256 @@
+"""Memory tier: one preallocated buffer, views handed out, eviction through a policy.
+
+The buffer is allocated (and its pages touched) once at start, in host RAM (pinned when CUDA is available so
+host<->GPU copies can be asynchronous, on transparent huge pages otherwise) or, with ``device: cuda:N``, in a
+GPU's spare memory (slab.py). A chunk is written straight into its slot (``Payload.write_into``) and read as a
+view of its slot: one copy in, one copy out, no per-chunk allocation of bytes (a GPU buffer adds a host copy
+each way).
+
+The buffer is private to the process, so blobs here are stored unsealed and read without checksum
+(``verifies = False``); their headers and token ids are still checked by the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvtier.base.keys import ChunkHash
+from kvtier.codecs import Payload, get_codec
+from kvtier.native.allocator import Allocator
+from kvtier.tiers.slab import check_device, make_slab
+from kvtier.policy import DEFAULT_POLICY, make_policy
+from kvtier.tiers.base import (
+    EvictionListener,
+    RemovalListener,
+    TierConfig,
+    TierContext,
+    TierStats,
+    register_tier,
+    stats_gauges,
+)
+
+
+class _Entry:
+    __slots__ = ("offset", "nbytes", "pins", "doomed")
+
+    def __init__(self, offset: int, nbytes: int) -> None:
+        self.offset, self.nbytes, self.pins, self.doomed = offset, nbytes, 0, False
+
+
+class MemoryTier:
+    """The Tier protocol over one preallocated host buffer; an ``EvictionReporter``, ``ChainOrdered``, a
+    ``RemovalReporter`` and ``Listable``."""
+
+    verifies = False
+    #: a get costs no round trip: fewer, larger windows spare a long load thread hand-offs (kvtier.core.pipeline)
+    large_load_windows = True
+
+    def __init__(self, config: MemoryTierConfig, ctx: TierContext) -> None:
+        self.name = ctx.name
+        self.codec = get_codec(config.codec)
+        self._policy = make_policy(config.policy)
+        self._metrics = ctx.metrics
+        self._alloc = Allocator(config.capacity_bytes, align=64)  # blob payloads start 64-byte aligned
+        self._slab = make_slab(self._alloc.capacity, config.device, config.prefault, config.huge_pages)
+        self._buffer = self._slab.buffer
+        self._entries: dict[ChunkHash, _Entry] = {}
+        self._lock = threading.Lock()
+        self._on_evict: EvictionListener | None = None
+        self._closed = False
+        self._on_remove: RemovalListener | None = None
+        self._metrics.add_gauges(lambda: stats_gauges(self))
+
+    # -- the Tier protocol ---------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        entries = self._entries
+        with self._lock:
+            return [key in entries for key in keys]
+
+    @contextmanager
+    def get(self, keys: Sequence[ChunkHash]) -> Iterator[list[memoryview | None]]:
+        pinned: list[_Entry] = []
+        views: list[memoryview | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    views.append(None)
+                    continue
+                entry.pins += 1
+                pinned.append(entry)
+                views.append(self._slab.read(entry.offset, entry.nbytes))
+            for key, view in zip(reversed(keys), reversed(views)):  # deepest chunk first (policy/base.py)
+                if view is not None:
+                    self._policy.on_access(key)
+        try:
+            yield views
+        finally:
+            with self._lock:
+                for entry in pinned:
+                    entry.pins -= 1
+                    if entry.doomed and entry.pins == 0:
+                        self._alloc.free(entry.offset, entry.nbytes)
+
+    def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
+        """Stores a batch deepest chunk first, so the policy learns a chain from its end (policy/base.py).
+
+        In three steps: slots are reserved (evicting as needed), then the payloads are written together (their
+        bulk copies in one call: Python between the copies of a batch had slowed them by ~10%), then the
+        entries are published. A reserved slot is in no entry, so nothing can evict or read it early. When
+        the batch itself fills the tier, what is reserved so far is written and published first, so later
+        chunks may evict it as they would one by one."""
+        done = [False] * len(items)
+        pending: list[tuple[int, int, int, object]] = []  # (item index, offset, nbytes, slab)
+        for i in reversed(range(len(items))):
+            key, payload = items[i]
+            slot = self._reserve(key, payload.nbytes, last_try=not pending)
+            if slot is None:  # full of pending slots: publish them (they become evictable) and try again
+                self._commit(items, pending, done)
+                pending = []
+                slot = self._reserve(key, payload.nbytes, last_try=True)
+            if isinstance(slot, tuple):
+                pending.append((i, *slot))
+            else:
+                done[i] = bool(slot)
+        self._commit(items, pending, done)
+        return done
+
+    def delete(self, keys: Sequence[ChunkHash]) -> None:
+        with self._lock:
+            for key in keys:
+                self._remove(key)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self._alloc.used, self._alloc.capacity, len(self._entries))
+
+    def close(self) -> None:
+        """Forget every entry and give the buffer back now (a process that builds caches one after another
+        must not hold every old buffer until garbage collection finds it). Views handed out earlier stay
+        valid: they keep the old buffer alive until they are dropped. After close, puts are skipped and
+        reads miss."""
+        with self._lock:
+            self._entries.clear()
+            self._closed = True
+            self._slab = make_slab(0, "cpu", prefault=False)
+            self._buffer = self._slab.buffer
+
+    # -- ChainOrdered ---------------------------------------------------------------------------------------
+    def order_chain(self, keys: Sequence[ChunkHash]) -> None:
+        with self._lock:
+            self._policy.on_chain(keys)
+
+    # -- EvictionReporter ----------------------------------------------------------------------------------
+    def set_eviction_listener(self, listener: EvictionListener | None) -> None:
+        """See ``EvictionReporter``: called from ``put`` for each entry evicted to make room."""
+        self._on_evict = listener
+
+    # -- RemovalReporter and Listable ----------------------------------------------------------------------
+    def set_removal_listener(self, listener: RemovalListener | None) -> None:
+        """See ``RemovalReporter``: called under the tier's lock for each entry evicted or deleted."""
+        self._on_remove = listener
+
+    def list_keys(self) -> list[ChunkHash]:
+        with self._lock:
+            return list(self._entries)
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _reserve(self, key: ChunkHash, nbytes: int, *, last_try: bool) -> bool | tuple[int, int, object] | None:
+        """A slot for ``key``: ``(offset, nbytes, slab)``; True (already stored) or False (skipped); None when no
+        room could be made and this is not the ``last_try`` (the caller holds unpublished slots)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if key in self._entries:
+                self._policy.on_access(key)
+                return True
+            if self._alloc.rounded(nbytes) > self._alloc.capacity:
+                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="too_large")
+                return False
+            offset = self._allocate(nbytes)
+            if offset is None:
+                if not last_try:
+                    return None
+                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="full_of_pinned")
+                return False
+            return offset, nbytes, self._slab  # close() may swap the slab while the write runs: it lands in this one
+
+    def _commit(self, items: Sequence[tuple[ChunkHash, Payload]], pending: list[tuple[int, int, int, object]],
+                done: list[bool]) -> None:
+        """Write the reserved slots' payloads (each into the slab it was reserved in), then publish them."""
+        try:
+            for slab in {id(p[3]): p[3] for p in pending}.values():  # one slab, unless close() swapped it
+                slab.write_many([(offset, items[i][1]) for i, offset, _, s in pending if s is slab])
+        except BaseException:
+            with self._lock:
+                for _, offset, nbytes, _ in pending:
+                    self._alloc.free(offset, nbytes)
+            raise
+        with self._lock:
+            for i, offset, nbytes, _ in pending:
+                done[i] = self._publish(items[i][0], offset, nbytes)
+        written = sum(nbytes for i, _, nbytes, _ in pending if done[i])
+        if written:
+            self._metrics.inc("kvtier_written_bytes_total", written, tier=self.name)
+
+    def _publish(self, key: ChunkHash, offset: int, nbytes: int) -> bool:
+        """Make a written slot ``key``'s entry. Caller holds the lock."""
+        if self._closed:
+            return False
+        if key in self._entries:  # a concurrent put of the same key won
+            self._alloc.free(offset, nbytes)
+            return True
+        self._entries[key] = _Entry(offset, nbytes)
+        self._policy.on_insert(key)
+        return True
+
+    def _allocate(self, nbytes: int) -> int | None:
+        """Find room, evicting unpinned entries in policy order. Caller holds the lock."""
+        while (offset := self._alloc.alloc(nbytes)) is None:
+            victim = self._policy.victim(lambda k: self._entries[k].pins == 0)
+            if victim is None:
+                return None
+            entry = self._entries[victim]
+            if self._on_evict is not None:
+                self._on_evict(victim, self._slab.read(entry.offset, entry.nbytes))
+            self._remove(victim)
+            self._metrics.inc("kvtier_evictions_total", tier=self.name)
+        return offset
+
+    def _remove(self, key: ChunkHash) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self._policy.on_remove(key)
+        if self._on_remove is not None:
+            self._on_remove(key)
+        if entry.pins:
+            entry.doomed = True  # freed by the last reader
+        else:
+            self._alloc.free(entry.offset, entry.nbytes)
+
+
+@register_tier
+@dataclass(frozen=True)
+class MemoryTierConfig(TierConfig):
+    """``capacity_bytes``: hard limit of the buffer; ``policy``: eviction policy name; ``prefault``: touch
+    every page of the buffer at start (off only where start-up time matters more, as in tests); ``device``:
+    ``cpu`` (host RAM) or ``cuda:N`` (a GPU's spare memory); ``huge_pages``: a host buffer that is not pinned
+    sits on transparent huge pages, which speeds up every copy in and out and may slow the start (slab.py)."""
+
+    kind = "memory"
+    capacity_bytes: int = 1 << 30
+    policy: str = DEFAULT_POLICY
+    prefault: bool = True
+    device: str = "cpu"
+    huge_pages: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_device(self.device)
+
+    def build(self, ctx: TierContext) -> MemoryTier:
+        return MemoryTier(self, ctx)
