@@ -35,7 +35,9 @@ from _util import result  # noqa: E402
 from hybrid_ttft import granite_h_350m, smollm2_360m  # noqa: E402
 
 from kvtier import CacheConfig, KVCache, KVSpec  # noqa: E402
-from kvtier.apps.bench.workloads import (  # noqa: E402
+from kvtier.base.errors import ConfigError  # noqa: E402
+from kvtier.base.state import ModelStateSpec, SnapshotPolicy  # noqa: E402
+from kvtier.fleet.workloads import (  # noqa: E402
     MultiRoundSpec,
     QASpec,
     count,
@@ -44,8 +46,6 @@ from kvtier.apps.bench.workloads import (  # noqa: E402
     multiround,
     words,
 )
-from kvtier.base.errors import ConfigError  # noqa: E402
-from kvtier.base.state import ModelStateSpec, SnapshotPolicy  # noqa: E402
 
 CHUNK = 256
 ANSWER_WORDS = 60

@@ -248,12 +248,12 @@ def run_fleet(args, png: Path) -> dict:
     """Pooled vs private vs mixed memory of 4 replicas on the Mooncake trace (kvtier.apps.sim.pooling)."""
     from tqdm import tqdm
 
-    from kvtier.apps.bench.workloads import find_workload_file
     from kvtier.apps.sim.pooling import ARMS, compare
     from kvtier.apps.sim.reference import ideal_hits
     from kvtier.apps.sim.study import chunk_chains
     from kvtier.apps.sim.trace import read_mooncake
     from kvtier.fleet.scoring import Routing
+    from kvtier.fleet.workloads import find_workload_file
 
     trace = find_workload_file("mooncake_synthetic_trace.jsonl")
     requests = read_mooncake(trace, block_tokens=args.block_tokens)

@@ -34,13 +34,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import result  # noqa: E402
 
-from kvtier.apps.bench.workloads import find_workload_file  # noqa: E402
 from kvtier.apps.sim import report, synthetic  # noqa: E402
 from kvtier.apps.sim.fleet import FleetConfig, SimTier  # noqa: E402
 from kvtier.apps.sim.replica import SIM_MODEL  # noqa: E402
 from kvtier.apps.sim.study import Study, chunk_chains, run_study  # noqa: E402
 from kvtier.apps.sim.trace import read_mooncake  # noqa: E402
 from kvtier.fleet.scoring import Routing, RoutingConfig  # noqa: E402
+from kvtier.fleet.workloads import find_workload_file  # noqa: E402
 from kvtier.policy import POLICIES, make_policy  # noqa: E402
 
 SIZES = {"mooncake": (1_000, 10_000), "mooncake-cut": (1_000, 10_000), "chat": (1_000, 3_000)}

@@ -41,7 +41,7 @@ from kvtier.apps.bench import report
 from kvtier.apps.bench.cli import bench
 from kvtier.apps.bench.client import Target
 from kvtier.apps.bench.launch import serve_processes
-from kvtier.apps.bench.workloads import MultiRoundSpec
+from kvtier.fleet.workloads import MultiRoundSpec
 from kvtier.net.ports import free_port
 
 POLICIES = {

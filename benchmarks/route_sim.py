@@ -32,11 +32,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import result  # noqa: E402
 
-from kvtier.apps.bench.workloads import find_workload_file  # noqa: E402
 from kvtier.apps.sim.fleet import FleetConfig, SimTier  # noqa: E402
 from kvtier.apps.sim.replay import SimResult, replay  # noqa: E402
 from kvtier.apps.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_mooncake  # noqa: E402
 from kvtier.fleet.scoring import Routing, RoutingConfig  # noqa: E402
+from kvtier.fleet.workloads import find_workload_file  # noqa: E402
 
 TARGET_HIT_VS_ONE_CACHE = 0.95
 TARGET_MAX_OVER_MEAN = 1.25

@@ -24,7 +24,7 @@ from pathlib import Path
 from kvtier.apps.bench import report
 from kvtier.apps.bench.cli import bench
 from kvtier.apps.bench.launch import cache_on_and_off
-from kvtier.apps.bench.workloads import MultiRoundSpec
+from kvtier.fleet.workloads import MultiRoundSpec
 
 TARGET_SPEEDUP = 5.0
 LONG_HISTORY = 4096

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.native import bulkcopy
 from kvtier.codecs import base as codecs_base
+from kvtier.native import bulkcopy
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

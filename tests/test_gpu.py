@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.native import gpu
 from kvtier.codecs.base import copy_tensors
-from kvtier.tiers.slab import HostSlab
+from kvtier.native import gpu
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig
 from kvtier.tiers import slab as slab_module
+from kvtier.tiers.slab import HostSlab
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)

@@ -32,9 +32,9 @@ from kvtier.base.state import ModelStateSpec
 from kvtier.codecs import codec_by_id
 from kvtier.codecs.blob import encode_blob, parse_blob
 from kvtier.core.config import CacheConfig
+from kvtier.core.events import CacheEvents
 from kvtier.core.pipeline import Pipeline
 from kvtier.core.snapshots import NoStates, PrefixState, Snapshot, StateSnapshots
-from kvtier.core.events import CacheEvents
 from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, TierContext, WriteMode, locate_keys
 
 log = logging.getLogger(__name__)

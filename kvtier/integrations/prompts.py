@@ -44,6 +44,6 @@ class PromptTokenizer:
 
     @staticmethod
     def _encode(encode, text: str, max_tokens: int | None) -> list[int]:
-        from kvtier.apps.serve.prompts import encode_prefix
+        from kvtier.integrations.tokenize import encode_prefix
 
         return list(encode(text)) if max_tokens is None else encode_prefix(encode, text, max_tokens)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.apps.bench import report
-from kvtier.apps.bench import workloads as wl
 from kvtier.apps.bench.cli import bench
 from kvtier.apps.bench.client import RequestResult, Target
 from kvtier.apps.bench.runner import RunResult
+from kvtier.fleet import workloads as wl
 from tests.server.conftest import start_server
 
 

@@ -197,7 +197,7 @@ def test_a_client_that_disconnects_cancels_the_upstream_request(fleet):
 def test_kvtier_bench_runs_against_the_router_unchanged(fleet):
     from kvtier.apps.bench.cli import bench
     from kvtier.apps.bench.client import Target
-    from kvtier.apps.bench.workloads import MultiRoundSpec
+    from kvtier.fleet.workloads import MultiRoundSpec
 
     spec = MultiRoundSpec(users=2, rounds=3, system_words=40, turn_words=15, max_tokens=8, seed=5)
     with router(fleet) as (live, _):

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from kvtier.apps.bench.workloads import MultiRoundSpec, TraceSpec
 from kvtier.apps.sim.bench_replay import chat_token_ids, read_bench_json
 from kvtier.apps.sim.fleet import FleetConfig, SimTier
 from kvtier.apps.sim.replay import replay
 from kvtier.base.errors import ConfigError
+from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec
 
 
 def bench_file(tmp_path, workload: str, spec, requests: list[dict]):

@@ -20,9 +20,9 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-from kvtier.apps.bench import workloads as wl
 from kvtier.apps.bench.client import Target
 from kvtier.base.errors import ConfigError
+from kvtier.fleet import workloads as wl
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (kvtier serve: the cache tenant)")
     g.add_argument("--wait", type=float, default=0, help="seconds to wait for --url endpoints to come up")
     o = p.add_argument_group("run")
-    o.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (trace timestamps: open loop)")
+    o.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (trace: open loop)")
     o.add_argument("--interleave", action="store_true",
                    help="run the targets side by side, taking turns, instead of one after the other")
     o.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
@@ -74,7 +74,7 @@ def workload_spec(args: argparse.Namespace):
                         args.timestamps, args.speed)
 
 
-WORKLOAD_FUNCS = {"multiround": wl.multiround, "qa": wl.longdoc_qa, "trace": wl.trace_replay}
+WORKLOAD_FUNCS = wl.WORKLOADS
 
 
 def bench(targets: list[Target], workload: str, spec, concurrency: int = 1, interleave: bool = False):

@@ -54,8 +54,7 @@ class _ReplayRunner:
 def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None = None,
                     limit: int | None = None) -> list[TraceRequest]:
     """The requests of one target's run in a bench JSON, in the order they were sent."""
-    from kvtier.apps.bench import workloads as wl
-    from kvtier.apps.bench.cli import WORKLOAD_FUNCS
+    from kvtier.fleet import workloads as wl
 
     doc = _load(path)
     runs = doc.get("runs") or []
@@ -71,7 +70,7 @@ def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None =
         spec = dataclasses.replace(spec, timestamps=False)  # prompts only: never wait for arrival times
     recorded = {(int(r["round"]), int(r["user"])): r for r in run.get("requests", [])}
     runner = _ReplayRunner(recorded)
-    asyncio.run(WORKLOAD_FUNCS[workload](runner, spec=spec))
+    asyncio.run(wl.WORKLOADS[workload](runner, spec=spec))
     out = []
     for round_, user, body in runner.sent:
         ids = (np.asarray(body["prompt"], dtype="<u4") if "prompt" in body else chat_token_ids(body["messages"]))

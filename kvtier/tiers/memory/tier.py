@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from kvtier.base.keys import ChunkHash
 from kvtier.codecs import Payload, get_codec
 from kvtier.native.allocator import Allocator
-from kvtier.tiers.slab import check_device, make_slab
 from kvtier.policy import DEFAULT_POLICY, make_policy
 from kvtier.tiers.base import (
     EvictionListener,
@@ -31,6 +30,7 @@ from kvtier.tiers.base import (
     register_tier,
     stats_gauges,
 )
+from kvtier.tiers.slab import check_device, make_slab
 
 
 class _Entry:

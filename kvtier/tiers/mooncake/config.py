@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass
 
 from kvtier.base.errors import ConfigError
-from kvtier.tiers.slab import check_device
 from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
+from kvtier.tiers.slab import check_device
 
 MiB = 1 << 20
 #: Mooncake refuses smaller segments (its allocator works in 16 MiB slabs); 0 contributes nothing.

@@ -207,3 +207,7 @@ def count(workload: str, spec) -> int:
     if workload == "qa":
         return spec.docs * spec.questions
     return spec.requests
+
+
+#: workload name -> the coroutine that sends its requests through a runner (kvtier bench; kvtier sim replays them)
+WORKLOADS = {"multiround": multiround, "qa": longdoc_qa, "trace": trace_replay}
