@@ -6,8 +6,12 @@ the site, so its links are checked here.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,3 +27,34 @@ def test_readme_links_name_files_of_this_checkout():
 
 def test_readme_stays_a_landing_page():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200  # the rest belongs in docs/
+
+
+def _hook():
+    pytest.importorskip("mkdocs")
+    spec = importlib.util.spec_from_file_location("docs_reference_hook", ROOT / "docs" / "hooks" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_metrics_reference_lists_every_declared_metric(monkeypatch):
+    from kvtier.base import metrics
+
+    declared = [SimpleNamespace(name="kvtier_b_total", kind="counter", help="B | C.", labels=("tier",)),
+                SimpleNamespace(name="kvtier_a_seconds", kind=SimpleNamespace(name="HISTOGRAM"), help="A.", labels=())]
+    monkeypatch.setattr(metrics, "declared", lambda: declared, raising=False)
+    page = _hook().metrics_page()
+    assert "| `kvtier_a_seconds` | histogram |  | A. |" in page
+    assert "| `kvtier_b_total` | counter | `tier` | B \\| C. |" in page
+    assert page.index("kvtier_a_seconds") < page.index("kvtier_b_total")
+
+
+def test_configuration_reference_documents_every_field_of_every_config():
+    import dataclasses
+
+    hook = _hook()
+    page = hook.config_page()
+    for path in hook.CONFIG_CLASSES:
+        for field in dataclasses.fields(hook.load(path)):
+            assert f"| `{field.name}` |" in page, (path, field.name)
+    assert "| `capacity_bytes` | int | `64GiB` | `KVTIER_DISK_CAPACITY_BYTES` | hard limit on stored blob bytes |" in page

@@ -64,10 +64,10 @@ def load(path: str) -> type:
 
 def config_page() -> str:
     out = ["# Configuration reference", "",
-           "Generated from the config classes on every build of this site (`docs/hooks/reference.py`), so it "
-           "always matches the code. How the options fit together, with examples: "
-           "[Configuration](../configuration.md). Sizes (`*_bytes`) take `KiB/MiB/GiB`, `KB/MB/GB` or plain "
-           "bytes; unknown options and malformed values are errors that name the option.", ""]
+           ("Generated from the config classes on every build of this site (`docs/hooks/reference.py`), so it "
+            "always matches the code. How the options fit together, with examples: "
+            "[Configuration](../configuration.md). Sizes (`*_bytes`) take `KiB/MiB/GiB`, `KB/MB/GB` or plain "
+            "bytes; unknown options and malformed values are errors that name the option."), ""]
     for path, (title, env_prefix) in CONFIG_CLASSES.items():
         out += config_section(load(path), path, title, env_prefix)
     return "\n".join(out)
@@ -176,7 +176,7 @@ def type_name(hint: typing.Any) -> str:
     elif isinstance(base, type) and not typing.get_args(base):
         text = base.__name__
     else:
-        text = str(base).replace("typing.", "").replace("kvtier.", "").replace("|", "\\|")
+        text = re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", str(base)).replace("|", "\\|")  # no module paths
     return f"{text} or none" if optional else text
 
 
@@ -195,7 +195,7 @@ def default_of(field: dataclasses.Field) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, int) and field.name.endswith("_bytes"):
         return f"`{size(value)}`"
-    if isinstance(value, tuple) and value and all(hasattr(v, "kind") for v in value):
+    if isinstance(value, tuple) and value and all(hasattr(v, "kind") for v in value):  # the tier chain
         return ", ".join(f"one `{v.kind}` tier" for v in value)
     text = str(value)
     return f"`{text}`" if text else "`\"\"`"
@@ -222,14 +222,15 @@ def cell(text: str) -> str:
 
 def metrics_page() -> str:
     out = ["# Metrics reference", "",
-           "Generated on every build of this site from the declarations in the code "
-           "(`kvtier.base.metrics.declared()`, by `docs/hooks/reference.py`). Where to scrape them and how "
-           "to read them: [Metrics](../metrics.md).", ""]
+           ("Generated on every build of this site from the declarations in the code "
+            "(`kvtier.base.metrics.declared()`, by `docs/hooks/reference.py`). Where to scrape them and how "
+            "to read them: [Metrics](../metrics.md)."), ""]
     metrics = importlib.import_module("kvtier.base.metrics")
     declared = getattr(metrics, "declared", None)
     if declared is None:  # removed once metrics are declared (issue 27, item 4)
-        return "\n".join(out + ["*Not generated: this checkout's `kvtier.base.metrics` has no `declared()` "
-                                "yet, so the metrics have no declarations to list.*", ""])
+        placeholder = ("*Not generated: this checkout's `kvtier.base.metrics` has no `declared()` yet, so the "
+                       "metrics have no declarations to list.*")
+        return "\n".join([*out, placeholder, ""])
     out += ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for metric in sorted(declared(), key=lambda m: m.name):
         kind = getattr(metric.kind, "name", metric.kind)
