@@ -6,12 +6,8 @@ a contiguous chunk in blocks of whole groups (or head vectors) of about ``BLOCK_
 reusing one scratch buffer that stays in cache while a block goes through all of its steps. Each block is a
 handful of vectorised torch ops that release the GIL; the Python loop runs a few times per MiB, not per
 vector or group. Decoding writes each block straight into its place in the destination
-(``destination_blocks``), which may be a token range of a larger tensor.
-
-Measured on SmolLM2-shaped KV (256-token chunks): int8 decode 0.7 GB/s with one iteration per slab (49 k
-values), 3.3-4.2 GB/s with 256 k-value blocks and 4.0-4.8 GB/s with 512 k (two threads: 6.3-6.6 against
-4.7-5.4 GB/s, fewer GIL hand-overs); 1 M-value blocks fell back to 3.1 GB/s. int4 and cachegen do not
-change with the block size (their rotation's matmul dominates).
+(``destination_blocks``), which may be a token range of a larger tensor. ``BLOCK_ELEMS`` is the block size
+that decoded fastest (docs/benchmarks/codecs.md, "Measurements behind the codecs' design").
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 decompressed into caller-owned memory.
 
 Codecs are stateless and thread-safe to their callers; what they reuse lives here, one per decoding thread:
-zstd contexts (not shareable across threads) and scratch memory (reused memory is ~10x faster to write here
-than freshly faulted pages). Each scratch holds about one chunk per thread.
+zstd contexts (not shareable across threads) and scratch memory (reused memory is written far faster than
+freshly faulted pages). Each scratch holds about one chunk per thread.
 """
 
 from __future__ import annotations

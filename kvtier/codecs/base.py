@@ -8,8 +8,8 @@ does not fit them.
 A codec may also decode straight into memory the caller owns (``decode_into``; call it through the function
 of that name here, which falls back to ``decode`` and one copy): the retrieve pipeline decodes into the
 engine's destination or a reused buffer, so loading a chunk allocates nothing and makes no extra pass over
-its bytes. Fresh chunk-sized tensors cost the kernel a zeroed page per 4 KiB (about 1 GB/s here), more than
-int8's whole decode.
+its bytes. Fresh chunk-sized tensors cost the kernel a zeroed page per 4 KiB, which takes longer than
+int8's whole decode (docs/benchmarks/codecs.md).
 """
 
 from __future__ import annotations

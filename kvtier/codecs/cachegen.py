@@ -8,22 +8,19 @@ Per (layer, K/V, token, head) vector ``x`` of length head_dim:
    as float16 rounded up. ``c`` depends on the layer and on K/V: it grows linearly from the first to the
    last layer (deeper layers coarser, as in CacheGen), separately for keys and values. Each element is
    within ``step / 2`` of its decoded value in the rotated basis (so within that bound in L2 per vector).
-   Measured on SmolLM2 (benchmarks/codecs.py): keys are more sensitive than values, and this model's
-   deeper layers are *not* less sensitive than its early ones (coarsening the second half costs more
-   agreement than coarsening the first), so the default slope is mild: K 0.22 -> 0.26, V 0.32 -> 0.38;
+   Keys get finer steps than values and the slope is mild: K 0.22 -> 0.26, V 0.32 -> 0.38 (why:
+   docs/benchmarks/codecs.md, from benchmarks/codecs.py);
 3. per (layer, K/V) slab, replace the symbols of non-anchor tokens by their difference (mod 256) to the
    symbols of the anchor token that starts their group of ``anchor`` tokens, *when that lowers the slab's
-   empirical entropy* (one flag per slab; on SmolLM2's KV over LooGLE text it does for half of the slabs
-   and saves 5 % of the bytes: nearby tokens' KV is only partly correlated);
+   empirical entropy* (one flag per slab: nearby tokens' KV is only partly correlated, so some slabs gain
+   and others do not);
 4. entropy-code each slab's symbols with zstd level 1, whose Huffman stage stores the probability tables
    inside each slab's frame (so per layer and K/V). ANS with per-slab tables (the ``constriction`` package)
-   was measured too: 3 % smaller but decoding at ~14 M symbols/s, far below the 100 M/s that 200 MB/s
-   of bf16 needs, so zstd's Huffman coder is used.
+   packs slightly tighter but decodes far too slowly to keep up with a load, so zstd's Huffman coder is used.
 
 Decoding inflates each slab into a per-thread scratch, undoes the delta coding in place and dequantises and
 rotates back in one pass of a native kernel (``kvtier.codecs._dequant``: the Hadamard transform by
-butterflies) straight into the destination: ~2.6x the torch path, which remains where the kernel does not
-fit.
+butterflies) straight into the destination; the torch path remains where the kernel does not fit.
 
 Names: ``cachegen`` (anchor 16), ``cachegen-a<N>`` (anchor interval N).
 

@@ -7,12 +7,9 @@ to random. Each plane is compressed by zstd (python-zstandard) with its matching
 literals: that is where a plane's ratio comes from, and a Huffman-coded block decodes about twice as fast as
 one full of short matches. A plane that does not shrink by 1/32 is stored as it is. Decoding unpacks the
 compressed planes into a reused per-thread scratch and joins them with the stored ones straight into the
-destination, which may be a token range of a larger tensor.
-
-Measured on SmolLM2's real bf16 KV (5.6 MiB chunks, one thread; see benchmarks/codecs.py and README):
-ratio 1.46 against blosc2's 1.45 (payload v2: byte shuffle + zstd level 1, which blosc2 runs with zstd's
-default matching), and decode 3.1-3.5 GB/s against 1.85-1.9 for blosc2 into the same token ranges; on two
-threads 4.9-6.2 GB/s. Exponent planes: 2.68 at 2.2 GB/s with these parameters, 2.64 at 1.3 GB/s at level 1.
+destination, which may be a token range of a larger tensor. It packs as tightly as the blosc2 format it
+replaces (payload v2: byte shuffle + zstd level 1 with zstd's default matching) and decodes faster
+(benchmarks/codecs.py; figures in docs/benchmarks/codecs.md).
 
 Payload v3: ``u8 version (3), u8 itemsize, u8 method (1: zstd planes), u8 0``, then per plane ``u8 stored_as
 (0 raw, 1 zstd frame), u64 length, bytes`` (no planes for an empty tensor). Everything is checked before any

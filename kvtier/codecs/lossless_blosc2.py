@@ -7,10 +7,9 @@ per block (blocks never split into per-byte streams: each half of a shuffled bf1
 zstd's 128 KiB blocks, so zstd keeps the mantissa blocks raw and packs the exponent ones), or LZ4 on split
 byte streams (LZ4 finds nothing across them). blosc2 runs SIMD shuffles and releases the GIL.
 
-Measured on SmolLM2's real bf16 KV (256-token chunks, one thread): zstd level 1 gives ratio 1.45 and decodes
-at ~2 GB/s; LZ4 decodes ~2x faster at ratio 1.18; levels above 1 are slower and no smaller. Payload v3
-(``lossless``) keeps the ratio and decodes ~1.7x faster: blosc2 does not expose the zstd parameters that
-make the difference (see ``kvtier.codecs.lossless``).
+zstd level 1 is the default because higher levels were slower and no smaller; LZ4 trades ratio for decode
+speed. Payload v3 (``lossless``) keeps the ratio and decodes faster: blosc2 does not expose the zstd
+parameters that make the difference (see ``kvtier.codecs.lossless``; figures in docs/benchmarks/codecs.md).
 
 Payload v2: ``u8 version (2), u8 itemsize, u8 method (1 zstd, 2 lz4), u8 level``, then one blosc2 chunk
 (none for an empty tensor). The blosc2 chunk is untrusted: its header's sizes, type size, codec, filters and

@@ -11,16 +11,16 @@ float16, so every quantised element is within ``scale / 2`` of its decoded value
 ``int4`` first rotates each head vector by an orthonormal Hadamard matrix (QuaRot-style; head_dim a power of
 two): KV has a few outlier channels that would otherwise set every group's scale, and the rotation spreads
 them over all channels. The error bound then holds in the rotated basis, i.e. per head vector in L2 norm.
-On SmolLM2 this lifts int4's next-token agreement from 0.89 to 0.97; int8 does not need it (0.998 without).
-Centring channels per chunk before quantising was measured too and lowered agreement, so it is not done.
+int8 is not rotated; channels are not centred per chunk (docs/benchmarks/codecs.md has the measurements
+behind both choices).
 
-Storage per group of g values: g*bits/8 bytes + 2 (scale) + 1 (zero point). With the default g = 64 that is
-1.91x smaller than bf16 for int8 and 3.66x for int4. Names: ``int8``, ``int4`` (g = 64), ``int4-g32`` etc.;
+Storage per group of g values: g*bits/8 bytes + 2 (scale) + 1 (zero point), so with the default g = 64 a
+bf16 chunk shrinks by 2 * 64 / (64 * bits / 8 + 3). Names: ``int8``, ``int4`` (g = 64), ``int4-g32`` etc.;
 a group size that does not divide head_dim falls back to gcd(g, head_dim), recorded in the payload.
 
 Decoding into a bf16, fp16 or fp32 destination with groups of a multiple of 16 values takes one pass through
-a native kernel (``kvtier.codecs._dequant``): int8 ~2x the blocks of torch ops below and bit-identical to
-them, int4 ~3x with the rotation done by butterflies; everything else is dequantised block by block here.
+a native kernel (``kvtier.codecs._dequant``): int8 bit-identical to the blocks of torch ops below, int4 with
+the rotation done by butterflies; everything else is dequantised block by block here.
 
 Payload: ``u8 version, u8 bits, u16 group, u8 flags (bit 0: rotated)`` then fp16 scales, u8 zero points
 (one per group, in canonical order) and the codes (int4: two per byte, low nibble first).
@@ -94,7 +94,7 @@ class GroupQuantCodec:
     def _quantise(self, x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codes: torch.Tensor) -> None:
         """Quantise the float32 groups ``x`` (overwritten) into ``scale``, ``zero`` and packed ``codes``."""
         levels = (1 << self.bits) - 1
-        lo, hi = x.amin(dim=1), x.amax(dim=1)  # 10x faster than torch.aminmax here
+        lo, hi = x.amin(dim=1), x.amax(dim=1)  # not torch.aminmax: far slower on these shapes
         if not bool(torch.isfinite(hi - lo).all()):  # a NaN or inf anywhere in a group reaches its min or max
             raise CodecError(f"{self.name} cannot encode non-finite values")
         lo.clamp_(max=0.0)
