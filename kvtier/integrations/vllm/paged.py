@@ -172,11 +172,17 @@ class PagedKV:
         if self._gpu is not None:
             self._gpu.synchronize()
 
+    def synchronize_saves(self) -> None:
+        """Block until every gather issued so far has read the paged cache (its blocks may then be reused)."""
+        if self._gpu is not None:
+            self._gpu.save.synchronize()
+
 
 class _Transfers:
     """The streams and buffers of one GPU's loads and saves (module docstring).
 
-    Loads come from one thread at a time (the retrieve pipeline serialises a sink's writes).
+    Loads come from one thread at a time (the retrieve pipeline serialises a sink's writes, and the connector
+    runs one load at a time: on its loading thread, or in ``start_load_kv`` for synchronous loads).
     """
 
     def __init__(self, device: torch.device) -> None:
