@@ -18,6 +18,7 @@ In-process engines also take these steps (vllm_faults.py):
 
 * ``"slow:<seconds>"`` every read of the worker's first tier waits that long (``slow:0`` ends it);
 * ``"evict:<p>:<c>"`` chunk ``c`` of prompt ``p`` disappears from every tier when the worker next reads it;
+* ``"loads:<label>"`` record the worker's asynchronous loads so far, by how they ended, and their block counts;
 * ``"preemptions:<label>"`` record how many requests vLLM's scheduler preempted so far;
 * ``"abort:<label>"`` add every prompt, abort them all once their loads run, step until vLLM is idle;
 * ``"stream:<label>"`` prompt 0 alone, the others once it decodes; record every output;
@@ -184,6 +185,8 @@ def main(spec_path: str, out_path: str) -> None:
             faults.evict_on_load(spec["prompts"][p], c)
         elif kind == "slow":
             faults.slow(float(arg))
+        elif kind == "loads":
+            out[arg] = dict(faults.worker().loads.totals)
         elif kind == "preemptions":
             out[arg] = faults.preemptions(llm)
         elif kind == "abort":

@@ -51,6 +51,7 @@ class SchedulerSide:
         self._ready: list[LoadSpec] = []  # asynchronous loads for the next metadata
         self._loading: dict[str, list[ChunkHash]] = {}  # req_id -> chunks of its asynchronous load in flight
         self._load_blocks: dict[str, set[int]] = {}  # req_id -> blocks its last load was to fill
+        self._recompute: set[str] = set()  # requests whose load failed: vLLM computes the rest, no more loads
         self._in_flight: Counter[ChunkHash] = Counter()  # chunks being loaded or saved
         self._saves: list[SaveSpec] = []
         self._delayed: set[str] = set()
@@ -78,7 +79,7 @@ class SchedulerSide:
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests.setdefault(request.request_id, request)
         tokens, salt = self._usable(request), request_salt(request)
-        if not tokens:
+        if not tokens or request.request_id in self._recompute:
             return 0, False
         if self._in_flight:
             beyond_vllm = self._keys(tokens, salt)[num_computed_tokens // self.chunk_size :]
@@ -172,6 +173,7 @@ class SchedulerSide:
         self._hits.pop(req_id, None)
         self._ordered.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
+        self._recompute.discard(req_id)
         if req_id in self._loading or self._req_jobs[req_id] <= 0:
             return False
         self._delayed.add(req_id)
@@ -184,12 +186,14 @@ class SchedulerSide:
         self._in_flight = +self._in_flight  # drop zero counts
 
     def load_failed(self, block_ids: set[int]) -> None:
-        """Blocks a worker could not fill: their requests must save again what kvtier lost (it deleted
-        chunks that failed verification), so forget those requests' hits."""
+        """Blocks a worker could not fill: their requests compute the rest themselves (a second load could fail
+        the same way, over and over: a tier slower than the deadline) and save again what kvtier lost (it
+        deleted chunks that failed verification), so forget those requests' hits."""
         self.lookups.changed()
         for req_id, blocks in self._load_blocks.items():
             if blocks & block_ids:
                 self._hits[req_id] = 0
+                self._recompute.add(req_id)
 
     def jobs_done(self, meta: KVTierWorkerMeta | None) -> None:
         """Save jobs over on some ranks; a job over on all of them no longer holds its chunks in flight."""
