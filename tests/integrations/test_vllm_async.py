@@ -118,7 +118,7 @@ def test_abort_while_loading(async_run):
 def restart_run(workdir, async_run) -> dict:
     """21 blocks of 32 tokens: two 296-token prompts fit, and at 320 tokens one of them must be preempted."""
     steps = ["gen:restart", "preemptions:p1", "reset", "gen:warm", "preemptions:p2"]
-    return run_engine(workdir, "restart", tiers(workdir), steps, num_blocks=21)
+    return run_engine(workdir, "restart", tiers(workdir), steps, num_blocks=21, max_model_len=640)
 
 
 def test_restart_over_disk_and_preemption_keep_outputs(baseline, restart_run):

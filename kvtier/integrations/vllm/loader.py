@@ -105,7 +105,10 @@ class AsyncLoads:
                     _, got = self.cache.retrieve(unpack_tokens(load.spec.tokens), load, salt=load.spec.salt,
                                                  max_tokens=len(load.spec.tokens) // 4)
                 except Exception:  # a bug or a sink error: what did not arrive is recomputed
-                    log.exception("kvtier: loading request %s failed", load.spec.req_id)
+                    if load.closed:  # reported already (deadline, abort, shutdown: the cache may be closed)
+                        log.debug("kvtier: closed load of request %s ended in an error", load.spec.req_id)
+                    else:
+                        log.exception("kvtier: loading request %s failed", load.spec.req_id)
                 self.paged.synchronize()
                 if load.close("done"):
                     with self._lock:
