@@ -13,19 +13,34 @@ lists), ``max_tokens``, ``kvtier`` (the connector's extra config, or null for pl
 * ``"scrape:<label>"`` record the text a worker serves on the connector's ``metrics_port`` (over HTTP);
 * ``"events:<label>"`` record the KV events vLLM published (``kv_events_port`` in SPEC turns vLLM's ZMQ
   publisher on) since the last such step, other than vLLM's own GPU blocks.
+
+In-process engines also take these steps (vllm_faults.py):
+
+* ``"slow:<seconds>"`` every read of the worker's first tier waits that long (``slow:0`` ends it);
+* ``"evict:<p>:<c>"`` chunk ``c`` of prompt ``p`` disappears from every tier when the worker next reads it;
+* ``"loads:<label>"`` record the worker's asynchronous loads so far, by how they ended, and their block counts;
+* ``"preemptions:<label>"`` record how many requests vLLM's scheduler preempted so far;
+* ``"abort:<label>"`` add every prompt, abort them all once their loads run, step until vLLM is idle;
+* ``"stream:<label>"`` prompt 0 alone, the others once it decodes; record every output;
+* ``"exit"`` add every prompt and stop (write the output, exit the process) while their loads run.
+
+SPEC may also set ``prefix_caching`` (vLLM's own, default true), ``num_blocks`` (vLLM's KV cache size in
+blocks) and ``max_num_seqs``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vllm_faults as faults  # noqa: E402
+
 
 def _reset(llm) -> None:
-    import os
-
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     deadline = time.monotonic() + 60
     while not llm.reset_prefix_cache():
@@ -120,6 +135,7 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     spec = json.load(open(spec_path))
+    enable_prefix_caching = spec.get("prefix_caching", True)
     transfer = None
     if spec.get("kvtier") is not None:
         transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
@@ -134,9 +150,12 @@ def main(spec_path: str, out_path: str) -> None:
         log = _EventLog(spec["kv_events_port"])
     started = time.monotonic()
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), block_size=spec.get("block_size", 32),
-              max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=True, seed=0,
+              max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=enable_prefix_caching, seed=0,
               kv_transfer_config=transfer, max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
-              enforce_eager=spec.get("enforce_eager", True), disable_log_stats=not spec.get("log_stats", False), **extra)
+              enforce_eager=spec.get("enforce_eager", True), disable_log_stats=not spec.get("log_stats", False),
+              num_gpu_blocks_override=spec.get("num_blocks"), max_num_seqs=spec.get("max_num_seqs", 256), **extra)
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        faults.count_preemptions(llm)
     print(f"engine started in {time.monotonic() - started:.1f} s", file=sys.stderr)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
@@ -161,6 +180,22 @@ def main(spec_path: str, out_path: str) -> None:
         elif kind == "corrupt":
             p, c = (int(x) for x in arg.split(":"))
             _corrupt(spec["prompts"][p], c)
+        elif kind == "evict":
+            p, c = (int(x) for x in arg.split(":"))
+            faults.evict_on_load(spec["prompts"][p], c)
+        elif kind == "slow":
+            faults.slow(float(arg))
+        elif kind == "loads":
+            out[arg] = dict(faults.worker().loads.totals)
+        elif kind == "preemptions":
+            out[arg] = faults.preemptions(llm)
+        elif kind == "abort":
+            out[arg] = faults.abort_mid_load(llm, spec["prompts"], params)
+        elif kind == "stream":
+            out[arg] = faults.arrive_while_decoding(llm, spec["prompts"], params, decoded=4)
+        elif kind == "exit":
+            out["loading_at_exit"] = faults.start_loads(llm, spec["prompts"], params)
+            break
         else:
             raise ValueError(f"unknown step {step!r}")
     with open(out_path, "w") as fh:

@@ -10,6 +10,12 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
 * ``metrics_port``: if set, tensor-parallel rank ``r`` serves its cache's full metrics (histograms included,
   kvtier's exact names) at ``http://<metrics_host>:<metrics_port + r>/metrics``; ``metrics_host`` defaults
   to loopback. vLLM's own ``/metrics`` carries the counters and gauges either way (prom.py).
+* ``load_mode``: ``"async"`` (the default) loads a hit on the worker's own thread while vLLM runs other
+  requests, the request waiting in ``WAITING_FOR_REMOTE_KVS``; ``"sync"`` loads it in ``start_load_kv``, before
+  the forward pass of the step that computes the rest of its prompt (every request in that step waits).
+* ``load_timeout_s``: an asynchronous load not done this long after the worker received it is cut short:
+  whatever had not arrived verified is reported as load errors and recomputed by vLLM.
+* ``lookup_timeout_s``: a request's first lookup not answered this long after the request arrived is a miss.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from kvtier.base.errors import ConfigError
 from kvtier.core.config import CacheConfig
 
 _OWN_KEYS = ("model_id", "socket_dir", "metrics_host")
+LOAD_MODES = ("async", "sync")
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,9 @@ class ConnectorConfig:
     socket_dir: str = tempfile.gettempdir()
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    load_mode: str = "async"
+    load_timeout_s: float = 30.0
+    lookup_timeout_s: float = 1.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -43,7 +53,12 @@ class ConnectorConfig:
         port = values.pop("metrics_port", None)
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
             raise ConfigError(f"kv_connector_extra_config.metrics_port must be a port number, got {port!r}")
-        return cls(cache=CacheConfig.from_dict(values), metrics_port=port, **own)
+        mode = values.pop("load_mode", "async")
+        if mode not in LOAD_MODES:
+            raise ConfigError(f"kv_connector_extra_config.load_mode must be one of {LOAD_MODES}, got {mode!r}")
+        timeouts = {key: _seconds(key, values.pop(key)) for key in ("load_timeout_s", "lookup_timeout_s")
+                    if key in values}
+        return cls(cache=CacheConfig.from_dict(values), metrics_port=port, load_mode=mode, **timeouts, **own)
 
     @staticmethod
     def check_model(model_config: Any) -> None:
@@ -63,3 +78,9 @@ class ConnectorConfig:
             raise ConfigError(
                 f"kvtier chunk_size {self.cache.chunk_size} must be a multiple of vLLM's block size {block_size}"
             )
+
+
+def _seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 86400:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a positive number of seconds, got {value!r}")
+    return float(value)

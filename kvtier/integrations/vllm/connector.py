@@ -25,7 +25,8 @@ from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, TierEvents
 from kvtier.integrations.vllm.lookup import LookupClient, socket_path
-from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.lookups import Lookups
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.prom import KVTierPromMetrics
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -54,7 +55,8 @@ def _layer_order(name: str) -> tuple[int, str]:
 
 
 class KVTierConnector(KVConnectorBase_V1):
-    """Tiered prefix caching for vLLM: loads cached prefixes before prefill, saves finished requests' KV."""
+    """Tiered prefix caching for vLLM: loads cached prefixes (asynchronously by default), saves prompt chunks as
+    prefill computes them and the rest when a request finishes."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -82,7 +84,10 @@ class KVTierConnector(KVConnectorBase_V1):
                 log.info("kvtier: setting kv_load_failure_policy to 'recompute'")
                 transfer.kv_load_failure_policy = "recompute"
             paths = [socket_path(self.config.socket_dir, self.engine_id, r) for r in range(self.tp_size)]
-            self._scheduler = SchedulerSide(self.config.cache.chunk_size, self.block_size, LookupClient(paths))
+            lookups = Lookups(LookupClient(paths), self.config.lookup_timeout_s)
+            self._scheduler = SchedulerSide(self.config.cache.chunk_size, self.block_size, lookups,
+                                            load_async=self.config.load_mode == "async",
+                                            load_timeout_s=self.config.load_timeout_s, tp_size=self.tp_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -99,7 +104,8 @@ class KVTierConnector(KVConnectorBase_V1):
         cache = KVCache(paged.spec, self.model_id, self.config.cache, tp_rank=rank, tp_size=self.tp_size)
         path = socket_path(self.config.socket_dir, self.engine_id, rank)
         # a lookup never covers more than a whole request: a longer one is not the scheduler asking
-        self._worker = WorkerSide(paged, cache, path, self._vllm_config.model_config.max_model_len)
+        self._worker = WorkerSide(paged, cache, path, self._vllm_config.model_config.max_model_len,
+                                  self.config.load_timeout_s)
         self._feed = MetricsFeed(cache.metrics)
         events = self._vllm_config.kv_events_config
         if rank == 0 and events is not None and events.enable_kv_cache_events:
@@ -110,15 +116,23 @@ class KVTierConnector(KVConnectorBase_V1):
         log.info("kvtier: %d layers, spec %s, tiers %s", len(layers), paged.spec,
                  [t.name for t in cache.tiers])
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVTierMetadata)
+        if self._worker is not None and kv_connector_metadata.preempted:
+            self._worker.preempted(kv_connector_metadata.preempted)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata) and self._worker is not None
-        self._worker.submit_saves(meta.saves)
-        if meta.loads:
-            self._worker.load(meta)
+        self._worker.submit_saves(meta.saves, meta.delayed)
+        for spec in meta.loads:
+            if spec.timeout_s is None:  # synchronous: before this step's forward pass
+                self._worker.load_sync([spec])
+            else:
+                self._worker.loads.submit(spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        return  # a load is whole before vLLM schedules its request (async) or before the forward pass (sync)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -130,10 +144,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return (self._worker.finished_saves() or None), None
+        return (self._worker.finished_saves() or None), (self._worker.finished_loads(finished_req_ids) or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
+        jobs = self._worker.take_done_jobs() if self._worker is not None else None
+        return KVTierWorkerMeta(jobs) if jobs else None
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         if self._worker is None or self._feed is None:
@@ -168,16 +186,24 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.close()
             self._worker = None
         if self._scheduler is not None:
-            self._scheduler.lookup.close()
+            self._scheduler.lookups.close()
 
     # ==============================  scheduler side  ==============================
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, num_external_tokens)
+        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -189,8 +215,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler_events.add(connector_output.kv_cache_events)
         if connector_output.invalid_block_ids:
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
-        if connector_output.finished_sending:
-            self._scheduler.saves_done(set(connector_output.finished_sending))
+        if connector_output.finished_recving:
+            self._scheduler.loads_done(set(connector_output.finished_recving))
+        meta = connector_output.kv_connector_worker_meta
+        self._scheduler.jobs_done(meta if isinstance(meta, KVTierWorkerMeta) else None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

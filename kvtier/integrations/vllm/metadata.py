@@ -1,14 +1,15 @@
-"""What the scheduler tells workers each step: which chunks to load into which blocks, which to save.
+"""What the scheduler tells workers each step (loads, saves, preemptions), and what workers tell it back.
 
 Token ids travel as little-endian u32 bytes (compact under vLLM's own serialisation between processes).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvtier.base.keys import Tokens, token_array
 
@@ -28,6 +29,7 @@ class LoadSpec:
     ``tokens`` are the request's tokens up to the end of the last chunk to read (whole chunks).
     Blocks below ``first_token`` (vLLM's own prefix-cache hit) are not written. Whatever of
     ``[first_token, end)`` does not arrive intact is reported as load errors, block by block.
+    ``timeout_s`` (asynchronous loads only): the load is cut short that long after the worker received it.
     """
 
     req_id: str
@@ -36,14 +38,19 @@ class LoadSpec:
     block_ids: list[int]
     first_token: int
     end: int
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Store the full chunks of ``tokens`` (all computed) from ``block_ids``; the blocks stay allocated
-    until the worker reports ``req_id`` in ``get_finished``."""
+    """Store the full chunks of ``tokens`` (all computed) from ``block_ids``, as save job ``job``.
+
+    vLLM does not reuse the blocks while the job runs: they belong to a running request (a preemption waits for
+    the job, ``handle_preemptions``) or to a finished one whose blocks are freed only when the worker reports
+    it in ``get_finished`` (``KVTierMetadata.delayed``)."""
 
     req_id: str
+    job: int
     tokens: bytes
     salt: bytes
     block_ids: list[int]
@@ -53,3 +60,18 @@ class SaveSpec:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: requests vLLM stopped running this step: their blocks may be reused by this step's forward pass
+    preempted: set[str] = field(default_factory=set)
+    #: finished requests whose blocks vLLM keeps until the worker reports them done saving
+    delayed: set[str] = field(default_factory=set)
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Save jobs done (stored, failed or cancelled) since the last step, counted once per TP rank."""
+
+    jobs: Counter[int] = field(default_factory=Counter)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMeta)
+        return KVTierWorkerMeta(self.jobs + other.jobs)

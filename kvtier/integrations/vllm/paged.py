@@ -109,7 +109,8 @@ class PagedKV:
     def gather(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Canonical KV of tokens ``[start, end)`` as a new tensor on the cache's device. On a GPU it is gathered
         on a side stream after everything queued on the default stream (the blocks are fully written) and
-        marked ready there (``kvtier.native.gpu.ready_after``): read it through ``kvtier.native.gpu`` or synchronise first."""
+        marked ready there (``kvtier.native.gpu.ready_after``): read it through ``kvtier.native.gpu`` or
+        synchronise first."""
         ids = self.kernel_blocks(block_ids, start, end)
         if self._gpu is None:
             return self._gather(ids, end - start)
@@ -172,11 +173,17 @@ class PagedKV:
         if self._gpu is not None:
             self._gpu.synchronize()
 
+    def synchronize_saves(self) -> None:
+        """Block until every gather issued so far has read the paged cache (its blocks may then be reused)."""
+        if self._gpu is not None:
+            self._gpu.save.synchronize()
+
 
 class _Transfers:
     """The streams and buffers of one GPU's loads and saves (module docstring).
 
-    Loads come from one thread at a time (the retrieve pipeline serialises a sink's writes).
+    Loads come from one thread at a time (the retrieve pipeline serialises a sink's writes, and the connector
+    runs one load at a time: on its loading thread, or in ``start_load_kv`` for synchronous loads).
     """
 
     def __init__(self, device: torch.device) -> None:

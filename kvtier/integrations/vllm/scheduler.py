@@ -1,23 +1,29 @@
 """Scheduler side of the connector: decides what to load and what to save, never touches KV.
 
-* ``matched_tokens`` asks the workers (lookup socket) how much of a request kvtier holds, and promises vLLM
-  the part beyond its own prefix-cache hit, always leaving at least one token for vLLM to compute.
-  A request whose chunks are still being saved by an earlier request waits (``None``) so it gets the hit.
-* After vLLM allocated blocks, the promise becomes a :class:`LoadSpec` in the next step's metadata; the
-  worker loads synchronously, before the forward pass, or reports the blocks it could not fill.
-* When a request finishes, its computed full chunks that kvtier did not already hold become a
-  :class:`SaveSpec`; vLLM keeps the blocks until the worker reports the save finished.
+* ``matched_tokens`` answers from the request's lookup (lookups.py: asked when the request arrived, cached,
+  a miss past its deadline) and promises vLLM the part beyond its own prefix-cache hit, always leaving at least
+  one token for vLLM to compute. It answers ``None`` ("ask again") only while chunks vLLM lacks are being
+  loaded or saved for another request: once they land, vLLM's prefix cache or kvtier has them.
+* Asynchronous loads (the default): vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` with its blocks
+  allocated; the :class:`LoadSpec` goes to the workers in the next step's metadata, and the request stays
+  "loading" (its chunks in flight) until every rank reported it in ``finished_recving``. Synchronous loads
+  (``load_mode: "sync"``) become a LoadSpec in the step that schedules the request.
+* Saves as KV is computed: every step, each scheduled request's full prompt chunks computed by earlier steps
+  (and not already held by kvtier or ordered) become a save job; when a request finishes, its remaining
+  computed full chunks do. ``finished`` returns True (vLLM keeps the blocks) while a job of the request is not
+  over on every rank; the workers then report the request in ``finished_sending``. A job's chunks count as in
+  flight until every rank reported the job over (``KVTierWorkerMeta``).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.base.keys import ChunkHash, chunk_hashes
-from kvtier.integrations.vllm.lookup import LookupClient
-from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec, SaveSpec, pack_tokens
+from kvtier.integrations.vllm.lookups import Lookups
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta, LoadSpec, SaveSpec, pack_tokens
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -32,92 +38,179 @@ def request_salt(request: Request) -> bytes:
 
 
 class SchedulerSide:
-    def __init__(self, chunk_size: int, block_size: int, lookup: LookupClient) -> None:
+    def __init__(self, chunk_size: int, block_size: int, lookups: Lookups, *, load_async: bool = True,
+                 load_timeout_s: float = 30.0, tp_size: int = 1) -> None:
         self.chunk_size, self.block_size = chunk_size, block_size
-        self.lookup = lookup
+        self.lookups = lookups
+        self.load_async, self.load_timeout_s, self.tp_size = load_async, load_timeout_s, tp_size
+        self.kv_cache_manager: Any = None  # bound by vLLM: a running request's block ids
+        self._requests: dict[str, Request] = {}  # unfinished requests vLLM told us about
         self._plans: dict[str, tuple[int, int]] = {}  # req_id -> (vLLM's hit, end of kvtier's)
         self._hits: dict[str, int] = {}  # req_id -> tokens kvtier held when the request was scheduled
-        self._loads: dict[str, tuple[Request, int, int]] = {}
+        self._sync_loads: dict[str, tuple[Request, int, int]] = {}
+        self._ready: list[LoadSpec] = []  # asynchronous loads for the next metadata
+        self._loading: dict[str, list[ChunkHash]] = {}  # req_id -> chunks of its asynchronous load in flight
+        self._load_blocks: dict[str, set[int]] = {}  # req_id -> blocks its last load was to fill
+        self._recompute: set[str] = set()  # requests whose load failed: vLLM computes the rest, no more loads
+        self._in_flight: Counter[ChunkHash] = Counter()  # chunks being loaded or saved
         self._saves: list[SaveSpec] = []
-        self._saving: dict[str, list[ChunkHash]] = {}
-        self._saving_keys: Counter[ChunkHash] = Counter()
-        self._loading_blocks: dict[str, set[int]] = {}  # req_id -> blocks a load was to fill
+        self._delayed: set[str] = set()
+        self._ordered: dict[str, int] = {}  # req_id -> tokens ordered saved so far
+        self._jobs: dict[int, tuple[str, list[ChunkHash]]] = {}  # job -> (req_id, chunks), until over on all ranks
+        self._acks: Counter[int] = Counter()
+        self._req_jobs: Counter[str] = Counter()  # req_id -> its jobs not over on every rank
+        self._next_job = 0
 
     def _keys(self, tokens: list[int], salt: bytes) -> list[ChunkHash]:
         """Scheduler-local chunk identities, only compared with each other (not kvtier's keys)."""
         return chunk_hashes(ChunkHash(hashlib.sha256(b"kvtier/vllm\0" + salt).digest()), tokens, self.chunk_size)
 
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _usable(self, request: Request) -> list[int]:
         tokens = list(request.all_token_ids)
-        salt = request_salt(request)
-        keys = self._keys(tokens, salt)
-        if not keys:
+        return tokens[: len(tokens) - len(tokens) % self.chunk_size]
+
+    # -- lookups -------------------------------------------------------------------------------------------
+    def new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        tokens = self._usable(request)
+        if tokens:
+            self.lookups.ask(request.request_id, tokens, request_salt(request))
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests.setdefault(request.request_id, request)
+        tokens, salt = self._usable(request), request_salt(request)
+        if not tokens or request.request_id in self._recompute:
             return 0, False
-        beyond_vllm = keys[num_computed_tokens // self.chunk_size :]
-        if self._saving_keys and any(k in self._saving_keys for k in beyond_vllm):
-            return None, False  # chunks vLLM lacks are being saved: ask again next step, then hit
-        hit = self.lookup.lookup(tokens[: len(keys) * self.chunk_size], salt)
+        if self._in_flight:
+            beyond_vllm = self._keys(tokens, salt)[num_computed_tokens // self.chunk_size :]
+            if any(k in self._in_flight for k in beyond_vllm):
+                return None, False  # loading or saving for another request: ask again next step, then hit
+        hit = self.lookups.answer(request.request_id, tokens, salt)
         self._hits[request.request_id] = hit
         end = min(hit, request.num_tokens - 1)  # vLLM must compute at least one token
         if end <= num_computed_tokens:
             return 0, False
         self._plans[request.request_id] = (num_computed_tokens, end)
-        return end - num_computed_tokens, False
+        return end - num_computed_tokens, self.load_async
 
-    def after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         plan = self._plans.pop(request.request_id, None)
         if num_external_tokens <= 0 or plan is None:
             return
-        first = plan[0]
-        self._loads[request.request_id] = (request, first, first + num_external_tokens)
+        self.lookups.forget(request.request_id)
+        first, end = plan[0], plan[0] + num_external_tokens
+        if not self.load_async:
+            self._sync_loads[request.request_id] = (request, first, end)
+            return
+        spec = self._load_spec(request, block_ids, first, end)
+        keys = self._keys(self._usable(request)[: -(-end // self.chunk_size) * self.chunk_size], spec.salt)
+        keys = keys[first // self.chunk_size :]
+        self._loading[request.request_id] = keys
+        self._in_flight.update(keys)
+        self._ready.append(spec)
 
+    def _load_spec(self, request: Request, block_ids: list[int], first: int, end: int) -> LoadSpec:
+        read_end = -(-end // self.chunk_size) * self.chunk_size
+        self._load_blocks[request.request_id] = set(block_ids[first // self.block_size : -(-end // self.block_size)])
+        tokens = pack_tokens(list(request.all_token_ids[:read_end]))
+        timeout = self.load_timeout_s if self.load_async else None
+        return LoadSpec(request.request_id, tokens, request_salt(request), list(block_ids), first, end, timeout)
+
+    # -- each step -----------------------------------------------------------------------------------------
     def build_meta(self, out: SchedulerOutput) -> KVTierMetadata:
-        meta = KVTierMetadata(saves=self._saves)
-        self._saves = []
+        meta = KVTierMetadata(loads=self._ready, preempted=set(out.preempted_req_ids or ()))
+        self._ready = []
         for new in out.scheduled_new_reqs:
-            if new.req_id in self._loads:
-                meta.loads.append(self._load_spec(new.req_id, new.block_ids[0]))
+            if new.req_id in self._sync_loads:
+                meta.loads.append(self._sync_spec(new.req_id, new.block_ids[0]))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            if req_id in self._loads and req_id in cached.resumed_req_ids and cached.new_block_ids[i]:
-                meta.loads.append(self._load_spec(req_id, cached.new_block_ids[i][0]))
-        self._loads.clear()
+            if req_id in self._sync_loads and req_id in cached.resumed_req_ids and cached.new_block_ids[i]:
+                meta.loads.append(self._sync_spec(req_id, cached.new_block_ids[i][0]))
+        self._sync_loads.clear()
         self._plans.clear()
+        if self.kv_cache_manager is not None:
+            for req_id in out.num_scheduled_tokens:
+                request = self._requests.get(req_id)
+                if request is not None and req_id not in self._loading:
+                    # full prompt chunks computed by earlier steps: this step's forward pass writes none of them
+                    limit = min(request.num_computed_tokens, request.num_prompt_tokens)
+                    self._order_save(request, limit, lambda r=req_id: self.kv_cache_manager.get_block_ids(r)[0])
+        meta.saves, self._saves = self._saves, []
+        meta.delayed, self._delayed = self._delayed, set()
         return meta
 
-    def _load_spec(self, req_id: str, block_ids: list[int]) -> LoadSpec:
-        request, first, end = self._loads[req_id]
-        size, bs = self.chunk_size, self.block_size
-        self._loading_blocks[req_id] = set(block_ids[first // bs : -(-end // bs)])
-        read_end = -(-end // size) * size
-        tokens = pack_tokens(list(request.all_token_ids[:read_end]))
-        return LoadSpec(req_id, tokens, request_salt(request), list(block_ids), first, end)
+    def _sync_spec(self, req_id: str, block_ids: list[int]) -> LoadSpec:
+        request, first, end = self._sync_loads[req_id]
+        return self._load_spec(request, block_ids, first, end)
+
+    def _order_save(self, request: Request, n_tokens: int, block_ids) -> None:
+        """A save job of the request's full chunks below ``n_tokens`` not held or ordered yet."""
+        req_id = request.request_id
+        n = n_tokens - n_tokens % self.chunk_size
+        start = max(self._ordered.get(req_id, 0), self._hits.get(req_id, 0))
+        if n <= start:
+            return
+        tokens, salt = list(request.all_token_ids[:n]), request_salt(request)
+        keys = self._keys(tokens, salt)[start // self.chunk_size :]
+        job, self._next_job = self._next_job, self._next_job + 1
+        self._jobs[job] = (req_id, keys)
+        self._in_flight.update(keys)
+        self._req_jobs[req_id] += 1
+        self._ordered[req_id] = n
+        self._saves.append(SaveSpec(req_id, job, pack_tokens(tokens), salt, list(block_ids())))
 
     def finished(self, request: Request, block_ids: list[int]) -> bool:
-        """Order a save of the request's new full chunks; True when vLLM must keep its blocks for it."""
-        hit = self._hits.pop(request.request_id, 0)
-        self._plans.pop(request.request_id, None)
-        self._loading_blocks.pop(request.request_id, None)
-        n = min(request.num_computed_tokens, len(block_ids) * self.block_size)
-        n -= n % self.chunk_size
-        if n <= hit:
+        """Order a save of the request's remaining computed full chunks; True when vLLM must keep its blocks
+        until the workers report the request."""
+        req_id = request.request_id
+        self._plans.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        self.lookups.forget(req_id)
+        if req_id not in self._loading:  # aborted while loading: vLLM keeps the blocks until the load is over
+            n = min(request.num_computed_tokens, len(block_ids) * self.block_size)
+            self._order_save(request, n, lambda: block_ids)
+        self._hits.pop(req_id, None)
+        self._ordered.pop(req_id, None)
+        self._load_blocks.pop(req_id, None)
+        self._recompute.discard(req_id)
+        if req_id in self._loading or self._req_jobs[req_id] <= 0:
             return False
-        tokens = list(request.all_token_ids[:n])
-        salt = request_salt(request)
-        keys = self._keys(tokens, salt)
-        self._saving[request.request_id] = keys
-        self._saving_keys.update(keys)
-        self._saves.append(SaveSpec(request.request_id, pack_tokens(tokens), salt, list(block_ids)))
+        self._delayed.add(req_id)
         return True
 
+    # -- what the workers reported -------------------------------------------------------------------------
+    def loads_done(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._in_flight.subtract(self._loading.pop(req_id, ()))
+        self._in_flight = +self._in_flight  # drop zero counts
+
     def load_failed(self, block_ids: set[int]) -> None:
-        """Blocks a worker could not fill: their requests must save again what kvtier lost (it deleted
-        chunks that failed verification), so forget those requests' hits."""
-        for req_id, blocks in self._loading_blocks.items():
+        """Blocks a worker could not fill: their requests compute the rest themselves (a second load could fail
+        the same way, over and over: a tier slower than the deadline) and save again what kvtier lost (it
+        deleted chunks that failed verification), so forget those requests' hits."""
+        self.lookups.changed()
+        for req_id, blocks in self._load_blocks.items():
             if blocks & block_ids:
                 self._hits[req_id] = 0
+                self._recompute.add(req_id)
 
-    def saves_done(self, req_ids: set[str]) -> None:
-        for req_id in req_ids:
-            self._saving_keys.subtract(self._saving.pop(req_id, ()))
-        self._saving_keys = +self._saving_keys  # drop zero counts
+    def jobs_done(self, meta: KVTierWorkerMeta | None) -> None:
+        """Save jobs over on some ranks; a job over on all of them no longer holds its chunks in flight."""
+        if meta is None:
+            return
+        over = []
+        for job, n in meta.jobs.items():
+            self._acks[job] += n
+            if self._acks[job] >= self.tp_size:
+                over.append(job)
+        for job in over:
+            del self._acks[job]
+            req_id, keys = self._jobs.pop(job)
+            self._in_flight.subtract(keys)
+            self._req_jobs[req_id] -= 1
+            if self._req_jobs[req_id] <= 0:
+                del self._req_jobs[req_id]
+        if over:
+            self._in_flight = +self._in_flight
+            self.lookups.changed()

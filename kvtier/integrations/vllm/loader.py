@@ -1,0 +1,166 @@
+"""Asynchronous loads: one thread retrieves hits into vLLM's blocks while vLLM runs other requests.
+
+Contract with vLLM (0.32, ``get_num_new_matched_tokens`` returning ``(n, True)``): the request waits in
+``WAITING_FOR_REMOTE_KVS`` and its blocks are neither read nor freed until this rank reports its id in
+``get_finished(...)[1]``; the blocks that did not arrive verified are reported through
+``get_block_ids_with_load_errors`` no later than that same step, and vLLM recomputes them.
+
+* A load runs through ``KVCache.retrieve``, which writes a chunk only after it verified it. The load's sink
+  records which chunks were written; what the load reports as loaded is the contiguous verified prefix.
+* Every load has a deadline (``LoadSpec.timeout_s`` after the worker received it, queueing included). A load
+  past it, one whose request vLLM finished (aborted) or the engine shutting down **closes** the load's sink:
+  under the sink's lock, so a write under way completes first and none starts after; on a GPU the copies
+  already queued are waited for. A closed load is reported at once; the retrieve may run on inside a slow tier,
+  but it can no longer touch vLLM's blocks, which vLLM may then reuse.
+* A load is reported exactly once, with its error blocks in the same ``finished()`` answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.core.cache import KVCache
+from kvtier.integrations.vllm.metadata import LoadSpec, unpack_tokens
+from kvtier.integrations.vllm.paged import PagedKV, PagedSink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    """One request's load: its sink, guarded so it can be closed from another thread."""
+
+    spec: LoadSpec
+    sink: PagedSink
+    chunk_size: int
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+    reason: str = ""
+    written: set[int] = field(default_factory=set)  # start tokens of the chunks written
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        with self.lock:
+            if self.closed:
+                return  # closed: vLLM may own these blocks again
+            self.sink.write(start, end, chunk)
+            self.written.add(start)
+
+    def settle(self) -> None:
+        self.sink.settle()
+
+    def close(self, reason: str) -> bool:
+        """Stop writes; False if it was closed already (then someone else reports it)."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed, self.reason = True, reason
+            return True
+
+    def written_prefix(self) -> int:
+        """Tokens from 0 covered by written chunks, without a gap."""
+        end = 0
+        while end in self.written:
+            end += self.chunk_size
+        return end
+
+
+class AsyncLoads:
+    """This rank's asynchronous loads: ``submit`` from ``start_load_kv``, ``finished`` from ``get_finished``."""
+
+    def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float) -> None:
+        self.paged, self.cache = paged, cache
+        self.default_timeout_s = default_timeout_s
+        self._queue: queue.Queue[_Load | None] = queue.Queue()
+        self._active: dict[str, _Load] = {}  # submitted, not reported yet (main thread only)
+        self._lock = threading.Lock()  # guards _done and _counts, shared with the loading thread
+        self._done: list[tuple[_Load, int]] = []  # (load, verified tokens from 0) finished by the thread
+        self._counts: Counter[str] = Counter()
+        self.totals: Counter[str] = Counter()  #: loads reported since the start, by how they ended
+        self._thread = threading.Thread(target=self._run, name="kvtier-load", daemon=True)
+        self._thread.start()
+
+    def submit(self, spec: LoadSpec) -> None:
+        timeout = spec.timeout_s if spec.timeout_s is not None else self.default_timeout_s
+        load = _Load(spec, PagedSink(self.paged, spec.block_ids, spec.first_token), self.cache.chunk_size,
+                     time.monotonic() + timeout)
+        self._active[spec.req_id] = load
+        self._queue.put(load)
+
+    def _run(self) -> None:
+        # vLLM's KV tensors are inference tensors: only code in inference mode may write them (per thread)
+        with torch.inference_mode():
+            while (load := self._queue.get()) is not None:
+                if load.closed:
+                    continue  # past its deadline or cancelled while queued: reported already
+                got = 0
+                try:
+                    _, got = self.cache.retrieve(unpack_tokens(load.spec.tokens), load, salt=load.spec.salt,
+                                                 max_tokens=len(load.spec.tokens) // 4)
+                except Exception:  # a bug or a sink error: what did not arrive is recomputed
+                    if load.closed:  # reported already (deadline, abort, shutdown: the cache may be closed)
+                        log.debug("kvtier: closed load of request %s ended in an error", load.spec.req_id)
+                    else:
+                        log.exception("kvtier: loading request %s failed", load.spec.req_id)
+                self.paged.synchronize()
+                if load.close("done"):
+                    with self._lock:
+                        self._done.append((load, got))
+
+    def finished(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[int]]:
+        """Loads over since the last call, and their blocks that did not arrive verified.
+
+        Loads past their deadline and loads of requests in ``finished_req_ids`` (vLLM finished them while they
+        loaded: aborted) are closed and reported here too."""
+        now = time.monotonic()
+        closed = []
+        for req_id, load in self._active.items():
+            reason = "aborted" if finished_req_ids and req_id in finished_req_ids else (
+                "deadline" if now > load.deadline else "")
+            if reason and load.close(reason):
+                closed.append(load)
+        if closed:
+            self.paged.synchronize()  # writes queued before the close have landed
+        with self._lock:
+            done, self._done = self._done, []
+        results = done + [(load, load.written_prefix()) for load in closed]
+        req_ids, bad = set(), set()
+        for load, got in results:
+            req_ids.add(load.spec.req_id)
+            self._active.pop(load.spec.req_id, None)
+            bad.update(self._account(load, got))
+        return req_ids, bad
+
+    def _account(self, load: _Load, got: int) -> list[int]:
+        spec, bs = load.spec, self.paged.block_size
+        loaded = max(min(got, spec.end) - spec.first_token, 0)
+        bad = spec.block_ids[max(got, spec.first_token) // bs : -(-spec.end // bs)] if got < spec.end else []
+        with self._lock:
+            self._counts.update(loaded_tokens=loaded, failed_blocks=len(bad),
+                                expired_loads=int(load.reason == "deadline"))
+            self.totals.update([load.reason], loaded_tokens=loaded, failed_blocks=len(bad))
+        if bad and load.reason != "aborted":
+            log.warning("kvtier: request %s got %d of %d promised tokens (%s); %d blocks will be recomputed",
+                        spec.req_id, loaded, spec.end - spec.first_token, load.reason, len(bad))
+        return bad
+
+    def take_counts(self) -> Counter[str]:
+        with self._lock:
+            counts, self._counts = self._counts, Counter()
+        return counts
+
+    def close(self) -> None:
+        """Close every load (none writes into vLLM's blocks after this returns) and stop the thread."""
+        for load in self._active.values():
+            load.close("shutdown")
+        self._queue.put(None)
+        self._thread.join(timeout=5)  # a retrieve stuck in a tier cannot write anymore: do not wait for it
+        self.paged.synchronize()
+        self._active.clear()
