@@ -12,8 +12,8 @@ Recording and reading take a declaration or its name; a family is created on fir
 * Labels must match the declaration's label names, else ValueError naming both (in every mode). Recording
   with the wrong kind (``observe`` of a counter, ``inc`` of a histogram) raises ValueError too.
 * An undeclared name raises ValueError when the environment variable ``KVTIER_METRICS_STRICT`` is ``1``
-  (the test suite sets it). Otherwise (production) it is logged once per name, counted in
-  ``kvtier_undeclared_metric_total{name}``, and recorded as before declarations existed: ``inc`` of a
+  (the test suite sets it). Otherwise (production) it is logged and counted in
+  ``kvtier_undeclared_metric_total{name}`` once per name, and recorded as before declarations existed: ``inc`` of a
   ``*_total`` name is a Counter, ``inc`` of another name a Gauge, ``observe`` a latency Histogram, with the
   label names of the first call. A metric never takes a serving path down; the tests catch the typo.
 
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 UNDECLARED = declare_counter("kvtier_undeclared_metric_total",
-                             "Uses of metrics that match no declaration (a bug; each name is also logged once).",
+                             "Metric names used without a matching declaration, each counted and logged once (a bug).",
                              ("name",))
 
 GaugeCallback = Callable[[], Iterator[tuple[str, dict[str, str], float]]]
@@ -221,7 +221,7 @@ class Metrics:
         return family
 
     def _undeclared(self, name: str, problem: str) -> None:
-        """Raise in strict mode; otherwise log once per name and count the use."""
+        """Raise in strict mode; otherwise log and count ``name`` (once per name and Metrics object)."""
         message = f"metric {name} {problem} (declare it once, in the module that owns it; see kvtier.base.metrics)"
         if strict():
             raise ValueError(message)
@@ -230,7 +230,7 @@ class Metrics:
             self._warned.add(name)
         if first:
             log.warning(message)
-        self.inc(UNDECLARED, name=name)
+            self.inc(UNDECLARED, name=name)
 
     @staticmethod
     def _samples_of(family: Family):
