@@ -42,7 +42,7 @@ def test_metrics_reference_lists_every_declared_metric(monkeypatch):
 
     declared = [SimpleNamespace(name="kvtier_b_total", kind="counter", help="B | C.", labels=("tier",)),
                 SimpleNamespace(name="kvtier_a_seconds", kind=SimpleNamespace(name="HISTOGRAM"), help="A.", labels=())]
-    monkeypatch.setattr(metrics, "declared", lambda: declared, raising=False)
+    monkeypatch.setattr(metrics, "declared", lambda: declared)
     page = _hook().metrics_page()
     assert "| `kvtier_a_seconds` | histogram |  | A. |" in page
     assert "| `kvtier_b_total` | counter | `tier` | B \\| C. |" in page
@@ -58,3 +58,12 @@ def test_configuration_reference_documents_every_field_of_every_config():
         for field in dataclasses.fields(hook.load(path)):
             assert f"| `{field.name}` |" in page, (path, field.name)
     assert "| `capacity_bytes` | int | `64GiB` | `KVTIER_DISK_CAPACITY_BYTES` | hard limit on stored blob bytes |" in page
+
+
+def test_metrics_reference_is_generated_from_the_real_declarations():
+    from kvtier.base.metrics import declared
+
+    page = _hook().metrics_page()
+    names = [metric.name for metric in declared()]
+    assert "kvtier_hit_tokens_total" in names
+    assert all(f"| `{name}` |" in page for name in names)

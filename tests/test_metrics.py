@@ -1,4 +1,6 @@
-"""Metrics on prometheus-client: kvtier's API unchanged, one registry per object, any name usable, valid text."""
+"""Metrics on prometheus-client: kvtier's API unchanged, one registry per object, declared names, valid text.
+
+The suite runs strict (tests/conftest.py): an undeclared name raises. Declarations: tests/test_metric_decls.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier import CacheConfig, KVCache, KVSpec
-from kvtier.base.metrics import MetricKind, Metrics, MetricsServer
+from kvtier.base.metrics import STRICT_ENV, MetricKind, Metrics, MetricsServer
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 
@@ -53,7 +55,7 @@ def test_python_reads_stay_simple():
     assert m.get("kvtier_miss_tokens_total") == 16
     assert m.get("kvtier_lookup_seconds") == 1  # a histogram's observation count
     assert m.total("kvtier_stored_tokens_total") == 64
-    assert m.get("kvtier_never_seen_total") == 0 and m.total("kvtier_never_seen_total") == 0
+    assert m.get("kvtier_evictions_total", tier="memory") == 0  # declared, never counted: 0
     snap = m.snapshot()
     assert snap['kvtier_hit_tokens_total{tier="memory"}'] == 64
     assert snap['kvtier_tier_entries{tier="memory"}'] == 4
@@ -71,7 +73,19 @@ def test_each_metrics_object_has_its_own_registry():
     assert "kvtier_lookups_total 1.0" in b.render_prometheus()
 
 
-def test_names_need_no_declaration():
+@pytest.fixture
+def production(monkeypatch):
+    """Metrics as in production: undeclared names are logged and counted, not raised."""
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+
+
+def test_in_production_an_undeclared_name_reads_zero(production):
+    m = used_cache().metrics
+    assert m.get("kvtier_never_seen_total") == 0 and m.total("kvtier_never_seen_total") == 0
+    assert m.get("kvtier_undeclared_metric_total", name="kvtier_never_seen_total") == 1  # once per name
+
+
+def test_in_production_undeclared_names_are_recorded_as_before_and_counted(production, caplog):
     m = Metrics()
     m.inc("kvtier_peer_fetches_total", 2, peer="a")
     m.inc("kvtier_queue_depth", 5)  # not *_total: a gauge that keeps its exact name
@@ -87,6 +101,57 @@ def test_names_need_no_declaration():
     assert m.get("kvtier_peer_fetch_seconds", peer="a") == 1
     assert sorted(n for n, _, _ in m.samples(MetricKind.GAUGE)) == ["kvtier_queue_depth", "kvtier_tier_entries",
                                                                     "kvtier_tier_entries"]
+    undeclared = {k: v for k, v in m.snapshot().items() if k.startswith("kvtier_undeclared_metric_total")}
+    assert undeclared == {'kvtier_undeclared_metric_total{name="kvtier_peer_fetches_total"}': 1.0,
+                          'kvtier_undeclared_metric_total{name="kvtier_queue_depth"}': 1.0,
+                          'kvtier_undeclared_metric_total{name="kvtier_peer_fetch_seconds"}': 1.0}
+    m.inc("kvtier_peer_fetches_total", peer="b")
+    warned = [r.getMessage() for r in caplog.records if "kvtier_peer_fetches_total" in r.getMessage()]
+    assert len(warned) == 1 and "is not declared" in warned[0]  # logged and counted once per name
+    assert m.get("kvtier_undeclared_metric_total", name="kvtier_peer_fetches_total") == 1
+    assert m.get("kvtier_peer_fetches_total", peer="b") == 1
+
+
+def test_in_strict_mode_an_undeclared_name_raises_wherever_it_is_used():
+    m = Metrics()
+    for use in (lambda: m.inc("kvtier_hit_token_total", 1, tier="memory"),  # a typo: no longer a new series
+                lambda: m.observe("kvtier_lookup_second", 0.1), lambda: m.get("kvtier_never_seen_total"),
+                lambda: m.total("kvtier_never_seen_total")):
+        with pytest.raises(ValueError, match="is not declared"):
+            use()
+    assert m.snapshot() == {}  # nothing was created under the misspelt names
+    m.add_gauges(lambda: iter([("kvtier_tier_entrys", {"tier": "a"}, 1.0)]))
+    with pytest.raises(ValueError, match="kvtier_tier_entrys is not declared"):
+        m.render_prometheus()
+
+
+def test_in_strict_mode_a_gauge_callback_must_match_its_declaration():
+    m = Metrics()
+    m.add_gauges(lambda: iter([("kvtier_tier_entries", {"tier": "a", "node": "x"}, 1.0)]))
+    with pytest.raises(ValueError, match=r"labels \['tier'\], not yielded as a gauge with labels \['node', 'tier'\]"):
+        m.snapshot()
+
+
+def test_labels_must_match_the_declaration_from_the_first_use():
+    m = Metrics()
+    with pytest.raises(ValueError, match=r"labels \['tier'\], not \['reason', 'tier'\]"):
+        m.inc("kvtier_evictions_total", tier="memory", reason="full")
+    with pytest.raises(ValueError, match=r"labels \['tier'\], not \[\]"):
+        m.inc("kvtier_hit_tokens_total", 16)
+    with pytest.raises(ValueError, match="is a histogram, not a counter or gauge"):
+        m.inc("kvtier_lookup_seconds")
+
+
+def test_a_declaration_records_like_its_name():
+    from kvtier.core.metrics import HIT_TOKENS, RETRIEVE_SECONDS
+
+    m = Metrics()
+    m.inc(HIT_TOKENS, 16, tier="memory")
+    m.inc("kvtier_hit_tokens_total", 16, tier="memory")
+    with m.timer(RETRIEVE_SECONDS):
+        pass
+    assert m.get(HIT_TOKENS, tier="memory") == m.get("kvtier_hit_tokens_total", tier="memory") == 32
+    assert m.total(HIT_TOKENS) == 32 and m.get(RETRIEVE_SECONDS) == 1
 
 
 def test_a_name_keeps_its_label_names_and_its_kind():

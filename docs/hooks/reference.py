@@ -225,12 +225,7 @@ def metrics_page() -> str:
            ("Generated on every build of this site from the declarations in the code "
             "(`kvtier.base.metrics.declared()`, by `docs/hooks/reference.py`). Where to scrape them and how "
             "to read them: [Metrics](../metrics.md)."), ""]
-    metrics = importlib.import_module("kvtier.base.metrics")
-    declared = getattr(metrics, "declared", None)
-    if declared is None:  # removed once metrics are declared (issue 27, item 4)
-        placeholder = ("*Not generated: this checkout's `kvtier.base.metrics` has no `declared()` yet, so the "
-                       "metrics have no declarations to list.*")
-        return "\n".join([*out, placeholder, ""])
+    declared = importlib.import_module("kvtier.base.metrics").declared
     out += ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for metric in sorted(declared(), key=lambda m: m.name):
         kind = getattr(metric.kind, "name", metric.kind)

@@ -1,21 +1,31 @@
-"""Counters, gauges and histograms on prometheus-client, readable from Python and as Prometheus text.
+"""Counters, gauges and histograms on prometheus-client, declared once, readable from Python and as Prometheus text.
+
+Every metric is declared once, at import of the module that owns it, with its name, help, label names and
+kind (``declare_counter``, ``declare_gauge``, ``declare_histogram``); ``declared()`` lists them all (for the
+generated reference). ``OWNERS`` names the modules that declare metrics.
 
 One ``Metrics`` object per KVCache (no module globals), shared with its tiers; it owns a ``CollectorRegistry``
 of its own (``metrics.registry``), so two caches in one process never mix their series and any
 prometheus-client exporter (``generate_latest``, ``start_http_server``, a WSGI/ASGI app) can serve it.
+Recording and reading take a declaration or its name; a family is created on first use, from its declaration.
 
-Names need no declaration: the first ``inc`` or ``observe`` of a name creates its metric with the label names
-of that call, and later calls must use the same label names (prometheus-client's rule; a mismatch raises
-ValueError naming both). ``inc`` of a ``*_total`` name is a Counter; ``inc`` of any other name is a Gauge
-that only goes up, so the exposed name is exactly the one given (a Counter would gain ``_total``).
-``observe`` feeds a Histogram with latency buckets. ``add_gauges`` registers a callback read at each
-scrape. Names follow Prometheus conventions: ``kvtier_<what>_total`` for counters, ``_seconds``/``_bytes``
-units. Thread-safe.
+* Labels must match the declaration's label names, else ValueError naming both (in every mode). Recording
+  with the wrong kind (``observe`` of a counter, ``inc`` of a histogram) raises ValueError too.
+* An undeclared name raises ValueError when the environment variable ``KVTIER_METRICS_STRICT`` is ``1``
+  (the test suite sets it). Otherwise (production) it is logged and counted in
+  ``kvtier_undeclared_metric_total{name}`` once per name, and recorded as before declarations existed: ``inc`` of a
+  ``*_total`` name is a Counter, ``inc`` of another name a Gauge, ``observe`` a latency Histogram, with the
+  label names of the first call. A metric never takes a serving path down; the tests catch the typo.
+
+``inc`` of a declared gauge only goes up. ``add_gauges`` registers a callback read at each scrape; the names it
+yields must be declared gauges (same strictness). Names follow Prometheus conventions: ``kvtier_<what>_total``
+for counters (required: a Counter's exposed name is its declared name), ``_seconds``/``_bytes`` units.
+Declarations live in kvtier.base.metric_decls and are re-exported here. Thread-safe.
 """
 
 from __future__ import annotations
 
-import enum
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,86 +35,49 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import Metric
 
-#: Latency buckets in seconds, from 50 us to 10 s.
-LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+from kvtier.base.metric_decls import (
+    KIND_OF_FAMILY,
+    LATENCY_BUCKETS,
+    OWNERS,
+    STRICT_ENV,
+    Family,
+    MetricDecl,
+    MetricKind,
+    declaration,
+    declare_counter,
+    declare_gauge,
+    declare_histogram,
+    declared,
+    help_text,
+    strict,
+)
 
-HELP = {
-    "kvtier_lookups_total": "Lookups served.",
-    "kvtier_lookup_tokens_total": "Tokens asked about by lookups (full chunks only).",
-    "kvtier_hit_tokens_total": "Tokens retrieved, by the tier that served them.",
-    "kvtier_miss_tokens_total": "Tokens asked for by retrieve that no tier could serve.",
-    "kvtier_stored_tokens_total": "Tokens written, by tier.",
-    "kvtier_read_bytes_total": "Stored bytes read, by tier.",
-    "kvtier_written_bytes_total": "Stored bytes written, by tier.",
-    "kvtier_evictions_total": "Entries evicted, by tier.",
-    "kvtier_skipped_stores_total": "Chunks not stored, by tier and reason.",
-    "kvtier_corrupt_chunks_total": "Stored chunks that failed verification and were treated as misses.",
-    "kvtier_state_snapshots_stored_total": "SSM state snapshots (one per kind and boundary) written, by tier.",
-    "kvtier_state_snapshots_loaded_total": "SSM state snapshots restored, by tier and kind.",
-    "kvtier_tier_errors_total": "Tier failures turned into misses or skipped stores.",
-    "kvtier_promotions_total": "Chunks copied into a faster tier after a hit in a slower one.",
-    "kvtier_demotions_total": "Chunks written to a slower tier when a faster one evicted them.",
-    "kvtier_breaker_opens_total": "Times a tier's circuit breaker opened (a server kept failing).",
-    "kvtier_breaker_rejected_total": "Tier calls skipped because the server's circuit breaker was open.",
-    "kvtier_breaker_open": "1 while the circuit breaker of a tier's server is open, else 0.",
-    "kvtier_incomplete_values_total": "Split values found with a part missing (evicted or expired): misses.",
-    "kvtier_disk_io_errors_total": "Disk tier I/O failures, by step (write, fsync, read, ...) and errno.",
-    "kvtier_disk_leftovers_removed_total": "Files removed by the disk tier at start: temp, torn or stray.",
-    "kvtier_disk_directory_lost_total": "Times the disk tier found its directory gone and dropped its index.",
-    "kvtier_disk_reindex_seconds": "Time the disk tier took to rebuild its index from the directory.",
-    "kvtier_disk_write_queue": "Stores queued for the disk tier's background writer.",
-    "kvtier_segment_hit_tokens_total": "Tokens of cached segments retrieved for blending, by the tier that served them.",
-    "kvtier_segment_miss_tokens_total": "Tokens of segments asked for that no tier held (computed, then stored).",
-    "kvtier_segment_stored_tokens_total": "Tokens of segments written, by tier.",
-    "kvtier_segment_retrieve_seconds": "Latency of retrieving a prompt's cached segments.",
-    "kvtier_blend_blended_tokens_total": "Prompt tokens whose KV came from cached segments and was not recomputed.",
-    "kvtier_blend_recomputed_tokens_total": "Reused segment tokens recomputed because their KV deviated most.",
-    "kvtier_blend_fallback_tokens_total": "Segment tokens given a full prefill instead, by reason (deviation, unsupported).",
-    "kvtier_mooncake_joined": "1 while the Mooncake tier is in the pool (its segment mounted), else 0.",
-    "kvtier_mooncake_segment_bytes": "Memory this replica contributes to the Mooncake pool.",
-    "kvtier_mooncake_buffer_bytes": "Registered memory the Mooncake tier moves values through.",
-    "kvtier_mooncake_no_buffer_total": "Values not read because the Mooncake tier's transfer buffer was full.",
-    "kvtier_mooncake_busy_total": "Mooncake reads given up because other transfers held every turn until the deadline.",
-    "kvtier_mooncake_transfer_failures_total": "Mooncake calls in which a peer holding a value did not answer.",
-    "kvtier_lookup_seconds": "Latency of lookup().",
-    "kvtier_retrieve_seconds": "Latency of retrieve().",
-    "kvtier_store_seconds": "Latency of store().",
-    "kvtier_tier_used_bytes": "Bytes held by a tier.",
-    "kvtier_tier_capacity_bytes": "Configured capacity of a tier.",
-    "kvtier_tier_entries": "Chunks held by a tier.",
-    "kvtier_server_requests_total": "HTTP generation requests answered, by endpoint and status.",
-    "kvtier_server_rejected_total": "Requests refused at once because the queue was full.",
-    "kvtier_server_prompt_tokens_total": "Prompt tokens of completed requests.",
-    "kvtier_server_cached_prompt_tokens_total": "Prompt tokens whose KV came from kvtier instead of prefill.",
-    "kvtier_server_blended_prompt_tokens_total": "Prompt tokens whose KV came from cached segments (blending).",
-    "kvtier_server_generation_tokens_total": "Completion tokens generated.",
-    "kvtier_server_ttft_seconds": "Time to first token inside the engine (retrieve + prefill + first token).",
-    "kvtier_server_queue_seconds": "Time a request waited for the engine.",
-    "kvtier_server_requests_in_flight": "Requests running or waiting.",
-    "kvtier_server_queue_limit": "Requests that may be running or waiting before 429s.",
-}
+__all__ = [
+    "CONTENT_TYPE", "LATENCY_BUCKETS", "OWNERS", "STRICT_ENV", "MetricDecl", "MetricKind", "Metrics", "MetricsServer",
+    "declaration", "declare_counter", "declare_gauge", "declare_histogram", "declared", "help_text", "strict",
+]
+
+log = logging.getLogger(__name__)
 
 #: The media type of ``render_prometheus()`` (Prometheus text format 0.0.4).
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
-class MetricKind(enum.Enum):
-    COUNTER = "counter"
-    GAUGE = "gauge"
-    HISTOGRAM = "histogram"
-
-
-_KINDS = {Counter: MetricKind.COUNTER, Gauge: MetricKind.GAUGE, Histogram: MetricKind.HISTOGRAM}
+UNDECLARED = declare_counter("kvtier_undeclared_metric_total",
+                             "Metric names used without a matching declaration, each counted and logged once (a bug).",
+                             ("name",))
 
 GaugeCallback = Callable[[], Iterator[tuple[str, dict[str, str], float]]]
-_Family = Counter | Gauge | Histogram
+#: A metric as the recording and reading methods take it: its declaration, or its name.
+MetricRef = MetricDecl | str
 
 
 class _CallbackGauges:
     """A prometheus-client collector over ``add_gauges`` callbacks: one gauge family per name."""
 
-    def __init__(self) -> None:
+    def __init__(self, undeclared: Callable[[str, str], None]) -> None:
         self._callbacks: list[GaugeCallback] = []
         self._lock = threading.Lock()
+        self._undeclared = undeclared
 
     def add(self, collect: GaugeCallback) -> None:
         with self._lock:
@@ -118,66 +91,79 @@ class _CallbackGauges:
             for name, labels, value in collect():
                 family = families.get(name)
                 if family is None:
-                    family = families[name] = Metric(name, HELP.get(name, name), "gauge")
+                    family = families[name] = Metric(name, self._help(name, labels), "gauge")
                 family.add_sample(name, {k: str(v) for k, v in sorted(labels.items())}, float(value))
         yield from families.values()
 
+    def _help(self, name: str, labels: dict[str, str]) -> str:
+        decl = declaration(name)
+        if decl is None:
+            self._undeclared(name, "is not declared")
+            return name
+        if decl.kind is not MetricKind.GAUGE or sorted(labels) != sorted(decl.labels):
+            self._undeclared(name, f"is declared as a {decl.kind} with labels {sorted(decl.labels)}, "
+                                   f"not yielded as a gauge with labels {sorted(labels)}")
+        return decl.help
+
 
 class Metrics:
-    """kvtier's metrics API over one prometheus-client registry. Unknown names are allowed."""
+    """kvtier's metrics API over one prometheus-client registry, for declared metrics (see the module doc)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self._families: dict[str, _Family] = {}
+        self._families: dict[str, Family] = {}
         self._label_names: dict[str, tuple[str, ...]] = {}
         self._lock = threading.Lock()
-        self._gauges = _CallbackGauges()
+        self._warned: set[str] = set()
+        self._gauges = _CallbackGauges(self._undeclared)
         self.registry.register(self._gauges)
 
     # -- recording -------------------------------------------------------------------------------------------
-    def inc(self, name: str, value: float = 1, **labels: str) -> None:
-        """Add ``value`` (>= 0 for ``*_total`` counters) to the series ``name{labels}``."""
-        kind = Counter if name.endswith("_total") else Gauge
-        self._series(name, kind, labels).inc(value)
+    def inc(self, metric: MetricRef, value: float = 1, **labels: str) -> None:
+        """Add ``value`` (>= 0 for counters) to the series ``metric{labels}`` of a counter or gauge."""
+        self._series(metric, (Counter, Gauge), labels).inc(value)
 
-    def observe(self, name: str, seconds: float, **labels: str) -> None:
-        """Record one observation in the histogram ``name{labels}``."""
-        self._series(name, Histogram, labels).observe(seconds)
+    def observe(self, metric: MetricRef, seconds: float, **labels: str) -> None:
+        """Record one observation in the histogram ``metric{labels}``."""
+        self._series(metric, (Histogram,), labels).observe(seconds)
 
     @contextmanager
-    def timer(self, name: str, **labels: str) -> Iterator[None]:
+    def timer(self, metric: MetricRef, **labels: str) -> Iterator[None]:
+        """Observe the seconds the ``with`` body took (also when it raises) in the histogram ``metric``."""
         start = perf_counter()
         try:
             yield
         finally:
-            self.observe(name, perf_counter() - start, **labels)
+            self.observe(metric, perf_counter() - start, **labels)
 
     def add_gauges(self, collect: GaugeCallback) -> None:
-        """Register a callback yielding ``(name, labels, value)`` gauges, read at each render/snapshot."""
+        """Register a callback yielding ``(name, labels, value)`` of declared gauges, read at each
+        render/snapshot."""
         self._gauges.add(collect)
 
     # -- reading ---------------------------------------------------------------------------------------------
-    def get(self, name: str, **labels: str) -> float:
-        """A counter's value (0 if never incremented), or a histogram's observation count."""
-        family = self._families.get(name)
+    def get(self, metric: MetricRef, **labels: str) -> float:
+        """A counter's or gauge's value (0 if never recorded), or a histogram's observation count."""
+        family = self._family_to_read(metric)
         if family is None:
             return 0.0
+        name = _name(metric)
         sample = name + "_count" if isinstance(family, Histogram) else name
         wanted = {k: str(v) for k, v in labels.items()}
         return next((s.value for s in self._samples_of(family) if s.name == sample and s.labels == wanted), 0.0)
 
-    def total(self, name: str) -> float:
-        """A counter summed over all its label sets."""
-        family = self._families.get(name)
+    def total(self, metric: MetricRef) -> float:
+        """A counter summed over all its label sets (0 if never incremented)."""
+        family = self._family_to_read(metric)
         if family is None:
             return 0.0
-        return sum(s.value for s in self._samples_of(family) if s.name == name)
+        return sum(s.value for s in self._samples_of(family) if s.name == _name(metric))
 
     def samples(self, kind: MetricKind) -> Iterator[tuple[str, dict[str, str], float]]:
         """``(name, labels, value)`` of every series of one kind (counters: their ``_total`` values only;
         gauges: ``inc`` gauges and ``add_gauges`` callbacks; histograms: buckets, counts and sums)."""
         with self._lock:
-            families = [f for f in self._families.values() if _KINDS[type(f)] is kind]
+            families = [f for f in self._families.values() if KIND_OF_FAMILY[type(f)] is kind]
         collected = [m for f in families for m in f.collect()]
         if kind is MetricKind.GAUGE:
             collected += list(self._gauges.collect())
@@ -201,10 +187,12 @@ class Metrics:
         return generate_latest(self.registry).decode()
 
     # -- internals -------------------------------------------------------------------------------------------
-    def _series(self, name: str, kind: type[_Family], labels: dict[str, str]):
-        family = self._families.get(name) or self._create(name, kind, tuple(sorted(labels)))
-        if not isinstance(family, kind):
-            raise ValueError(f"metric {name} is a {type(family).__name__.lower()}, not a {kind.__name__.lower()}")
+    def _series(self, metric: MetricRef, kinds: tuple[type[Family], ...], labels: dict[str, str]):
+        name = _name(metric)
+        family = self._families.get(name) or self._create(metric, kinds[0], labels)
+        if not isinstance(family, kinds):
+            raise ValueError(f"metric {name} is a {type(family).__name__.lower()}, "
+                             f"not a {' or '.join(k.__name__.lower() for k in kinds)}")
         if not labels and not self._label_names[name]:
             return family
         try:
@@ -213,20 +201,53 @@ class Metrics:
             raise ValueError(f"metric {name} has labels {list(self._label_names[name])}, "
                              f"not {sorted(labels)}") from None
 
-    def _create(self, name: str, kind: type[_Family], label_names: tuple[str, ...]) -> _Family:
+    def _create(self, metric: MetricRef, kind: type[Family], labels: dict[str, str]) -> Family:
+        decl = metric if isinstance(metric, MetricDecl) else declaration(metric)
+        if decl is None:
+            self._undeclared(metric, "is not declared")  # raises in strict mode
+        name, label_names = _name(metric), tuple(sorted(labels if decl is None else decl.labels))
         with self._lock:
             family = self._families.get(name)
-            if family is not None:  # another thread created it first
-                return family
-            options = {"buckets": LATENCY_BUCKETS} if kind is Histogram else {}
-            family = kind(name, HELP.get(name, name), label_names, registry=self.registry, **options)
-            self._label_names[name] = label_names
-            self._families[name] = family
+            if family is None:  # else another thread created it first
+                family = decl.family(self.registry) if decl else _undeclared_family(name, kind, label_names,
+                                                                                    self.registry)
+                self._families[name], self._label_names[name] = family, label_names
             return family
 
+    def _family_to_read(self, metric: MetricRef) -> Family | None:
+        family = self._families.get(_name(metric))
+        if family is None and isinstance(metric, str) and declaration(metric) is None:
+            self._undeclared(metric, "is not declared")
+        return family
+
+    def _undeclared(self, name: str, problem: str) -> None:
+        """Raise in strict mode; otherwise log and count ``name`` (once per name and Metrics object)."""
+        message = f"metric {name} {problem} (declare it once, in the module that owns it; see kvtier.base.metrics)"
+        if strict():
+            raise ValueError(message)
+        with self._lock:
+            first = name not in self._warned
+            self._warned.add(name)
+        if first:
+            log.warning(message)
+            self.inc(UNDECLARED, name=name)
+
     @staticmethod
-    def _samples_of(family: _Family):
+    def _samples_of(family: Family):
         return [s for metric in family.collect() for s in metric.samples]
+
+
+def _name(metric: MetricRef) -> str:
+    return metric if isinstance(metric, str) else metric.name
+
+
+def _undeclared_family(name: str, kind: type[Family], label_names: tuple[str, ...],
+                       registry: CollectorRegistry) -> Family:
+    """A family for an undeclared name, as names were recorded before declarations (production only)."""
+    if kind is Counter and not name.endswith("_total"):
+        kind = Gauge  # a Counter would expose the name with _total appended
+    options = {"buckets": LATENCY_BUCKETS} if kind is Histogram else {}
+    return kind(name, name, label_names, registry=registry, **options)
 
 
 class MetricsServer:

@@ -32,6 +32,7 @@ from kvtier.base.layout import KVSpec
 from kvtier.base.metrics import Metrics
 from kvtier.base.state import ModelStateSpec
 from kvtier.codecs import Codec, Payload, get_codec
+from kvtier.tiers.metrics import CAPACITY_BYTES, ENTRIES, USED_BYTES
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,9 @@ def stats_gauges(tier: Tier, stats: TierStats | None = None) -> Iterator[tuple[s
     capacity and entries."""
     stats = tier.stats() if stats is None else stats
     labels = {"tier": tier.name}
-    yield "kvtier_tier_used_bytes", labels, stats.used_bytes
-    yield "kvtier_tier_capacity_bytes", labels, stats.capacity_bytes
-    yield "kvtier_tier_entries", labels, stats.entries
+    yield USED_BYTES.name, labels, stats.used_bytes
+    yield CAPACITY_BYTES.name, labels, stats.capacity_bytes
+    yield ENTRIES.name, labels, stats.entries
 
 
 class WriteMode(enum.Enum):

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from kvtier.apps.route.admission import Overloaded
+from kvtier.apps.route.metrics import CANCELLED, REJECTED, REQUESTS
 from kvtier.apps.route.requests import parse_request
 from kvtier.apps.route.service import Router
 from kvtier.web.body import read_body
@@ -86,8 +87,8 @@ def server_config(router: Router, host: str, port: int, log_level: str = "info")
     limits = router.config.http
 
     def refused(status: int, reason: str) -> None:
-        router.metrics.inc("kvtier_router_requests_total", endpoint="http", status=str(status))
-        router.metrics.inc("kvtier_router_rejected_total", reason=reason)
+        router.metrics.inc(REQUESTS, endpoint="http", status=str(status))
+        router.metrics.inc(REJECTED, reason=reason)
 
     return uvicorn.Config(create_app(router), host=host, port=port, log_level=log_level,
                           access_log=log_level == "debug", http=guarded_protocol(limits, refused),
@@ -95,7 +96,7 @@ def server_config(router: Router, host: str, port: int, log_level: str = "info")
 
 
 def _error(router: Router, endpoint: str, exc: RequestError, headers: dict[str, str] | None = None) -> Response:
-    router.metrics.inc("kvtier_router_requests_total", endpoint=endpoint, status=str(exc.status))
+    router.metrics.inc(REQUESTS, endpoint=endpoint, status=str(exc.status))
     return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status, headers=headers)
 
 
@@ -104,7 +105,7 @@ async def _generate(router: Router, request: Request, path: str, *, chat: bool) 
     try:
         return await _serve(router, request, path, endpoint, chat)
     except ClientDisconnect:
-        router.metrics.inc("kvtier_router_cancelled_total")
+        router.metrics.inc(CANCELLED)
         return Response(status_code=CLIENT_CLOSED)
     except Exception:  # a bug: still an answer in OpenAI's envelope, and counted
         log.exception("the router failed a request")
@@ -117,7 +118,7 @@ async def _serve(router: Router, request: Request, path: str, endpoint: str, cha
         body = await read_body(request, router.config.proxy.max_body_bytes)
         parsed = await asyncio.to_thread(parse_request, body, chat, headers)
     except RequestError as exc:
-        router.metrics.inc("kvtier_router_rejected_total", reason="malformed")
+        router.metrics.inc(REJECTED, reason="malformed")
         return _error(router, endpoint, exc)
     work = asyncio.ensure_future(router.route(path, parsed, body, request.headers.raw))
     gone = asyncio.ensure_future(_disconnected(request))
@@ -127,15 +128,15 @@ async def _serve(router: Router, request: Request, path: str, endpoint: str, cha
     if not work.done():
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
-        router.metrics.inc("kvtier_router_cancelled_total")
+        router.metrics.inc(CANCELLED)
         return Response(status_code=CLIENT_CLOSED)
     try:
         response = work.result()
     except Overloaded as exc:
-        router.metrics.inc("kvtier_router_rejected_total", reason="queue_full")
+        router.metrics.inc(REJECTED, reason="queue_full")
         return _error(router, endpoint, RequestError(f"router overloaded: {exc}; retry later", 429),
                       headers={"Retry-After": str(router.config.admission.retry_after_s)})
-    router.metrics.inc("kvtier_router_requests_total", endpoint=endpoint, status=str(response.status_code))
+    router.metrics.inc(REQUESTS, endpoint=endpoint, status=str(response.status_code))
     return response
 
 

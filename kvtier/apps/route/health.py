@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import httpx
 
 from kvtier.apps.route.config import HealthConfig
+from kvtier.apps.route.metrics import EJECTIONS, READMISSIONS
 from kvtier.apps.route.replicas import Replica, ReplicaInfo
 from kvtier.base.metrics import Metrics
 from kvtier.events.wire import WireError
@@ -52,7 +53,7 @@ class Health:
             if not replica.up and replica.good_checks >= self.config.readmit_after:
                 replica.readmit()
                 replica.failed_requests = 0
-                self.metrics.inc("kvtier_router_readmissions_total", replica=replica.name)
+                self.metrics.inc(READMISSIONS, replica=replica.name)
                 log.warning("replica %s is healthy again: readmitted", replica.name)
             if replica.up:
                 self._admitted(replica)
@@ -73,7 +74,7 @@ class Health:
         replica.eject()
         replica.good_checks = 0
         replica.stop_events()
-        self.metrics.inc("kvtier_router_ejections_total", replica=replica.name, cause=cause)
+        self.metrics.inc(EJECTIONS, replica=replica.name, cause=cause)
         log.warning("replica %s ejected (%s)", replica.name, cause)
 
     async def _alive(self, replica: Replica) -> bool:

@@ -28,6 +28,24 @@ from starlette.responses import JSONResponse, Response
 from kvtier.apps.route.admission import Admission, Slot
 from kvtier.apps.route.config import RouterConfig
 from kvtier.apps.route.health import Health
+from kvtier.apps.route.metrics import (
+    BROKEN_STREAMS,
+    DECODE_STREAMS,
+    EVENTS,
+    EXPECTED_CACHED,
+    IN_FLIGHT,
+    INDEX_CHUNKS,
+    INDEX_DROPPED_EVENTS,
+    PREFILL_TOKENS,
+    QUEUE_WAITING,
+    REJECTED,
+    REPLICA_UP,
+    REPORTED_CACHED,
+    RETRIES,
+    ROUTED,
+    STICKY_BREAKS,
+    TOKENIZE_SECONDS,
+)
 from kvtier.apps.route.proxy import Hooks, Retryable, forward, upstream_headers
 from kvtier.apps.route.replicas import Replica, Ticket, record_namespace
 from kvtier.apps.route.requests import ParsedRequest, Prompt
@@ -93,7 +111,7 @@ class Router:
 
     def _follow(self, replica: Replica) -> None:
         assert self._zmq is not None
-        count = lambda what: self.metrics.inc("kvtier_router_events_total", replica=replica.name, what=what)  # noqa: E731
+        count = lambda what: self.metrics.inc(EVENTS, replica=replica.name, what=what)  # noqa: E731
         replica.follow_events(self._zmq, self.index, SubscriberConfig(resync_s=self.config.index.resync_s), count)
 
     # -- one request -----------------------------------------------------------------------------------------
@@ -106,7 +124,7 @@ class Router:
         try:
             started = time.perf_counter()
             ids = await self._prompt_ids(parsed.prompt)
-            self.metrics.observe("kvtier_router_tokenize_seconds", time.perf_counter() - started)
+            self.metrics.observe(TOKENIZE_SECONDS, time.perf_counter() - started)
             return await self._attempts(path, parsed, ids, body, upstream_headers(headers), slot)
         except BaseException:
             slot.release()
@@ -130,16 +148,16 @@ class Router:
             return last.response
         status = 502 if last is not None else 503
         message = "no replica could serve the request" if last is not None else "no replica is up"
-        self.metrics.inc("kvtier_router_rejected_total", reason="no_replica")
+        self.metrics.inc(REJECTED, reason="no_replica")
         return JSONResponse(error_body(message, status), status_code=status,
                             headers={"Retry-After": str(self.config.admission.retry_after_s)})
 
     async def _attempt(self, path: str, parsed: ParsedRequest, plan: Plan, prompt_tokens: int, body: bytes,
                        headers: list[tuple[bytes, bytes]], slot: Slot) -> Response:
         replica = plan.replica
-        self.metrics.inc("kvtier_router_routed_total", replica=replica.name, reason=plan.reason.value)
+        self.metrics.inc(ROUTED, replica=replica.name, reason=plan.reason.value)
         if plan.reason is Reason.STICKY_BREAK:
-            self.metrics.inc("kvtier_router_sticky_breaks_total")
+            self.metrics.inc(STICKY_BREAKS)
         self.index.record(replica.name, plan.keys)
         ticket = Ticket(replica, max(prompt_tokens - plan.expected_cached, 0))
 
@@ -147,11 +165,11 @@ class Router:
             ticket.done()
             slot.release()
             if cached is not None:
-                self.metrics.inc("kvtier_router_expected_cached_tokens_total", plan.expected_cached,
+                self.metrics.inc(EXPECTED_CACHED, plan.expected_cached,
                                  replica=replica.name)
-                self.metrics.inc("kvtier_router_reported_cached_tokens_total", cached, replica=replica.name)
+                self.metrics.inc(REPORTED_CACHED, cached, replica=replica.name)
             if not ok:
-                self.metrics.inc("kvtier_router_broken_streams_total", replica=replica.name)
+                self.metrics.inc(BROKEN_STREAMS, replica=replica.name)
 
         try:
             response = await forward(replica, path, body, headers, Hooks(ticket.decoding, finished))
@@ -160,7 +178,7 @@ class Router:
             busy = exc.response is not None and exc.response.status_code == 429
             if not busy:
                 self.health.request_failed(replica)
-            self.metrics.inc("kvtier_router_retries_total", replica=replica.name, cause="busy" if busy else "failed")
+            self.metrics.inc(RETRIES, replica=replica.name, cause="busy" if busy else "failed")
             log.info("replica %s failed a request before answering (%s); trying another", replica.name, exc.cause)
             raise
         except BaseException:  # the client went away (cancelled) or a bug: the replica's share is returned
@@ -221,12 +239,12 @@ class Router:
     def _gauges(self):
         for replica in self.replicas:
             labels = {"replica": replica.name}
-            yield "kvtier_router_replica_up", labels, float(replica.up)
-            yield "kvtier_router_in_flight", labels, float(replica.in_flight)
-            yield "kvtier_router_prefill_tokens", labels, float(replica.prefill_tokens)
-            yield "kvtier_router_decode_streams", labels, float(replica.decode_streams)
+            yield REPLICA_UP.name, labels, float(replica.up)
+            yield IN_FLIGHT.name, labels, float(replica.in_flight)
+            yield PREFILL_TOKENS.name, labels, float(replica.prefill_tokens)
+            yield DECODE_STREAMS.name, labels, float(replica.decode_streams)
             for tier, chunks in self.index.chunks(replica.name).items():
-                yield "kvtier_router_index_chunks", {"replica": replica.name, "tier": tier}, float(chunks)
-            yield "kvtier_router_index_dropped_events", labels, float(self.index.dropped(replica.name))
+                yield INDEX_CHUNKS.name, {"replica": replica.name, "tier": tier}, float(chunks)
+            yield INDEX_DROPPED_EVENTS.name, labels, float(self.index.dropped(replica.name))
         if self.admission is not None:
-            yield "kvtier_router_queue_waiting", {}, float(self.admission.waiting)
+            yield QUEUE_WAITING.name, {}, float(self.admission.waiting)

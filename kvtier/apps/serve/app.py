@@ -26,6 +26,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvtier.apps.serve.backend import Backend, tenant_salt
 from kvtier.apps.serve.engine import Event, EventKind, Job, Overloaded
+from kvtier.apps.serve.metrics import (
+    BLENDED_PROMPT_TOKENS,
+    CACHED_PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    REJECTED,
+    REQUESTS,
+    TTFT_SECONDS,
+)
 from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
 from kvtier.apps.serve.textstream import TextStream
 from kvtier.base.metrics import CONTENT_TYPE
@@ -89,15 +98,15 @@ def server_config(app: FastAPI, backend: Backend, host: str, port: int, log_leve
     limits = backend.config.http
 
     def refused(status: int, reason: str) -> None:
-        backend.metrics.inc("kvtier_server_requests_total", endpoint="http", status=str(status))
-        backend.metrics.inc("kvtier_server_rejected_total", reason=reason)
+        backend.metrics.inc(REQUESTS, endpoint="http", status=str(status))
+        backend.metrics.inc(REJECTED, reason=reason)
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                           http=guarded_protocol(limits, refused), timeout_keep_alive=limits.keep_alive_s)
 
 
 def _error(backend: Backend, route: Route, exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
-    backend.metrics.inc("kvtier_server_requests_total", endpoint=route.endpoint, status=str(exc.status))
+    backend.metrics.inc(REQUESTS, endpoint=route.endpoint, status=str(exc.status))
     return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status, headers=headers)
 
 
@@ -115,7 +124,7 @@ async def _generate(backend: Backend, request: Request, route: Route):
     except RequestError as exc:
         return _error(backend, route, exc)
     except Overloaded as exc:
-        backend.metrics.inc("kvtier_server_rejected_total", reason="queue_full")
+        backend.metrics.inc(REJECTED, reason="queue_full")
         return _error(backend, route, RequestError(f"server overloaded: {exc}; retry later", 429),
                       headers={"Retry-After": "1"})
     req = prepared.request
@@ -210,12 +219,12 @@ def _usage(job: Job) -> dict[str, Any]:
 
 def _account(backend: Backend, route: Route, job: Job, status: str) -> None:
     m, stats = backend.metrics, job.stats
-    m.inc("kvtier_server_requests_total", endpoint=route.endpoint, status=status)
-    m.inc("kvtier_server_prompt_tokens_total", stats.prompt_tokens)
-    m.inc("kvtier_server_cached_prompt_tokens_total", stats.cached_tokens)
-    m.inc("kvtier_server_blended_prompt_tokens_total", stats.blended_tokens)
-    m.inc("kvtier_server_generation_tokens_total", len(stats.output_ids))
-    m.observe("kvtier_server_ttft_seconds", stats.ttft_s)
+    m.inc(REQUESTS, endpoint=route.endpoint, status=status)
+    m.inc(PROMPT_TOKENS, stats.prompt_tokens)
+    m.inc(CACHED_PROMPT_TOKENS, stats.cached_tokens)
+    m.inc(BLENDED_PROMPT_TOKENS, stats.blended_tokens)
+    m.inc(GENERATION_TOKENS, len(stats.output_ids))
+    m.observe(TTFT_SECONDS, stats.ttft_s)
 
 
 async def _sse(backend: Backend, route: Route, req, job: Job, text: TextStream, rid: str) -> AsyncIterator[str]:
@@ -239,7 +248,7 @@ async def _sse(backend: Backend, route: Route, req, job: Job, text: TextStream, 
         async for delta in _deltas(job, text):
             yield chunk(delta)
         if job.finish is None:
-            backend.metrics.inc("kvtier_server_requests_total", endpoint=route.endpoint, status="500")
+            backend.metrics.inc(REQUESTS, endpoint=route.endpoint, status="500")
             yield f"data: {json.dumps(error_body(job_error(job), 500))}\n\n"
         else:
             _account(backend, route, job, "200")

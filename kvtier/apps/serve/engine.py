@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvtier.apps.serve.metrics import QUEUE_LIMIT, QUEUE_SECONDS, REQUESTS_IN_FLIGHT
 from kvtier.base.metrics import Metrics
 from kvtier.integrations.sampling import GREEDY, SamplingParams
 from kvtier.integrations.transformers import GenerationStats, PrefixCachedLM, Span
@@ -116,7 +117,7 @@ class Engine:
             job.emit(Event(EventKind.ERROR, error="cancelled before it started"))
             return
         job.started_at = time.perf_counter()
-        self.metrics.observe("kvtier_server_queue_seconds", job.started_at - job.queued_at)
+        self.metrics.observe(QUEUE_SECONDS, job.started_at - job.queued_at)
         try:
             for token in self.lm.stream(job.prompt_ids, job.max_tokens, salt=job.salt, stop_ids=job.stop_ids,
                                         stats=job.stats, sampling=job.sampling, segments=job.segments):
@@ -139,5 +140,5 @@ class Engine:
                 job.emit(Event(EventKind.ERROR, error="server shutting down"))
 
     def _gauges(self):
-        yield "kvtier_server_requests_in_flight", {}, float(self.pending)
-        yield "kvtier_server_queue_limit", {}, float(self._max_pending)
+        yield REQUESTS_IN_FLIGHT.name, {}, float(self.pending)
+        yield QUEUE_LIMIT.name, {}, float(self._max_pending)

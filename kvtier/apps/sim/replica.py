@@ -22,6 +22,7 @@ from kvtier.base.metrics import Metrics
 from kvtier.codecs.blob import header_length
 from kvtier.core.cache import KVCache
 from kvtier.core.config import CacheConfig
+from kvtier.core.metrics import HIT_TOKENS
 from kvtier.native.allocator import Allocator
 from kvtier.tiers import MemoryTier, MemoryTierConfig, Tier, TierConfig, TierContext
 
@@ -117,7 +118,7 @@ class Replica:
         hits = []
         size = self.cache.chunk_size
         for i, name in enumerate(self.labels):
-            total = self.cache.metrics.get("kvtier_hit_tokens_total", tier=name)
+            total = self.cache.metrics.get(HIT_TOKENS, tier=name)
             hits.append(int(total - self._hits_seen[i]) // size)
             self._hits_seen[i] = total
         return hits

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.base.errors import ConfigError
+from kvtier.base.metrics import declare_counter
 from kvtier.core.cache import KVCache
 from kvtier.core.segments import MAX_SEGMENTS, SegmentCache
 from kvtier.integrations.blend.prefill import BlendConfig, BlendResult, ReusedSpan, blended_prefill
@@ -44,6 +45,14 @@ from kvtier.integrations.transformers import (
 )
 
 log = logging.getLogger(__name__)
+
+BLENDED_TOKENS = declare_counter("kvtier_blend_blended_tokens_total",
+                                 "Prompt tokens whose KV came from cached segments and was not recomputed.")
+RECOMPUTED_TOKENS = declare_counter("kvtier_blend_recomputed_tokens_total",
+                                    "Reused segment tokens recomputed because their KV deviated most.")
+FALLBACK_TOKENS = declare_counter("kvtier_blend_fallback_tokens_total",
+                                  "Segment tokens given a full prefill instead, by reason (deviation, unsupported).",
+                                  ("reason",))
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,7 @@ class BlendedLM(PrefixCachedLM):
             return super()._prefill(prompt, spans, salt, stats)
         if self.rerotator is None or len(spans) > MAX_SEGMENTS:
             reason = "unsupported" if self.rerotator is None else "too_many_segments"
-            self.metrics.inc("kvtier_blend_fallback_tokens_total", sum(e - s for s, e in spans), reason=reason)
+            self.metrics.inc(FALLBACK_TOKENS, sum(e - s for s, e in spans), reason=reason)
             return super()._prefill(prompt, (), salt, stats)
         past, n_prefix = self._cached_prefix(prompt, salt, stats)
         stats.cached_tokens = n_prefix
@@ -130,11 +139,11 @@ class BlendedLM(PrefixCachedLM):
         if result.gated:
             log.info("blending gated: deviation %.4f > %.4f, %d reused tokens recomputed", result.deviation,
                      self.config.max_deviation, result.reused)
-            self.metrics.inc("kvtier_blend_fallback_tokens_total", result.reused, reason="deviation")
+            self.metrics.inc(FALLBACK_TOKENS, result.reused, reason="deviation")
             return
         stats.blended_tokens = result.reused - result.recomputed
-        self.metrics.inc("kvtier_blend_blended_tokens_total", stats.blended_tokens)
-        self.metrics.inc("kvtier_blend_recomputed_tokens_total", result.recomputed)
+        self.metrics.inc(BLENDED_TOKENS, stats.blended_tokens)
+        self.metrics.inc(RECOMPUTED_TOKENS, result.recomputed)
 
     def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats) -> None:
         super()._store(prompt, prefill, salt, stats)

@@ -18,13 +18,13 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from kvtier.base.metrics import HELP
+from kvtier.base.metrics import help_text
 
 PREFIX = "vllm:"
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """Creates one vLLM metric per kvtier series name on first sight (names need no declaration)."""
+    """Creates one vLLM metric per kvtier series name on first sight, with the help of its declaration."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -43,10 +43,10 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         if metric is None:
             label_names = [*self._labelnames, *sorted(labels)]
             if kind is Counter:
-                metric = self._counter_cls(name=PREFIX + name, documentation=HELP.get(name, name),
+                metric = self._counter_cls(name=PREFIX + name, documentation=help_text(name),
                                            labelnames=label_names)
             else:
-                metric = self._gauge_cls(name=PREFIX + name, documentation=HELP.get(name, name),
+                metric = self._gauge_cls(name=PREFIX + name, documentation=help_text(name),
                                          labelnames=label_names, multiprocess_mode="mostrecent")
             self._metrics[name] = metric
         return metric.labels(*engine_labels, *(labels[k] for k in sorted(labels)))

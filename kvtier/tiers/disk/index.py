@@ -33,6 +33,7 @@ from kvtier.base.keys import ChunkHash
 from kvtier.base.metrics import Metrics
 from kvtier.policy import EvictionPolicy
 from kvtier.tiers.base import RemovalListener, TierStats
+from kvtier.tiers.metrics import EVICTIONS
 
 #: Apart from each other, the mtimes of one batch: files of one request keep their order on any filesystem
 #: whose timestamps have microseconds (ext4, xfs, btrfs, tmpfs: nanoseconds).
@@ -176,7 +177,7 @@ class DiskIndex:
             if victim is None:
                 return Declined.FULL_OF_PINNED
             self._drop(victim, unlink=True)
-            self._metrics.inc("kvtier_evictions_total", tier=self._name)
+            self._metrics.inc(EVICTIONS, tier=self._name)
         job = Pending(key, nbytes, stamp_ns)
         self._entries[key] = Entry(nbytes, job)
         self.used += nbytes
@@ -240,7 +241,7 @@ class DiskIndex:
                     self._policy.on_insert(key)
             while self.used > self.capacity and (victim := self._policy.victim(self._evictable)) is not None:
                 self._drop(victim, unlink=True)
-                self._metrics.inc("kvtier_evictions_total", tier=self._name)
+                self._metrics.inc(EVICTIONS, tier=self._name)
 
     def close(self) -> None:
         with self._lock:

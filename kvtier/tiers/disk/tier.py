@@ -40,6 +40,7 @@ from time import perf_counter
 
 from kvtier.base.errors import ConfigError
 from kvtier.base.keys import ChunkHash
+from kvtier.base.metrics import declare_counter, declare_gauge, declare_histogram
 from kvtier.codecs import Payload, get_codec
 from kvtier.policy import make_policy
 from kvtier.tiers.base import RemovalListener, TierContext, TierStats, stats_gauges
@@ -56,8 +57,22 @@ from kvtier.tiers.disk.files import (
     write_atomic,
 )
 from kvtier.tiers.disk.index import Declined, DiskIndex, Pending, stamps_ns
+from kvtier.tiers.metrics import SKIPPED_STORES, WRITTEN_BYTES
 
 log = logging.getLogger(__name__)
+
+IO_ERRORS = declare_counter("kvtier_disk_io_errors_total",
+                            "Disk tier I/O failures, by step (write, fsync, read, ...) and errno.",
+                            ("errno", "op", "tier"))
+LEFTOVERS_REMOVED = declare_counter("kvtier_disk_leftovers_removed_total",
+                                    "Files removed by the disk tier at start, by kind: temp, torn or stray.",
+                                    ("kind", "tier"))
+DIRECTORY_LOST = declare_counter("kvtier_disk_directory_lost_total",
+                                 "Times the disk tier found its directory gone and dropped its index.", ("tier",))
+REINDEX_SECONDS = declare_histogram("kvtier_disk_reindex_seconds",
+                                    "Time the disk tier took to rebuild its index from the directory.", ("tier",))
+WRITE_QUEUE = declare_gauge("kvtier_disk_write_queue", "Stores queued for the disk tier's background writer.",
+                            ("tier",))
 
 #: Free buffers kept for reuse by reads and by staged writes.
 READ_POOL_RETAIN = 256 << 20
@@ -184,7 +199,7 @@ class DiskTier:
         if job is Declined.PRESENT:
             return True
         if isinstance(job, Declined):
-            self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason=job.value)
+            self._metrics.inc(SKIPPED_STORES, tier=self.name, reason=job.value)
             return False
         try:  # the writer waits for ``ready``; copying outside the index lock keeps lookups fast
             buf = self._staging.acquire(job.nbytes)
@@ -208,12 +223,12 @@ class DiskTier:
                 self._write_file(path, job.buf, job.nbytes, job.stamp_ns)
             except DiskIOError as exc:
                 self._io_failed(exc.op, exc)
-                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="io_error")
+                self._metrics.inc(SKIPPED_STORES, tier=self.name, reason="io_error")
                 self._index.abandon(job)
                 return
             if not self._index.publish(job):  # deleted while it was being written
                 self._unlink(path)
-            self._metrics.inc("kvtier_written_bytes_total", job.nbytes, tier=self.name)
+            self._metrics.inc(WRITTEN_BYTES, job.nbytes, tier=self.name)
         finally:
             if job.buf is not None:
                 self._staging.release(job.buf)
@@ -321,9 +336,9 @@ class DiskTier:
         self._index.load(found)
         for kind, n in removed.items():
             if n:
-                self._metrics.inc("kvtier_disk_leftovers_removed_total", n, tier=self.name, kind=kind)
+                self._metrics.inc(LEFTOVERS_REMOVED, n, tier=self.name, kind=kind)
         elapsed = perf_counter() - start
-        self._metrics.observe("kvtier_disk_reindex_seconds", elapsed, tier=self.name)
+        self._metrics.observe(REINDEX_SECONDS, elapsed, tier=self.name)
         log.info("disk tier %s: indexed %d chunks in %s in %.2f s, removed %s", self.name, len(found),
                  self.paths.dir, elapsed, removed)
 
@@ -336,14 +351,14 @@ class DiskTier:
                 return True
             self._lost = True
         self._index.forget_all()
-        self._metrics.inc("kvtier_disk_directory_lost_total", tier=self.name)
+        self._metrics.inc(DIRECTORY_LOST, tier=self.name)
         log.error("disk tier %s: directory %s vanished; misses until it is back", self.name, self.paths.dir)
         return True
 
     def _io_failed(self, op: str, exc: DiskIOError) -> None:
-        self._metrics.inc("kvtier_disk_io_errors_total", tier=self.name, op=op, errno=exc.errno_name)
+        self._metrics.inc(IO_ERRORS, tier=self.name, op=op, errno=exc.errno_name)
         log.warning("disk tier %s: %s failed: %s", self.name, op, exc)
 
     def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         yield from stats_gauges(self)
-        yield "kvtier_disk_write_queue", {"tier": self.name}, self._index.queued
+        yield WRITE_QUEUE.name, {"tier": self.name}, self._index.queued

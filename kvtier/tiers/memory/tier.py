@@ -30,6 +30,7 @@ from kvtier.tiers.base import (
     register_tier,
     stats_gauges,
 )
+from kvtier.tiers.metrics import EVICTIONS, SKIPPED_STORES, WRITTEN_BYTES
 from kvtier.tiers.slab import check_device, make_slab
 
 
@@ -168,13 +169,13 @@ class MemoryTier:
                 self._policy.on_access(key)
                 return True
             if self._alloc.rounded(nbytes) > self._alloc.capacity:
-                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="too_large")
+                self._metrics.inc(SKIPPED_STORES, tier=self.name, reason="too_large")
                 return False
             offset = self._allocate(nbytes)
             if offset is None:
                 if not last_try:
                     return None
-                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="full_of_pinned")
+                self._metrics.inc(SKIPPED_STORES, tier=self.name, reason="full_of_pinned")
                 return False
             return offset, nbytes, self._slab  # close() may swap the slab while the write runs: it lands in this one
 
@@ -194,7 +195,7 @@ class MemoryTier:
                 done[i] = self._publish(items[i][0], offset, nbytes)
         written = sum(nbytes for i, _, nbytes, _ in pending if done[i])
         if written:
-            self._metrics.inc("kvtier_written_bytes_total", written, tier=self.name)
+            self._metrics.inc(WRITTEN_BYTES, written, tier=self.name)
 
     def _publish(self, key: ChunkHash, offset: int, nbytes: int) -> bool:
         """Make a written slot ``key``'s entry. Caller holds the lock."""
@@ -217,7 +218,7 @@ class MemoryTier:
             if self._on_evict is not None:
                 self._on_evict(victim, self._slab.read(entry.offset, entry.nbytes))
             self._remove(victim)
-            self._metrics.inc("kvtier_evictions_total", tier=self.name)
+            self._metrics.inc(EVICTIONS, tier=self.name)
         return offset
 
     def _remove(self, key: ChunkHash) -> None:

@@ -43,15 +43,38 @@ from time import monotonic
 
 from kvtier.base.errors import ConfigError, TierError
 from kvtier.base.keys import ChunkHash
+from kvtier.base.metrics import declare_counter, declare_gauge
 from kvtier.codecs import Payload, get_codec
 from kvtier.net.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.base import TierContext, TierStats, stats_gauges
+from kvtier.tiers.metrics import (
+    BREAKER_OPEN,
+    BREAKER_OPENS,
+    BREAKER_REJECTED,
+    SKIPPED_STORES,
+    TIER_ERRORS,
+    WRITTEN_BYTES,
+)
 from kvtier.tiers.mooncake.buffers import Lease, RegisteredBuffers
 from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
 from kvtier.tiers.mooncake.client import MASTER_DOWN, Code, MooncakeClient
 from kvtier.tiers.mooncake.config import MooncakeTierConfig
 
 log = logging.getLogger(__name__)
+
+JOINED = declare_gauge("kvtier_mooncake_joined", "1 while the Mooncake tier is in the pool (its segment mounted), "
+                       "else 0.", ("tier",))
+SEGMENT_BYTES = declare_gauge("kvtier_mooncake_segment_bytes",
+                              "Memory this replica contributes to the Mooncake pool.", ("tier",))
+BUFFER_BYTES = declare_gauge("kvtier_mooncake_buffer_bytes",
+                             "Registered memory the Mooncake tier moves values through.", ("tier",))
+NO_BUFFER = declare_counter("kvtier_mooncake_no_buffer_total",
+                            "Values not read because the Mooncake tier's transfer buffer was full.", ("tier",))
+BUSY = declare_counter("kvtier_mooncake_busy_total",
+                       "Mooncake reads given up because other transfers held every turn until the deadline.",
+                       ("op", "tier"))
+TRANSFER_FAILURES = declare_counter("kvtier_mooncake_transfer_failures_total",
+                                    "Mooncake calls in which a peer holding a value did not answer.", ("op", "tier"))
 
 #: Engine calls in flight at once per tier (requests beyond it wait for a worker, within their deadline).
 WORKERS = 8
@@ -205,7 +228,7 @@ class MooncakeTier:
         lease = self._buffers.take(wanted, deadline)
         slots = [(i, slot) for i, slot in zip(found, lease.slots) if slot is not None]
         if len(slots) < len(found):
-            self._metrics.inc("kvtier_mooncake_no_buffer_total", len(found) - len(slots), tier=self.name)
+            self._metrics.inc(NO_BUFFER, len(found) - len(slots), tier=self.name)
         if not slots:
             lease.release()
             return None
@@ -218,7 +241,7 @@ class MooncakeTier:
         except BaseException as exc:
             lease.release()
             if isinstance(exc, CallNotStarted):  # this replica is busy, the pool is not at fault
-                self._metrics.inc("kvtier_mooncake_busy_total", tier=self.name, op="get")
+                self._metrics.inc(BUSY, tier=self.name, op="get")
                 return None
             if not isinstance(exc, TierError):
                 raise
@@ -252,7 +275,7 @@ class MooncakeTier:
             if code in (Code.OK, Code.OBJECT_ALREADY_EXISTS):
                 out[i] = True
                 if code == Code.OK:
-                    self._metrics.inc("kvtier_written_bytes_total", slot.nbytes, tier=self.name)
+                    self._metrics.inc(WRITTEN_BYTES, slot.nbytes, tier=self.name)
             elif code == Code.NO_AVAILABLE_HANDLE:
                 self._skipped("pool_full")
             elif code in MASTER_DOWN or code == Code.TRANSFER_FAIL:
@@ -265,7 +288,7 @@ class MooncakeTier:
     def _usable(self, op: str) -> bool:
         if self._client.joined and self._breaker.allow():
             return True
-        self._metrics.inc("kvtier_breaker_rejected_total", tier=self.name, op=op)
+        self._metrics.inc(BREAKER_REJECTED, tier=self.name, op=op)
         return False
 
     def _judge(self, op: str, codes: Sequence[int]) -> None:
@@ -274,21 +297,21 @@ class MooncakeTier:
             self._failed(op, TierError(f"master unreachable (code {codes[0]})"))
         else:
             if any(code == Code.TRANSFER_FAIL for code in codes):
-                self._metrics.inc("kvtier_mooncake_transfer_failures_total", tier=self.name, op=op)
+                self._metrics.inc(TRANSFER_FAILURES, tier=self.name, op=op)
             self._breaker.success()
 
     def _failed(self, op: str, exc: Exception) -> None:
-        self._metrics.inc("kvtier_tier_errors_total", tier=self.name, op=op)
+        self._metrics.inc(TIER_ERRORS, tier=self.name, op=op)
         log.warning("mooncake tier %s: %s failed: %s", self.name, op, exc)
         self._breaker.failure()
 
     def _skipped(self, reason: str, n: int = 1) -> None:
         if n:
-            self._metrics.inc("kvtier_skipped_stores_total", n, tier=self.name, reason=reason)
+            self._metrics.inc(SKIPPED_STORES, n, tier=self.name, reason=reason)
 
     def _breaker_changed(self, state: BreakerState) -> None:
         if state is BreakerState.OPEN:
-            self._metrics.inc("kvtier_breaker_opens_total", tier=self.name)
+            self._metrics.inc(BREAKER_OPENS, tier=self.name)
             log.warning("mooncake tier %s: master %s keeps failing; circuit open, probing every %.1fs", self.name,
                         self.config.master_address, self.config.breaker_cooldown_s)
             self._start_health()
@@ -346,7 +369,7 @@ class MooncakeTier:
         labels = {"tier": self.name}
         recent = monotonic() - self._stats_read_at < GAUGE_STATS_MAX_AGE_S
         yield from stats_gauges(self, self._last_stats if recent else self.stats())
-        yield "kvtier_breaker_open", {**labels, "node": self.config.master_address}, float(self._breaker.state)
-        yield "kvtier_mooncake_joined", labels, float(self._client.joined)
-        yield "kvtier_mooncake_segment_bytes", labels, float(self._client.segment_bytes if self._client.joined else 0)
-        yield "kvtier_mooncake_buffer_bytes", labels, float(self._buffers.registered_bytes)
+        yield BREAKER_OPEN.name, {**labels, "node": self.config.master_address}, float(self._breaker.state)
+        yield JOINED.name, labels, float(self._client.joined)
+        yield SEGMENT_BYTES.name, labels, float(self._client.segment_bytes if self._client.joined else 0)
+        yield BUFFER_BYTES.name, labels, float(self._buffers.registered_bytes)

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvtier.base.metrics import Metrics
 from kvtier.net.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.metrics import BREAKER_OPEN, BREAKER_OPENS, BREAKER_REJECTED, TIER_ERRORS
 from kvtier.tiers.redis.client import Endpoint, key_slot_function
 from kvtier.tiers.redis.config import RedisTierConfig
 from kvtier.tiers.redis.pipeline import Batch, is_redirect, probe, run_batches
@@ -113,9 +114,9 @@ class Servers:
                 if self.cluster and any(is_redirect(r) for r in batch.replies or ()):
                     self._mark_stale()
             elif isinstance(batch.error, BreakerOpen):
-                self._metrics.inc("kvtier_breaker_rejected_total", tier=self.name, op=op)
+                self._metrics.inc(BREAKER_REJECTED, tier=self.name, op=op)
             else:
-                self._metrics.inc("kvtier_tier_errors_total", tier=self.name, op=op)
+                self._metrics.inc(TIER_ERRORS, tier=self.name, op=op)
                 log.warning("redis tier %s: %s on %s failed: %s", self.name, op, batch.node.name, batch.error)
                 if self.cluster:
                     self._mark_stale()
@@ -132,7 +133,7 @@ class Servers:
     # -- health: breakers, the background worker, the slot map ----------------------------------------------
     def _breaker_changed(self, node: str, state: BreakerState) -> None:
         if state is BreakerState.OPEN:
-            self._metrics.inc("kvtier_breaker_opens_total", tier=self.name)
+            self._metrics.inc(BREAKER_OPENS, tier=self.name)
             log.warning("redis tier %s: %s keeps failing; circuit open, probing every %.1fs", self.name, node,
                         self._config.breaker_cooldown_s)
             if self.cluster:
@@ -211,7 +212,7 @@ class Servers:
         with self._lock:
             nodes = list(self._nodes.values())
         for node in nodes:
-            yield "kvtier_breaker_open", {"tier": self.name, "node": node.name}, float(node.breaker.state)
+            yield BREAKER_OPEN.name, {"tier": self.name, "node": node.name}, float(node.breaker.state)
 
 
 def parse_cluster_slots(reply: Any, seed_host: str) -> list[tuple[int, int, str, int]]:

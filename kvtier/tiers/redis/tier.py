@@ -45,9 +45,11 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kvtier.base.keys import ChunkHash
+from kvtier.base.metrics import declare_counter
 from kvtier.codecs import Payload, get_codec
 from kvtier.net.buffers import TransferBufferPool
 from kvtier.tiers.base import TierContext, TierStats
+from kvtier.tiers.metrics import CORRUPT_CHUNKS, SKIPPED_STORES, WRITTEN_BYTES
 from kvtier.tiers.redis.client import Endpoint
 from kvtier.tiers.redis.config import MiB, RedisTierConfig
 from kvtier.tiers.redis.pipeline import Batch, is_redirect
@@ -65,6 +67,9 @@ from kvtier.tiers.redis.split import (
 )
 
 log = logging.getLogger(__name__)
+
+INCOMPLETE_VALUES = declare_counter("kvtier_incomplete_values_total",
+                                    "Split values found with a part missing (evicted or expired): misses.", ("tier",))
 
 #: A put stages at most this many bytes of values before sending them (one round trip per stage).
 STAGE_BYTES = 64 * MiB
@@ -172,7 +177,7 @@ class RedisTier:
         sizes = [payload.nbytes for _, payload in items]
         todo = [i for i, n in enumerate(sizes) if n <= self.max_value_bytes]
         if len(todo) < len(items):
-            self._metrics.inc("kvtier_skipped_stores_total", len(items) - len(todo), tier=self.name,
+            self._metrics.inc(SKIPPED_STORES, len(items) - len(todo), tier=self.name,
                               reason="too_large")
         if not todo:
             return out
@@ -253,7 +258,7 @@ class RedisTier:
         if splits:
             self._get_parts(keys, heads, splits, out, deadline)
         if bad:
-            self._metrics.inc("kvtier_corrupt_chunks_total", len(bad), tier=self.name)
+            self._metrics.inc(CORRUPT_CHUNKS, len(bad), tier=self.name)
             log.warning("redis tier %s: %d stored value(s) of another format: misses, deleted", self.name, len(bad))
             self._delete(bad, deadline)
         return out
@@ -284,7 +289,7 @@ class RedisTier:
             else:
                 broken.append(keys[i])
         if broken:  # a part was evicted or expired: drop the rest so the chunk can be stored again
-            self._metrics.inc("kvtier_incomplete_values_total", len(broken), tier=self.name)
+            self._metrics.inc(INCOMPLETE_VALUES, len(broken), tier=self.name)
             self._delete(broken, deadline)
 
     # -- put -----------------------------------------------------------------------------------------------
@@ -301,7 +306,7 @@ class RedisTier:
         for batch in batches.values():
             if batch.error is not None:
                 heads = sum(1 for tag in batch.tags if tag.role is Role.HEAD)
-                self._metrics.inc("kvtier_skipped_stores_total", heads, tier=self.name, reason="unavailable")
+                self._metrics.inc(SKIPPED_STORES, heads, tier=self.name, reason="unavailable")
         if cleanup:
             self._servers.run(cleanup, "put", deadline)
 
@@ -340,20 +345,20 @@ class RedisTier:
                 refused.add(i)
                 log.debug("redis tier %s: put refused: %s", self.name, reply)
                 if tag.role is Role.HEAD:
-                    self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="refused")
+                    self._metrics.inc(SKIPPED_STORES, tier=self.name, reason="refused")
                 continue
             if tag.role is Role.PART:
                 continue
             value = staged[i]
             ours = reply == b"OK"  # else nil: another writer's complete value is already there
             if i in refused:  # a part was refused (e.g. OOM), and parts come before their head: unusable
-                self._metrics.inc("kvtier_skipped_stores_total", tier=self.name, reason="refused")
+                self._metrics.inc(SKIPPED_STORES, tier=self.name, reason="refused")
                 self._servers.batch(cleanup, value.head).add(i, b"UNLINK", *([value.head] if ours else []),
                                                             *value.part_keys)
                 continue
             out[i] = True
             if ours:
-                self._metrics.inc("kvtier_written_bytes_total", value.nbytes, tier=self.name)
+                self._metrics.inc(WRITTEN_BYTES, value.nbytes, tier=self.name)
             elif value.part_keys:  # lost the race to another writer: our parts are orphans
                 self._servers.batch(cleanup, value.head).add(i, b"UNLINK", *value.part_keys)
 
