@@ -17,13 +17,15 @@ Contract:
   ``values()`` and ``items()`` resolve every entry.
 * Lookups are thread-safe; a module that fails to import raises its ImportError at the lookup and is tried
   again at the next one.
+
+``lazy_exports`` gives a package the same laziness for the names it re-exports (PEP 562 ``__getattr__``).
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, TypeVar
@@ -117,3 +119,19 @@ class Registry(Mapping[str, T], Generic[T]):
             raise ConfigError(f"a {self.what} needs a non-empty name, not {name!r}")
         if name in self._entries:
             raise ConfigError(f"{self.what} {name!r} registered twice")
+
+
+def lazy_exports(module: str, namespace: dict[str, Any], exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module-level ``__getattr__`` for ``module`` (PEP 562): each name of ``exports`` (name -> the module
+    that defines it) is imported on first access and then kept in ``namespace`` (the module's globals), so
+    later accesses are plain attribute reads. Any other name is an AttributeError."""
+
+    def __getattr__(name: str) -> Any:
+        source = exports.get(name)
+        if source is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(source), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__
