@@ -96,11 +96,10 @@ class Registry(Mapping[str, T], Generic[T]):
         if value is not _MISSING:
             return value
         entry = self._entries[name]  # KeyError for an unregistered name
+        assert entry is not None  # an added object is in _loaded from the start
+        value = entry.load()  # outside the lock: a module being imported may register names of its own
         with self._lock:
-            if name not in self._loaded:
-                assert entry is not None  # an added object is in _loaded from the start
-                self._loaded[name] = entry.load()
-            return self._loaded[name]
+            return self._loaded.setdefault(name, value)  # a concurrent first lookup may have won: keep its object
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
