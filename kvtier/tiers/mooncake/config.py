@@ -6,8 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from kvtier.base.errors import ConfigError
-from kvtier.tiers.slab import check_device
-from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
+from kvtier.tiers.base import TierConfig, check_device
 
 MiB = 1 << 20
 #: Mooncake refuses smaller segments (its allocator works in 16 MiB slabs); 0 contributes nothing.
@@ -26,7 +25,6 @@ class TransferProtocol(enum.Enum):
     RDMA = "rdma"  #: InfiniBand / RoCE NICs (auto-discovered; filter with MC_MS_FILTERS)
 
 
-@register_tier
 @dataclass(frozen=True)
 class MooncakeTierConfig(TierConfig):
     """A Mooncake Store pool: every replica pointed at one master shares it (see tier.py).
@@ -89,11 +87,6 @@ class MooncakeTierConfig(TierConfig):
     @property
     def master_metrics_url(self) -> str:
         return self.metrics_url or f"http://{master_host_port(self)[0]}:{DEFAULT_METRICS_PORT}/metrics"
-
-    def build(self, ctx: TierContext) -> Tier:
-        from kvtier.tiers.mooncake.tier import MooncakeTier  # imported here: the tier's module imports this one
-
-        return MooncakeTier(self, ctx)
 
 
 def master_host_port(config: MooncakeTierConfig) -> tuple[str, int]:

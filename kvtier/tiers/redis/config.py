@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.base.errors import ConfigError
-from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
-from kvtier.tiers.redis.split import HEADER_BYTES, MIN_PART_BYTES, REDIS_MAX_BULK
+from kvtier.tiers.base import TierConfig
+from kvtier.tiers.redis.limits import HEADER_BYTES, MIN_PART_BYTES, REDIS_MAX_BULK
 
 MiB = 1 << 20
 
 
-@register_tier
 @dataclass(frozen=True)
 class RedisTierConfig(TierConfig):
     """A Redis/Valkey server or cluster shared by every replica pointed at it (see tier.py).
@@ -58,8 +57,3 @@ class RedisTierConfig(TierConfig):
             raise ConfigError(f"redis max_part_bytes must lie in [{MIN_PART_BYTES}, {largest}]")
         if self.max_value_bytes < 1 or (self.ttl_s is not None and self.ttl_s < 0):
             raise ConfigError("redis max_value_bytes must be positive and ttl_s not negative")
-
-    def build(self, ctx: TierContext) -> Tier:
-        from kvtier.tiers.redis.tier import RedisTier  # imported here: the tier's module imports this one
-
-        return RedisTier(self, ctx)
