@@ -31,21 +31,18 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, NewType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvtier.base.errors import ConfigError, InvalidArgument
+from kvtier.base.hashes import HASH_BYTES, ChunkHash
 from kvtier.base.layout import KVSpec
 
 if TYPE_CHECKING:
     from kvtier.base.state import ModelStateSpec
 
-ChunkHash = NewType("ChunkHash", bytes)
-"""A 32-byte SHA-256 digest naming one chunk of KV in one namespace, after one exact token history."""
-
-HASH_BYTES = 32
 _DOMAIN = b"kvtier/namespace/v1"
 _SEGMENT_DOMAIN = b"kvtier/segment/v1"
 _U32 = struct.Struct("<I")
@@ -176,3 +173,5 @@ def chunk_hashes(root: ChunkHash, tokens: Tokens, chunk_size: int) -> list[Chunk
         prev = h.digest()
         out.append(ChunkHash(prev))
     return out
+
+__all__ = ["HASH_BYTES", "ChunkHash", "Namespace", "Tokens", "chunk_hashes", "token_array"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.base.errors import ConfigError, InvalidArgument
-from kvtier.base.keys import ChunkHash
+from kvtier.base.hashes import ChunkHash
 from kvtier.base.layout import KVSpec, dtype_from_name, dtype_name
 
 _STATE_DOMAIN = b"kvtier/state/v1"

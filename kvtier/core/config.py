@@ -35,7 +35,8 @@ from typing import Any
 
 from kvtier.base.errors import ConfigError
 from kvtier.base.state import SnapshotPolicy
-from kvtier.tiers import TIER_KINDS, MemoryTierConfig, TierConfig
+from kvtier.tiers import TIER_KINDS, TierConfig
+from kvtier.tiers.memory.config import MemoryTierConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

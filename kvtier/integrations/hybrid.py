@@ -155,6 +155,11 @@ class StatefulPrefixCachedLM(PrefixCachedLM):
 
     keeps_recurrent_state = True
 
+    @classmethod
+    def spec_for(cls, model: PreTrainedModel) -> ModelStateSpec:
+        """What a KVCache for ``model`` holds: its attention KV (if any) and its state kinds."""
+        return model_state_spec(model)
+
     def __init__(self, model: PreTrainedModel, cache: KVCache | None, *, chunk_size: int | None = None) -> None:
         """``chunk_size`` sets the prefill segments without a cache (default 256); with one it must be the
         cache's. Generation is identical with and without the cache only at the same chunk size."""

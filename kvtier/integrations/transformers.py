@@ -10,7 +10,9 @@
   ``sampling=SamplingParams(...)`` samples instead (sampling.py), which never changes what is cached.
 
 Models with SSM layers (Mamba2, hybrids) keep state beyond KV: :func:`prefix_cached_lm` and
-:func:`cache_spec` pick kvtier.integrations.hybrid's StatefulPrefixCachedLM and ModelStateSpec for them.
+:func:`cache_spec` pick kvtier.integrations.hybrid's StatefulPrefixCachedLM and ModelStateSpec for them. That
+class derives from PrefixCachedLM, so this module finds it by name in ``GENERATORS`` (a lazy registry) rather
+than importing it: hybrid.py depends on this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvtier.base.errors import ConfigError
 from kvtier.base.layout import KVSpec
+from kvtier.base.registry import Registry
 from kvtier.base.state import ModelStateSpec
 from kvtier.core.cache import KVCache
 from kvtier.integrations.sampling import GREEDY, Sampler, SamplingParams
@@ -51,22 +54,19 @@ def has_recurrent_state(model: PreTrainedModel) -> bool:
     return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in past.layers)
 
 
+def generator_class(model: PreTrainedModel) -> type[PrefixCachedLM]:
+    """The generator class for ``model``: StatefulPrefixCachedLM for models with SSM layers, else PrefixCachedLM."""
+    return GENERATORS["recurrent" if has_recurrent_state(model) else "attention"]
+
+
 def cache_spec(model: PreTrainedModel) -> KVSpec | ModelStateSpec:
     """What a KVCache for ``model`` holds: its KVSpec, or a ModelStateSpec for models with SSM layers."""
-    if not has_recurrent_state(model):
-        return kv_spec(model)
-    from kvtier.integrations.hybrid import model_state_spec
-
-    return model_state_spec(model)
+    return generator_class(model).spec_for(model)
 
 
 def prefix_cached_lm(model: PreTrainedModel, cache: KVCache | None) -> PrefixCachedLM:
     """The generator for ``model``: PrefixCachedLM, or StatefulPrefixCachedLM for models with SSM layers."""
-    if not has_recurrent_state(model):
-        return PrefixCachedLM(model, cache)
-    from kvtier.integrations.hybrid import StatefulPrefixCachedLM
-
-    return StatefulPrefixCachedLM(model, cache)
+    return generator_class(model)(model, cache)
 
 
 def model_identity(model: PreTrainedModel) -> str:
@@ -91,7 +91,8 @@ def to_canonical(past: DynamicCache, start: int = 0, end: int | None = None) -> 
 
 def to_dynamic_cache(kv: torch.Tensor, model: PreTrainedModel) -> DynamicCache:
     """A DynamicCache holding canonical ``kv`` ([L, 2, T, H, D]) for batch size 1."""
-    layers = [(kv[i, 0].transpose(0, 1).unsqueeze(0), kv[i, 1].transpose(0, 1).unsqueeze(0)) for i in range(kv.shape[0])]
+    layers = [(kv[i, 0].transpose(0, 1).unsqueeze(0), kv[i, 1].transpose(0, 1).unsqueeze(0))
+              for i in range(kv.shape[0])]
     return DynamicCache(layers, config=model.config)
 
 
@@ -148,6 +149,11 @@ class PrefixCachedLM:
         self.model = model
         self.cache = cache
         self.device = model.device
+
+    @classmethod
+    def spec_for(cls, model: PreTrainedModel) -> KVSpec | ModelStateSpec:
+        """What a KVCache for ``model`` holds when this class generates for it: its attention KV."""
+        return kv_spec(model)
 
     @classmethod
     def with_new_cache(cls, model: PreTrainedModel, config=None, **kwargs) -> PrefixCachedLM:
@@ -244,3 +250,10 @@ class PrefixCachedLM:
         start = time.perf_counter()
         self.cache.store(prompt[: prefill.exact_tokens], DynamicCacheSource(prefill.past), salt=salt)
         stats.store_s = time.perf_counter() - start
+
+
+#: The generator class for each kind of model ("attention": every layer full attention; "recurrent": some
+#: layers keep SSM state), resolved on first use.
+GENERATORS: Registry[type[PrefixCachedLM]] = Registry("generator")
+GENERATORS.register("attention", __name__, "PrefixCachedLM")
+GENERATORS.register("recurrent", "kvtier.integrations.hybrid", "StatefulPrefixCachedLM")

@@ -13,7 +13,9 @@ conformance suite in tests/conformance checks them):
 * Backend failures surface as misses / skipped stores, counted in metrics; a tier never raises into the
   cache except ``KVTierError`` subclasses from programming errors.
 * Every tier is built as ``XTier(config, ctx)``: its ``TierConfig`` subclass and the ``TierContext`` of the
-  cache that owns it. Optional capabilities are the protocols ``EvictionReporter``, ``Flushable``,
+  cache that owns it. A kind's config and tier classes are found by name in ``TIER_KINDS`` and
+  ``TIER_CLASSES`` (lazy registries: nothing of a tier is imported before it is configured or built), so a
+  tier's config never imports its tier. Optional capabilities are the protocols ``EvictionReporter``, ``Flushable``,
   ``RemovalReporter``, ``Listable`` and ``SharedStore``, and the attribute ``large_load_windows`` (True where
   a long load should ask ``get`` for fewer, larger windows: see ``kvtier.core.pipeline.Pipeline.windows``).
 """
@@ -21,6 +23,7 @@ conformance suite in tests/conformance checks them):
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from kvtier.base.errors import ConfigError, KVTierError
 from kvtier.base.keys import ChunkHash
 from kvtier.base.layout import KVSpec
 from kvtier.base.metrics import Metrics
+from kvtier.base.registry import Registry
 from kvtier.base.state import ModelStateSpec
 from kvtier.codecs import Codec, Payload, get_codec
 from kvtier.tiers.metrics import CAPACITY_BYTES, ENTRIES, USED_BYTES
@@ -199,7 +203,9 @@ class TierContext:
 
 @dataclass(frozen=True)
 class TierConfig:
-    """Base of every tier's config. Subclasses add their own fields (sizes as ints in bytes) and ``build``."""
+    """Base of every tier's config. Subclasses add their own fields (sizes as ints in bytes); ``build`` makes
+    the tier class registered for ``kind`` in ``TIER_CLASSES`` (a config for a tier of its own may override
+    it instead)."""
 
     kind: ClassVar[str]
     codec: str = "raw"
@@ -210,17 +216,41 @@ class TierConfig:
 
     def build(self, ctx: TierContext) -> Tier:
         """The tier this config describes: every tier is built as ``XTier(config, ctx)``."""
-        raise NotImplementedError
+        return TIER_CLASSES.lookup(self.kind)(self, ctx)
 
 
-TIER_KINDS: dict[str, type[TierConfig]] = {}
+_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+
+
+def check_device(device: str, what: str = "device") -> None:
+    """ConfigError (naming ``what``) unless ``device`` is ``cpu`` or ``cuda:N``."""
+    if not _DEVICE.match(device):
+        raise ConfigError(f"{what} must be cpu or cuda:N, not {device!r}")
+
+
+#: tier kind (a config's ``kind``, the ``kind:`` of YAML) -> its TierConfig subclass
+TIER_KINDS: Registry[type[TierConfig]] = Registry("tier kind")
+#: tier kind -> the tier class its config builds, as ``XTier(config, ctx)``
+TIER_CLASSES: Registry[Callable[[TierConfig, TierContext], Tier]] = Registry("tier")
 
 C = TypeVar("C", bound=type[TierConfig])
 
 
 def register_tier(cls: C) -> C:
-    """Class decorator: make a TierConfig subclass available under ``cls.kind`` in configs."""
-    if cls.kind in TIER_KINDS:
-        raise ConfigError(f"tier kind {cls.kind!r} registered twice")
-    TIER_KINDS[cls.kind] = cls
+    """Class decorator: make a TierConfig subclass available under ``cls.kind`` in configs. Such a config
+    builds its tier with its own ``build`` unless a tier class is registered for the kind in TIER_CLASSES."""
+    TIER_KINDS.add(cls.kind, cls)
     return cls
+
+
+def register_tier_kind(kind: str, package: str, config: str, tier: str) -> None:
+    """Make tier ``kind`` available without importing it: its config is ``<package>.config.<config>`` and
+    its tier ``<package>.tier.<tier>``, each imported the first time it is needed."""
+    TIER_KINDS.register(kind, f"{package}.config", config)
+    TIER_CLASSES.register(kind, f"{package}.tier", tier)
+
+
+register_tier_kind("memory", "kvtier.tiers.memory", "MemoryTierConfig", "MemoryTier")
+register_tier_kind("disk", "kvtier.tiers.disk", "DiskTierConfig", "DiskTier")
+register_tier_kind("redis", "kvtier.tiers.redis", "RedisTierConfig", "RedisTier")
+register_tier_kind("mooncake", "kvtier.tiers.mooncake", "MooncakeTierConfig", "MooncakeTier")

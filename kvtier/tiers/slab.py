@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -25,14 +24,7 @@ from kvtier.codecs import Payload
 from kvtier.codecs.base import write_payloads
 from kvtier.native import gpu
 from kvtier.native.hugepages import HUGE_PAGE, huge_page_map
-
-_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
-
-
-def check_device(device: str, what: str = "device") -> None:
-    """ConfigError (naming ``what``) unless ``device`` is ``cpu`` or ``cuda:N``."""
-    if not _DEVICE.match(device):
-        raise ConfigError(f"{what} must be cpu or cuda:N, not {device!r}")
+from kvtier.tiers.base import check_device
 
 
 class HostSlab:

@@ -216,3 +216,37 @@ def test_int4_needs_an_even_head_dim_and_int8_takes_any() -> None:
         get_codec("int4").encode(chunk)
     out, _ = roundtrip(get_codec("int8"), chunk)  # group falls back to gcd(64, 63) = 1
     assert bool(((out - chunk).abs() <= chunk.abs() / 255 * 0.51 + 1e-6).all())
+
+
+def test_codec_families_load_on_first_use() -> None:
+    """``import kvtier.codecs`` knows every family's name and id but imports a family's module only when its
+    name or id is first looked up."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, kvtier.codecs as c\n"
+        "mods = ('kvtier.codecs.lossless', 'kvtier.codecs.quant', 'kvtier.codecs.cachegen')\n"
+        "print(c.codec_names(), [m for m in mods if m in sys.modules])\n"
+        "print(c.codec_by_id(3).name, [m for m in mods if m in sys.modules])\n"
+        "print(c.get_codec('int8').codec_id, c.get_codec('int4-g32').name, c.codec_by_id(3) is c.get_codec('int4'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [
+        "['cachegen', 'int4', 'int8', 'lossless', 'raw'] []",
+        "int4 ['kvtier.codecs.quant']",
+        "2 int4-g32 True",
+    ]
+
+
+def test_registering_a_taken_name_or_id_is_refused() -> None:
+    from kvtier.base.errors import ConfigError
+    from kvtier.codecs import register_family
+
+    with pytest.raises(ConfigError, match="already registered"):
+        register_family("raw", 99, "kvtier.codecs.raw", "RawCodec")
+    with pytest.raises(ConfigError, match="already registered"):
+        register_family("raw2", 0, "kvtier.codecs.raw", "RawCodec")
+    with pytest.raises(ConfigError, match="misnamed"):
+        register_family("raw-x", 98, "kvtier.codecs.raw", "RawCodec")
+    assert "raw2" not in codec_names()

@@ -12,7 +12,7 @@ from kvtier import CacheConfig
 from kvtier.base.errors import ConfigError
 from kvtier.base.state import StateKind, state_key
 from kvtier.integrations.hybrid import StatefulPrefixCachedLM, probe_layout
-from kvtier.integrations.transformers import PrefixCachedLM, cache_spec, prefix_cached_lm
+from kvtier.integrations.transformers import PrefixCachedLM, cache_spec, generator_class, prefix_cached_lm
 
 CHUNK = 32
 VOCAB = 512
@@ -75,6 +75,7 @@ def test_layouts_and_specs():
 def test_models_with_ssm_layers_get_the_stateful_generator(model):
     assert isinstance(cached_lm(model), StatefulPrefixCachedLM)
     assert isinstance(prefix_cached_lm(model, None), StatefulPrefixCachedLM)
+    assert generator_class(model) is StatefulPrefixCachedLM  # found by name: transformers.py never imports it
     with pytest.raises(ConfigError, match="SSM layers"):
         PrefixCachedLM(model, None)  # the attention-only path would drop the recurrent state
 

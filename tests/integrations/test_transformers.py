@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvtier import CacheConfig
 from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity, to_canonical, to_dynamic_cache
@@ -107,3 +107,26 @@ def test_on_a_gpu_a_full_hit_gives_identical_greedy_tokens(model, codec):
     warm = cached.generate(ids, 24)
     assert warm.cached_tokens == 192
     assert cold.output_ids == warm.output_ids == reference
+
+
+def test_attention_models_get_the_plain_generator_without_importing_the_stateful_one(model):
+    """transformers.py finds hybrid.py's generator by name (GENERATORS), so it never imports hybrid.py itself;
+    an attention-only model is served without it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from kvtier.integrations import transformers as t\n"
+        "print('kvtier.integrations.hybrid' in sys.modules)\n"
+        "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
+        " num_attention_heads=2, num_key_value_heads=1)).eval()\n"
+        "print(t.generator_class(m).__name__, type(t.prefix_cached_lm(m, None)).__name__)\n"
+        "print('kvtier.integrations.hybrid' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["False", "PrefixCachedLM PrefixCachedLM", "False"]
+    from kvtier.integrations.transformers import cache_spec, generator_class
+
+    assert generator_class(model) is PrefixCachedLM and cache_spec(model) == kv_spec(model)

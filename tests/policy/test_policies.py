@@ -108,3 +108,26 @@ def test_arc_lfu_remembers_reuse_beyond_arc_ghosts():
 
     assert survivors("arc") == 0
     assert survivors("arc-lfu") == 10
+
+
+def test_policies_load_on_first_use():
+    """``import kvtier.policy`` lists the policies without importing them; a tier asking for one loads it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, kvtier.policy as p\n"
+        "mods = ('kvtier.policy.arc', 'kvtier.policy.lru', 'kvtier.policy.s3fifo', 'kvtier.policy.tinylfu')\n"
+        "print(sorted(m for m in mods if m in sys.modules))\n"
+        "print(sorted(p.POLICIES))\n"
+        "policy = p.make_policy('arc-lfu')\n"
+        "print(sorted(m for m in mods if m in sys.modules), type(policy).__name__, policy._sketch is not None)\n"
+        "print(p.make_policy('arc')._sketch is None, p.ARCPolicy is type(policy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [
+        "[]",
+        "['arc', 'arc-lfu', 'lru', 's3fifo', 'tinylfu']",
+        "['kvtier.policy.arc'] ARCPolicy True",
+        "True True",
+    ]

@@ -27,7 +27,7 @@ import anyio
 import httpx
 from starlette.responses import Response, StreamingResponse
 
-from kvtier.apps.route.replicas import Replica
+from kvtier.apps.route.replicas import Replica, Retryable
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,6 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 HOLD_LIMIT = 64 << 10  # a stream that sends this much without text is committed anyway; a larger error is dropped
 TAIL_BYTES = 4096
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,18})')
-
-
-class Retryable(Exception):
-    """The replica failed before anything reached the client; ``response`` is its answer, if it gave one."""
-
-    def __init__(self, cause: str, response: Response | None = None) -> None:
-        super().__init__(cause)
-        self.cause, self.response = cause, response
 
 
 @dataclass

@@ -18,7 +18,7 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -34,8 +34,20 @@ from kvtier.events.wire import Batch, Snapshot, WireError, namespace_from_json
 from kvtier.fleet.index import FleetIndex, PreparedSnapshot
 from kvtier.fleet.scoring import ReplicaView
 
+if TYPE_CHECKING:
+    from starlette.responses import Response
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class Retryable(Exception):
+    """The replica failed before anything reached the client (or was ejected while the request waited on it);
+    ``response`` is its answer, if it gave one. proxy.py raises it too, and re-exports it."""
+
+    def __init__(self, cause: str, response: Response | None = None) -> None:
+        super().__init__(cause)
+        self.cause, self.response = cause, response
 
 #: The namespace of the router's own record for replicas that publish nothing (only compared with itself).
 _RECORD_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.uint8)
@@ -143,8 +155,6 @@ class Replica:
 
     async def unless_ejected(self, work: Awaitable[T]) -> T:
         """``work``'s result, or Retryable once the replica is ejected first (``work`` is then cancelled)."""
-        from kvtier.apps.route.proxy import Retryable
-
         ejected = self._ejected
         if ejected.is_set():
             raise Retryable("the replica was ejected")

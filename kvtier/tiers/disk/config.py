@@ -7,10 +7,9 @@ from pathlib import Path
 
 from kvtier.base.errors import ConfigError
 from kvtier.policy import DEFAULT_POLICY, make_policy
-from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
+from kvtier.tiers.base import TierConfig
 
 
-@register_tier
 @dataclass(frozen=True)
 class DiskTierConfig(TierConfig):
     """The local-disk tier (see tier.py).
@@ -39,8 +38,3 @@ class DiskTierConfig(TierConfig):
         if min(self.write_queue_depth, self.write_threads, self.read_threads) < 1:
             raise ConfigError("write_queue_depth, write_threads and read_threads must be at least 1")
         make_policy(self.policy)
-
-    def build(self, ctx: TierContext) -> Tier:
-        from kvtier.tiers.disk.tier import DiskTier  # imported here: the tier's module imports this one
-
-        return DiskTier(self, ctx)

@@ -15,23 +15,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from kvtier.base.keys import ChunkHash
 from kvtier.codecs import Payload, get_codec
 from kvtier.native.allocator import Allocator
-from kvtier.policy import DEFAULT_POLICY, make_policy
-from kvtier.tiers.base import (
-    EvictionListener,
-    RemovalListener,
-    TierConfig,
-    TierContext,
-    TierStats,
-    register_tier,
-    stats_gauges,
-)
+from kvtier.policy import make_policy
+from kvtier.tiers.base import EvictionListener, RemovalListener, TierContext, TierStats, stats_gauges
+from kvtier.tiers.memory.config import MemoryTierConfig
 from kvtier.tiers.metrics import EVICTIONS, SKIPPED_STORES, WRITTEN_BYTES
-from kvtier.tiers.slab import check_device, make_slab
+from kvtier.tiers.slab import make_slab
 
 
 class _Entry:
@@ -232,26 +224,3 @@ class MemoryTier:
             entry.doomed = True  # freed by the last reader
         else:
             self._alloc.free(entry.offset, entry.nbytes)
-
-
-@register_tier
-@dataclass(frozen=True)
-class MemoryTierConfig(TierConfig):
-    """``capacity_bytes``: hard limit of the buffer; ``policy``: eviction policy name; ``prefault``: touch
-    every page of the buffer at start (off only where start-up time matters more, as in tests); ``device``:
-    ``cpu`` (host RAM) or ``cuda:N`` (a GPU's spare memory); ``huge_pages``: a host buffer that is not pinned
-    sits on transparent huge pages, which speeds up every copy in and out and may slow the start (slab.py)."""
-
-    kind = "memory"
-    capacity_bytes: int = 1 << 30
-    policy: str = DEFAULT_POLICY
-    prefault: bool = True
-    device: str = "cpu"
-    huge_pages: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_device(self.device)
-
-    def build(self, ctx: TierContext) -> MemoryTier:
-        return MemoryTier(self, ctx)

@@ -6,10 +6,9 @@ import enum
 from dataclasses import dataclass
 
 from kvtier.base.errors import ConfigError
-from kvtier.tiers.base import Tier, TierConfig, TierContext, register_tier
-from kvtier.tiers.slab import check_device
+from kvtier.tiers.base import check_device
+from kvtier.tiers.remote import MiB, RemoteTierConfig
 
-MiB = 1 << 20
 #: Mooncake refuses smaller segments (its allocator works in 16 MiB slabs); 0 contributes nothing.
 MIN_SEGMENT_BYTES = 16 * MiB
 DEFAULT_SEGMENT_BYTES = 1 << 30
@@ -26,9 +25,8 @@ class TransferProtocol(enum.Enum):
     RDMA = "rdma"  #: InfiniBand / RoCE NICs (auto-discovered; filter with MC_MS_FILTERS)
 
 
-@register_tier
 @dataclass(frozen=True)
-class MooncakeTierConfig(TierConfig):
+class MooncakeTierConfig(RemoteTierConfig):
     """A Mooncake Store pool: every replica pointed at one master shares it (see tier.py).
 
     ``master_address``: the master's RPC ``host:port``. ``metadata_server``: the transfer engine's metadata
@@ -42,7 +40,7 @@ class MooncakeTierConfig(TierConfig):
     once; the others wait their turn within their deadline (over TCP on 2 cores, one at a time beat three at
     once: benchmarks/mooncake_tier.py; more may pay with RDMA and cores to spare). ``metrics_url``: the
     master's Prometheus endpoint, read for the pool's used bytes and capacity (default: the master's host,
-    port 9003).
+    port 9003). Key prefix, deadlines and circuit breaker: RemoteTierConfig.
     """
 
     kind = "mooncake"
@@ -54,13 +52,6 @@ class MooncakeTierConfig(TierConfig):
     segment_share: float | None = None
     segment_device: str = "cpu"
     buffer_bytes: int = 256 * MiB
-    key_prefix: str = "kvtier:"
-    timeout_s: float = 1.0
-    connect_timeout_s: float = 5.0
-    min_rate_bytes: int = 64 * MiB  #: per second; big transfers get this much extra time
-    max_value_bytes: int = 1024 * MiB
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 2.0
     max_transfers: int = 1
     metrics_url: str | None = None
 
@@ -76,24 +67,14 @@ class MooncakeTierConfig(TierConfig):
         if self.segment_share is not None and not 0 < self.segment_share < 1:
             raise ConfigError("mooncake segment_share must lie between 0 and 1 (a share of free memory)")
         check_device(self.segment_device, "mooncake segment_device")
-        if any(c in self.key_prefix for c in " \t\r\n") or len(self.key_prefix) > 128:
-            raise ConfigError(f"mooncake key_prefix {self.key_prefix!r} must be short and free of spaces")
-        if not (self.timeout_s > 0 and self.connect_timeout_s > 0 and self.breaker_cooldown_s > 0):
-            raise ConfigError("mooncake timeouts and breaker_cooldown_s must be positive")
-        if min(self.breaker_failures, self.min_rate_bytes, self.max_value_bytes, self.max_transfers) < 1:
-            raise ConfigError("mooncake breaker_failures, min_rate_bytes, max_value_bytes and max_transfers "
-                              "must be >= 1")
+        if self.max_transfers < 1:
+            raise ConfigError("mooncake max_transfers must be >= 1")
         if self.buffer_bytes < MiB:
             raise ConfigError("mooncake buffer_bytes must be at least 1 MiB")
 
     @property
     def master_metrics_url(self) -> str:
         return self.metrics_url or f"http://{master_host_port(self)[0]}:{DEFAULT_METRICS_PORT}/metrics"
-
-    def build(self, ctx: TierContext) -> Tier:
-        from kvtier.tiers.mooncake.tier import MooncakeTier  # imported here: the tier's module imports this one
-
-        return MooncakeTier(self, ctx)
 
 
 def master_host_port(config: MooncakeTierConfig) -> tuple[str, int]:

@@ -20,20 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.net.buffers import TransferBufferPool
+from kvtier.tiers.redis.limits import HEADER_BYTES, MAX_PARTS, MIN_PART_BYTES, REDIS_MAX_BULK
 from kvtier.tiers.redis.resp import RespReader
 
-#: Redis's default proto-max-bulk-len: no single argument may be larger.
-REDIS_MAX_BULK = 512 << 20
 SPLIT_MAGIC = b"KVTS"
 SPLIT_VERSION = 1
 _HEADER = struct.Struct("<4sHH8sQII")  # magic, version, reserved, nonce, total length, part length, part count
-HEADER_BYTES = _HEADER.size
-assert HEADER_BYTES == 32
-#: Bounds a head must keep whatever it declares, checked before any of its parts is asked for: a planted head
-#: declaring a value in 1-byte parts would otherwise cost a command per byte. Writers never go beyond them
-#: (``max_part_bytes`` >= MIN_PART_BYTES; a value needing more than MAX_PARTS parts is not stored).
-MIN_PART_BYTES = 4096
-MAX_PARTS = 4096
+assert _HEADER.size == HEADER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
