@@ -1,18 +1,21 @@
-"""numba for kvtier's CPU kernels: the one decorator they share, and the float16 conversion numba lacks.
+"""numba for kvtier's CPU kernels: the one decorator they share, and the float conversions numba lacks.
 
-Imported only by the modules that hold kernels (``kvtier.codecs._dequant_kernels``, ``kvtier.codecs._plane_kernels``),
-and those only on a kernel's first use, so ``import kvtier`` never pays for numba.
+Imported only by the modules that hold kernels (``kvtier.codecs._dequant_kernels``,
+``kvtier.codecs._plane_kernels``), and those only on a kernel's first use, so ``import kvtier`` never pays for
+numba (about half a second).
 
 ``kernel`` is ``numba.njit(nogil=True, cache=True)``: compiled for this CPU on the first call with each
 combination of argument types, without the GIL (the pool threads that decode chunks run kernels in
 parallel), and kept on disk so later processes load the machine code instead of compiling it. numba writes
-that cache next to the module (``__pycache__``), else in ``NUMBA_CACHE_DIR`` or the user's cache directory;
-where none of them is writable (a read-only install and home) the kernels still work, compiled once per
-process.
+that cache in ``NUMBA_CACHE_DIR`` where it is set, else next to the module (``__pycache__``), else (a
+read-only install) in the user's cache directory; where none is writable the kernels still work, compiled
+once per process.
 
-``f16_bits`` is float32 to IEEE half-precision bits, rounded to nearest, ties to even (as torch and numpy
-convert), overflowing to infinity: one ``fptrunc`` instruction (``vcvtps2ph`` with F16C), because numba
-has no float16 type on the CPU.
+numba has no float16 or bfloat16 type on the CPU and no way to reinterpret a float's bits, so three
+intrinsics (a few LLVM instructions each) give a float32 value's bits as the kernels store them:
+``f32_bits`` as is, ``f16_bits`` rounded to IEEE half precision (to nearest, ties to even, overflowing to
+infinity, as torch and numpy convert: one ``fptrunc``, ``vcvtps2ph`` with F16C) and ``bf16_bits`` rounded to
+bfloat16 (to nearest, ties to even, on the integer bits: torch's rounding of finite values).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["f16_bits", "kernel"]
+__all__ = ["bf16_bits", "f16_bits", "f32_bits", "kernel"]
 
 
 def kernel(fn):
