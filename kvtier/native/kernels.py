@@ -16,7 +16,6 @@ offsets into one flat array over a tensor's memory.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import threading
@@ -118,17 +117,39 @@ def runs(tensors: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], int] | None
 
 def span(tensor: torch.Tensor, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, int] | None:
     """``tensor``'s memory as one flat numpy array of ``dtype`` (the tensor's element size), from its first
-    element to the end of its last run, with the element at which each run starts in it and the elements per
-    run (``runs``); None where ``runs`` is None. The array views the tensor's memory without owning it: the
-    caller keeps the tensor alive while it is used, and writes only inside the runs."""
-    found = runs([tensor])
+    element to the end of its last run, with the element at which each run starts in it (read-only, shared by
+    every caller with this layout) and the elements per run: ``runs`` as a numba kernel takes them. None where
+    ``runs`` is None. The array views the tensor's memory without owning it: the caller keeps the tensor alive
+    while it is used, and writes only inside the runs."""
+    found = _relative_span(tuple(tensor.shape), tensor.element_size(), tuple(tensor.stride()))
     if found is None:
         return None
-    (at,), run = found
-    starts = (at - tensor.data_ptr()) // tensor.element_size()
-    count = int(starts.max()) + run
-    memory = (ctypes.c_char * (count * tensor.element_size())).from_address(tensor.data_ptr())
-    return np.frombuffer(memory, dtype), starts, run
+    starts, count, run = found
+    return np.asarray(_Memory(tensor.data_ptr(), count, dtype)), starts, run
+
+
+@functools.lru_cache(maxsize=256)
+def _relative_span(shape: tuple[int, ...], item: int, strides: tuple[int, ...]
+                   ) -> tuple[np.ndarray, int, int] | None:
+    """``span`` of a tensor with this layout: its runs' first elements, the elements from its first to the end
+    of its last run, the elements per run."""
+    found = _relative_runs(shape, item, (strides,))
+    if found is None:
+        return None
+    (offsets,), run = found
+    starts = offsets // item
+    starts.flags.writeable = False
+    return starts, int(starts.max()) + run, run
+
+
+class _Memory:
+    """``count`` elements of ``dtype`` at ``address``, for ``np.asarray`` (numpy's array interface: no copy)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, count: int, dtype: np.dtype) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (count,), "typestr": np.dtype(dtype).str,
+                                    "version": 3}
 
 
 @functools.lru_cache(maxsize=256)
