@@ -18,25 +18,23 @@ F32, F16, BF16 = 0, 1, 2
 
 
 @kernel
-def _bits(value, kind):
-    """The bits of a float32 value as ``kind`` (a uint32 holding them)."""
-    if kind == BF16:
-        return np.uint32(bf16_bits(value))
-    if kind == F16:
-        return np.uint32(f16_bits(value))
-    return f32_bits(value)
-
-
-@kernel
 def dequant8(out, starts, run, codes, scales, zeros, g, kind):
     """Value ``i`` = ``(float32(codes[i]) - zeros[i // g]) * scales[i // g]`` (uint8 codes; float32 scales and
     zeros, one per group of ``g`` values; ``run`` a multiple of ``g``). Every index runs from 0 over a slice
-    or a reshaped view, so LLVM knows none is negative and vectorises the inner loop."""
+    or a reshaped view, so LLVM knows none is negative and vectorises the inner loops; ``kind`` is tested once
+    per group, outside them, so that each loop does one conversion."""
     groups = run // g
     for r in range(starts.size):
         c = codes[r * run : (r + 1) * run].reshape(groups, g)
         dest = out[starts[r] : starts[r] + run].reshape(groups, g)
         s, z = scales[r * groups : (r + 1) * groups], zeros[r * groups : (r + 1) * groups]
         for q in range(groups):
-            for i in range(g):
-                dest[q, i] = _bits((np.float32(c[q, i]) - z[q]) * s[q], kind)
+            if kind == BF16:
+                for i in range(g):
+                    dest[q, i] = bf16_bits((np.float32(c[q, i]) - z[q]) * s[q])
+            elif kind == F16:
+                for i in range(g):
+                    dest[q, i] = f16_bits((np.float32(c[q, i]) - z[q]) * s[q])
+            else:
+                for i in range(g):
+                    dest[q, i] = f32_bits((np.float32(c[q, i]) - z[q]) * s[q])
