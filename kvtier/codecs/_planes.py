@@ -6,9 +6,9 @@ tensor's row-major order. For bf16 KV, plane 1 (sign and exponent) carries ~3 bi
 
 ``join`` writes a tensor (any strides: a token range of the engine's KV) from its planes, ``split`` fills
 planes from one. For 2- and 4-byte elements they run numba kernels (``kvtier.codecs._plane_kernels``), compiled
-for this CPU at first use and cached on disk, vectorised by LLVM; on a decoded chunk of SmolLM2's KV they match
-the LLVM IR kernel with streaming stores they replace (join) or beat it (split): docs/kernels.md. Elsewhere, and
-where numba is missing, torch regroups the bytes (a transposed copy, several times slower).
+for this CPU at first use and cached on disk, vectorised by LLVM, without the GIL; they replaced kernels of LLVM
+IR (with streaming stores for the join) after measuring as fast (docs/kernels.md). Elsewhere, and where numba is
+missing, torch regroups the bytes (a transposed copy, several times slower).
 """
 
 from __future__ import annotations
