@@ -184,7 +184,8 @@ vectorend:
 
 def _kernels() -> dict | None:
     """``{"dequant8": numba kernel, "dequant4r_bf16": compiled IR, ...}``, built on first use (numba imported
-    then), or None where either cannot be had (the codecs then use torch)."""
+    then): the int8 kernel where numba imports, the rotating ones where llvmlite builds them; None where
+    neither (the codecs then use torch)."""
     global _built, _tried
     if not _tried:
         with _lock:
@@ -192,21 +193,21 @@ def _kernels() -> dict | None:
                 kinds = list(_OUT_TYPES.values())
                 names = [f"{op}_{k}" for op in ("dequant4r", "dequants8r") for k in kinds]
                 ir = "".join(_ir_rotated(k, c) for c in ("u4", "s8") for k in kinds)
-                found = kernels.build(ir, names, "dequantisation kernels")
+                found = {n: _Fn4(a) for n, a in (kernels.build(ir, names, "dequantisation kernels") or {}).items()}
                 try:
                     from kvtier.codecs import _dequant_kernels as jitted  # noqa: PLC0415 (numba: 0.5 s to import)
                 except ImportError as error:
                     kernels.log.info("int8 dequantisation kernel unavailable (%s); using torch instead", error)
-                    found = None
-                _built = None if found is None else {
-                    "dequant8": jitted.dequant8, **{n: _Fn4(a) for n, a in found.items()}}
+                else:
+                    found["dequant8"] = jitted.dequant8
+                _built = found or None
                 _tried = True
     return _built
 
 
 def available() -> bool:
     """Whether int8 chunks are dequantised by the native kernel (else by torch)."""
-    return _kernels() is not None
+    return "dequant8" in (_kernels() or {})
 
 
 def dequantise_int8(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int) -> bool:
@@ -221,7 +222,7 @@ def dequantise_int8(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
             or zero.numel() != scale.numel()):
         return False
     fns = _kernels()
-    found = kernels.span(out, _BITS[out.dtype]) if fns is not None else None
+    found = kernels.span(out, _BITS[out.dtype]) if fns is not None and "dequant8" in fns else None
     if found is None or found[2] % g:
         return False
     memory, starts, run = found
@@ -260,7 +261,7 @@ def _rotated(op: str, out: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
             or not codes.is_contiguous() or scale.numel() * g != out.numel()):
         return False
     fns = _kernels()
-    found = kernels.runs([out]) if fns is not None else None
+    found = kernels.runs([out]) if fns is not None and f"{op}_{kind}" in fns else None
     if found is None or found[1] % dim:
         return False
     starts, run = found[0][0], found[1]
