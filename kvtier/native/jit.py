@@ -9,7 +9,8 @@ combination of argument types, without the GIL (the pool threads that decode chu
 parallel), and kept on disk so later processes load the machine code instead of compiling it. numba writes
 that cache in ``NUMBA_CACHE_DIR`` where it is set, else next to the module (``__pycache__``), else (a
 read-only install) in the user's cache directory; where none is writable the kernels still work, compiled
-once per process.
+once per process. The cache is keyed by the kernel's own source file: numba does not see a change to an
+intrinsic here, so after editing one, clear ``kvtier/codecs/__pycache__/*.nb*`` (or touch the kernel modules).
 
 numba has no float16 or bfloat16 type on the CPU and no way to reinterpret a float's bits, so three
 intrinsics (a few LLVM instructions each) give a float32 value's bits as the kernels store them:
