@@ -18,6 +18,7 @@ Handled: bf16, fp16 and fp32 destinations whose runs hold whole groups (int8) or
 cachegen; dim a power of two from 16 to 1024) of a token range of canonical KV, groups a multiple of 16
 values. Otherwise the codec uses torch.
 """
+
 from __future__ import annotations
 
 import ctypes
