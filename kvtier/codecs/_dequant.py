@@ -4,15 +4,15 @@ rotated back by the Hadamard transform.
 
 torch does it in passes over an L2-sized float32 scratch (codes to float, minus the zero point, times the
 scale, for the rotating codecs a 64x64 matrix product per head vector, converted into place), each a call
-that holds the GIL between its kernels. These kernels of LLVM IR (``kvtier.native.kernels``) read each code once and
-write each value once, 16 at a time. int8: float32 arithmetic in torch's order, rounded to the destination
-dtype as torch rounds (to nearest, ties to even), so the bytes are identical to the torch path's. int4 and
-cachegen: the rotation is the fast Walsh-Hadamard transform (butterflies: log2(dim) additions per value
-instead of dim multiply-adds, four stages inside a vector register, the rest across a stack buffer of the
-head vector), scaled by 1/sqrt(dim) at the end; it agrees with torch's matrix product to float32 rounding
-(on SmolLM2's 64-dim heads, to the bit). Measured on SmolLM2's KV into token ranges (one thread / two):
-int8 9.6 / 14 GB/s against 4.3-4.5 / 6.6-6.8; int4 2.8 / 4.7-4.9 against 0.9 / 0.9-1.6; cachegen, whose
-zstd and delta decoding stay outside, 1.3 / 1.9-2.1 against 0.4-0.5 / 0.8-1.0.
+that holds the GIL between its kernels. These kernels read each code once and write each value once, without
+the GIL. int8 is a numba kernel (``kvtier.codecs._dequant_kernels``): float32 arithmetic in torch's order,
+rounded to the destination dtype as torch rounds (to nearest, ties to even), so the bytes are identical to the
+torch path's. int4 and cachegen are LLVM IR (``kvtier.native.kernels``), kept because the same loops in numba
+ran at a fraction of its speed (docs/kernels.md): the rotation is the fast Walsh-Hadamard transform
+(butterflies: log2(dim) additions per value instead of dim multiply-adds), whose strides 1, 2, 4 and 8 the IR
+does as shuffles inside one 16-lane vector register, which LLVM's vectoriser does not find in loops; the rest
+across a stack buffer of the head vector, scaled by 1/sqrt(dim) at the end. It agrees with torch's matrix
+product to float32 rounding (on SmolLM2's 64-dim heads, to the bit).
 
 Handled: bf16, fp16 and fp32 destinations whose runs hold whole groups (int8) or head vectors (int4,
 cachegen; dim a power of two from 16 to 1024) of a token range of canonical KV, groups a multiple of 16
@@ -25,6 +25,7 @@ import ctypes
 import math
 import threading
 
+import numpy as np
 import torch
 from torch.autograd.graph import increment_version
 
@@ -32,8 +33,9 @@ from kvtier.native import kernels
 
 _LANES = 16
 _OUT_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-_Fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+# the numba kernel's destination: bits of these widths, converted as _dequant_kernels' F32, F16, BF16 say
+_BITS = {torch.bfloat16: np.uint16, torch.float16: np.uint16, torch.float32: np.uint32}
+_KINDS = {torch.bfloat16: 2, torch.float16: 1, torch.float32: 0}
 _Fn4 = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float)
 _lock = threading.Lock()
@@ -61,44 +63,6 @@ def _store(kind: str, first: str) -> str:
   %top = lshr <16 x i32> %rounded, {splat(16)}
   %b16 = trunc <16 x i32> %top to <16 x i16>
   store <16 x i16> %b16, ptr %dp, align 2"""
-
-
-def _ir(kind: str) -> str:
-    """``dequant8_<kind>(runs, codes, scales, zeros, run_elems, count, group)``: ``runs`` holds ``count``
-    destination run addresses; run ``r`` takes values ``[r * run_elems, (r + 1) * run_elems)``; value ``i``
-    is ``(codes[i] - zeros[i / group]) * scales[i / group]`` (float32 scales and zeros)."""
-    body = f"""body:
-  br label %group
-group:
-  %e = phi i64 [0, %body], [%enext, %groupend]
-  %abs = add i64 %e0, %e
-  %q = udiv i64 %abs, %g
-  %sp = getelementptr float, ptr %scales, i64 %q
-  %zp = getelementptr float, ptr %zeros, i64 %q
-  %s = load float, ptr %sp
-  %z = load float, ptr %zp
-{kernels.broadcast("%sv", "%s")}
-{kernels.broadcast("%zv", "%z")}
-  br label %lanes
-lanes:
-  %i = phi i64 [0, %group], [%inext, %lanes]
-  %at = add i64 %abs, %i
-  %cp = getelementptr i8, ptr %codes, i64 %at
-  %c = load <16 x i8>, ptr %cp, align 1
-  %cf = uitofp <16 x i8> %c to <16 x float>
-  %diff = fsub <16 x float> %cf, %zv
-  %v = fmul <16 x float> %diff, %sv
-  %local = add i64 %e, %i
-{_store(kind, "%local")}
-  %inext = add i64 %i, {_LANES}
-  %imore = icmp ult i64 %inext, %g
-  br i1 %imore, label %lanes, label %groupend
-groupend:
-  %enext = add i64 %e, %g
-  %emore = icmp ult i64 %enext, %n
-  br i1 %emore, label %group, label %runend"""
-    signature = f"dequant8_{kind}(ptr %runs, ptr %codes, ptr %scales, ptr %zeros, i64 %n, i64 %count, i64 %g)"
-    return kernels.over_runs(signature, body)
 
 
 def _in_register_butterflies(src: str) -> tuple[str, str]:
@@ -220,23 +184,31 @@ vectorend:
 
 
 def _kernels() -> dict | None:
+    """``{"dequant8": numba kernel, "dequant4r_bf16": compiled IR, ...}``, built on first use (numba imported
+    then): the int8 kernel where numba imports, the rotating ones where llvmlite builds them; None where
+    neither (the codecs then use torch)."""
     global _built, _tried
     if not _tried:
         with _lock:
             if not _tried:
                 kinds = list(_OUT_TYPES.values())
-                names = [f"{op}_{k}" for op in ("dequant8", "dequant4r", "dequants8r") for k in kinds]
-                ir = "".join(_ir(k) for k in kinds) + "".join(_ir_rotated(k, c) for c in ("u4", "s8") for k in kinds)
-                found = kernels.build(ir, names, "dequantisation kernels")
-                _built = None if found is None else {
-                    n: (_Fn if n.startswith("dequant8_") else _Fn4)(a) for n, a in found.items()}
+                names = [f"{op}_{k}" for op in ("dequant4r", "dequants8r") for k in kinds]
+                ir = "".join(_ir_rotated(k, c) for c in ("u4", "s8") for k in kinds)
+                found = {n: _Fn4(a) for n, a in (kernels.build(ir, names, "dequantisation kernels") or {}).items()}
+                try:
+                    from kvtier.codecs import _dequant_kernels as jitted  # noqa: PLC0415 (numba: 0.5 s to import)
+                except ImportError as error:
+                    kernels.log.info("int8 dequantisation kernel unavailable (%s); using torch instead", error)
+                else:
+                    found["dequant8"] = jitted.dequant8
+                _built = found or None
                 _tried = True
     return _built
 
 
 def available() -> bool:
     """Whether int8 chunks are dequantised by the native kernel (else by torch)."""
-    return _kernels() is not None
+    return "dequant8" in (_kernels() or {})
 
 
 def dequantise_int8(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int) -> bool:
@@ -245,21 +217,19 @@ def dequantise_int8(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     uint8, one per value; ``scale``/``zero``: float32, one per group, contiguous."""
     kind = _OUT_TYPES.get(out.dtype)
     if (kind is None or g % _LANES or out.device.type != "cpu" or out.layout != torch.strided or out.requires_grad
-            or out.is_neg() or out.numel() == 0 or codes.numel() != out.numel()
+            or out.is_neg() or out.numel() == 0 or codes.dtype != torch.uint8 or codes.numel() != out.numel()
             or scale.dtype != torch.float32 or zero.dtype != torch.float32 or not scale.is_contiguous()
             or not zero.is_contiguous() or not codes.is_contiguous() or scale.numel() * g != out.numel()
             or zero.numel() != scale.numel()):
         return False
     fns = _kernels()
-    found = kernels.runs([out]) if fns is not None else None
-    if found is None or found[1] % g:
+    found = kernels.span(out, _BITS[out.dtype]) if fns is not None and "dequant8" in fns else None
+    if found is None or found[2] % g:
         return False
-    starts, run = found[0][0], found[1]
-    fns[f"dequant8_{kind}"](starts.ctypes.data, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), run,
-                             len(starts), g)
+    memory, starts, run = found
+    fns["dequant8"](memory, starts, run, codes.numpy(), scale.numpy(), zero.numpy(), g, _KINDS[out.dtype])
     increment_version(out)  # as torch's own copy would
     return True
-
 
 
 def dequantise_int4_rotated(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int,
@@ -292,7 +262,7 @@ def _rotated(op: str, out: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
             or not codes.is_contiguous() or scale.numel() * g != out.numel()):
         return False
     fns = _kernels()
-    found = kernels.runs([out]) if fns is not None else None
+    found = kernels.runs([out]) if fns is not None and f"{op}_{kind}" in fns else None
     if found is None or found[1] % dim:
         return False
     starts, run = found[0][0], found[1]

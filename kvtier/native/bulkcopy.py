@@ -4,17 +4,18 @@ torch's ``copy_`` (like glibc's ``memcpy`` below its non-temporal threshold, 3/4
 writes through the caches: each destination line is read in before it is overwritten, then written back, so
 a copy moves three bytes through memory for each byte copied. A streaming store writes whole lines without
 reading them first: two bytes per byte. For a copy far larger than the caches (a KV chunk is 6-32 MiB, a load
-hundreds of MiB) that is most of the memory tier's cost. Measured here (2 cores, AMD EPYC): 512 MiB in the
-512 KiB runs of a canonical KV chunk copied at 20-22 GiB/s with streaming stores on two threads, against
-14-15 GiB/s for torch's ``copy_`` of the same bytes as one flat tensor.
+hundreds of MiB) that is most of the memory tier's cost (docs/kernels.md has the figures).
 
-We found no package on PyPI that offers such a copy, so the kernel is a loop of LLVM IR (below) compiled for
-this CPU at first use by llvmlite (``kvtier.native.kernels``, ~20 ms), and called through ctypes, which releases the
-GIL: the threads of one copy run in parallel. ``copy_pairs`` is all or nothing: it returns False having
-copied nothing (the caller copies with torch) when llvmlite is missing or the kernel cannot be built, when
-the copy is under ``MIN_BYTES`` in all (smaller copies may still sit in the caches, where torch's copy is up
-to 4x faster), or when a pair does not fit: not both on the CPU, dtypes or shapes differ, autograd records
-it, contiguous runs shorter than 4 KiB, a destination that overlaps itself or its source.
+The kernel is a loop of LLVM IR (below), compiled for this CPU at first use by llvmlite
+(``kvtier.native.kernels``) and called through ctypes, which releases the GIL: the threads of one copy run in
+parallel. It stays IR where kvtier's other kernels moved to numba because numba cannot ask for a streaming
+store: its copy loop becomes a ``memcpy`` through the caches, measured well below this kernel
+(docs/kernels.md); we found no package on PyPI that offers such a copy either. ``copy_pairs`` is all or
+nothing: it returns False having copied nothing (the caller copies with torch) when llvmlite is missing or the
+kernel cannot be built, when the copy is under ``MIN_BYTES`` in all (smaller copies may still sit in the
+caches, where torch's copy is faster), or when a pair does not fit: not both on the CPU, dtypes or shapes
+differ, autograd records it, contiguous runs shorter than 4 KiB, a destination that overlaps itself or its
+source.
 
 ``KVTIER_STREAMING_COPY=0`` in the environment turns it off.
 """

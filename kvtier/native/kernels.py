@@ -1,12 +1,17 @@
-"""Small native kernels: LLVM IR compiled for this CPU by llvmlite (numba's compiler) at first use.
+"""Small native kernels: what they share.
 
-kvtier has two kinds of them: the streaming-store copy (``kvtier.native.bulkcopy``) and the byte-plane shuffles of
-the lossless codec (``kvtier.codecs._planes``). Both are a few dozen lines of IR, built in ~20 ms, and called
-through ctypes, which releases the GIL, so the pool threads that load chunks run them in parallel.
+Most of kvtier's CPU kernels are numba functions (``kvtier.native.jit``): the byte-plane split and join of the
+lossless codec (``kvtier.codecs._plane_kernels``) and int8 dequantisation (``kvtier.codecs._dequant_kernels``).
+Two are LLVM IR, kept where numba measured slower (docs/kernels.md): the streaming-store copy
+(``kvtier.native.bulkcopy``) and the Hadamard-rotating dequantisation of int4 and cachegen
+(``kvtier.codecs._dequant``). The IR is compiled for this CPU by llvmlite (numba's compiler) at first use and
+called through ctypes; ctypes and numba's ``nogil`` kernels both release the GIL, so the pool threads that load
+chunks run them in parallel.
 
-``build`` compiles a module and returns its functions' addresses, or None where llvmlite is missing or cannot
-build for this target (callers then use torch). ``runs`` turns tensors of one shape into the addresses of their
-common contiguous runs, which is what the kernels loop over.
+``build`` compiles IR and returns its functions' addresses, or None where llvmlite is missing or cannot build
+for this target (callers then use torch). ``runs`` turns tensors of one shape into the addresses of their common
+contiguous runs, which is what every kernel loops over; ``span`` gives a numba kernel the same runs as element
+offsets into one flat array over a tensor's memory.
 """
 
 from __future__ import annotations
@@ -108,6 +113,43 @@ def runs(tensors: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], int] | None
         return None
     offsets, run = found
     return [o + t.data_ptr() for o, t in zip(offsets, tensors)], run
+
+
+def span(tensor: torch.Tensor, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """``tensor``'s memory as one flat numpy array of ``dtype`` (the tensor's element size), from its first
+    element to the end of its last run, with the element at which each run starts in it (read-only, shared by
+    every caller with this layout) and the elements per run: ``runs`` as a numba kernel takes them. None where
+    ``runs`` is None. The array views the tensor's memory without owning it: the caller keeps the tensor alive
+    while it is used, and writes only inside the runs."""
+    found = _relative_span(tuple(tensor.shape), tensor.element_size(), tuple(tensor.stride()))
+    if found is None:
+        return None
+    starts, count, run = found
+    return np.asarray(_Memory(tensor.data_ptr(), count, dtype)), starts, run
+
+
+@functools.lru_cache(maxsize=256)
+def _relative_span(shape: tuple[int, ...], item: int, strides: tuple[int, ...]
+                   ) -> tuple[np.ndarray, int, int] | None:
+    """``span`` of a tensor with this layout: its runs' first elements, the elements from its first to the end
+    of its last run, the elements per run."""
+    found = _relative_runs(shape, item, (strides,))
+    if found is None:
+        return None
+    (offsets,), run = found
+    starts = offsets // item
+    starts.flags.writeable = False
+    return starts, int(starts.max()) + run, run
+
+
+class _Memory:
+    """``count`` elements of ``dtype`` at ``address``, for ``np.asarray`` (numpy's array interface: no copy)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, count: int, dtype: np.dtype) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (count,), "typestr": np.dtype(dtype).str,
+                                    "version": 3}
 
 
 @functools.lru_cache(maxsize=256)

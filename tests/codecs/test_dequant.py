@@ -98,4 +98,4 @@ def test_where_the_kernel_does_not_fit_torch_decodes(monkeypatch, name: str, out
 
 
 def test_the_dequantisation_kernels_build_on_this_machine() -> None:
-    assert _dequant.available(), "llvmlite is a dependency: the dequantisation kernels must build on x86-64"
+    assert _dequant.available(), "numba and llvmlite are dependencies: the dequantisation kernels must build on x86-64"

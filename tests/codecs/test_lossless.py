@@ -180,7 +180,7 @@ def test_a_decode_bumps_the_destination_version_and_works_in_inference_mode() ->
 
 
 def test_the_plane_kernel_builds_on_this_machine() -> None:
-    assert _planes.available(), "llvmlite is a dependency: the byte-plane kernel must build on x86-64"
+    assert _planes.available(), "numba is a dependency: the byte-plane kernels must compile on x86-64"
 
 
 def _v3(chunk: torch.Tensor | None = None) -> tuple[bytearray, torch.Tensor]:
