@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import result  # noqa: E402
 
 from kvtier import CacheConfig, KVCache  # noqa: E402
-from kvtier.apps.serve.segments import Segmenter  # noqa: E402
+from kvtier.apps.serve.segmenter import Segmenter  # noqa: E402
 from kvtier.integrations.blend import BlendConfig, BlendedLM  # noqa: E402
 from kvtier.integrations.models import load_model  # noqa: E402
 from kvtier.integrations.transformers import GenerationStats, Prefill, PrefixCachedLM, kv_spec, model_identity  # noqa: E402

@@ -107,7 +107,7 @@ def test_serve_and_route_take_the_same_http_limit_flags_with_the_same_defaults()
 @given(words=st.lists(st.sampled_from(WORDS + ["  ", "\n", "é", "zq"]), min_size=1, max_size=400),
        context=st.integers(4, 120))
 def test_bounded_encoding_is_exact_when_it_fits_and_refuses_only_what_cannot(tokenizer, words, context):
-    from kvtier.apps.serve import prompts
+    from kvtier.apps.serve import prompt_limits as prompts
 
     text = " ".join(words)
     whole = tokenizer.encode(text)
@@ -120,7 +120,7 @@ def test_bounded_encoding_is_exact_when_it_fits_and_refuses_only_what_cannot(tok
 
 
 def test_bounded_encoding_reads_a_bounded_prefix_of_a_huge_text(tokenizer):
-    from kvtier.apps.serve import prompts
+    from kvtier.apps.serve import prompt_limits as prompts
 
     lengths = []
 

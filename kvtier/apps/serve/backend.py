@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.apps.serve.engine import Engine
-from kvtier.apps.serve.prompts import encode_within
-from kvtier.apps.serve.segments import NoSegments, Segmenter
+from kvtier.apps.serve.prompt_limits import encode_within
+from kvtier.apps.serve.segmenter import NoSegments, Segmenter
 from kvtier.base.errors import ConfigError
 from kvtier.base.metrics import Metrics
 from kvtier.core.cache import KVCache

@@ -20,9 +20,9 @@ from typing import Any
 from kvtier.base.metrics import Metrics
 from kvtier.net.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.metrics import BREAKER_OPEN, BREAKER_OPENS, BREAKER_REJECTED, TIER_ERRORS
+from kvtier.tiers.redis.batches import Batch, is_redirect, probe, run_batches
 from kvtier.tiers.redis.client import Endpoint, key_slot_function
 from kvtier.tiers.redis.config import RedisTierConfig
-from kvtier.tiers.redis.pipeline import Batch, is_redirect, probe, run_batches
 from kvtier.tiers.redis.pool import BreakerOpen, Node
 from kvtier.tiers.redis.resp import WireClosed, WireError
 

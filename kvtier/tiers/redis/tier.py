@@ -50,9 +50,9 @@ from kvtier.codecs import Payload, get_codec
 from kvtier.net.buffers import TransferBufferPool
 from kvtier.tiers.base import TierContext, TierStats
 from kvtier.tiers.metrics import CORRUPT_CHUNKS, SKIPPED_STORES, WRITTEN_BYTES
+from kvtier.tiers.redis.batches import Batch, is_redirect
 from kvtier.tiers.redis.client import Endpoint
 from kvtier.tiers.redis.config import MiB, RedisTierConfig
-from kvtier.tiers.redis.pipeline import Batch, is_redirect
 from kvtier.tiers.redis.resp import RespError
 from kvtier.tiers.redis.servers import Servers
 from kvtier.tiers.redis.split import (
