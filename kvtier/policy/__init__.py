@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from kvtier.base.registry import Registry, lazy_exports
 from kvtier.policy.base import EvictionPolicy
 
-#: What a memory or disk tier evicts by unless configured otherwise; README "Choosing an eviction policy" has
-#: the measurements behind it.
+#: What a memory or disk tier evicts by unless configured otherwise; docs/policies.md has the measurements
+#: behind the choice.
 DEFAULT_POLICY = "arc-lfu"
 
 POLICIES: Registry[Callable[[], EvictionPolicy]] = Registry("eviction policy")

@@ -31,12 +31,8 @@ class HostSlab:
     """``huge_pages``: back a buffer of 2 MiB or more with transparent huge pages.
 
     A chunk's copy in or out of the slab walks 32 MiB (an 8B-shaped chunk of 256 tokens), which on 4 KiB pages
-    is 8,192 TLB entries against 16. With the slab on huge pages, 512 MiB stored and retrieved through the
-    memory tier (``benchmarks/memory_tier.py``, 2 cores, 8 runs) ran at 0.93-1.00 (store) and 0.95-1.05
-    (retrieve) of a flat torch copy between two ordinary tensors, against 0.87-0.95 and 0.85-0.94 on 4 KiB
-    pages in runs interleaved with them. The price is at start: on this VM a huge page the host has not
-    backed yet faults at about 1 GB/s, so prefaulting 576 MiB took 0.66-0.79 s against 0.12-0.13 s on 4 KiB
-    pages (10 GB/s once the host has backed the memory).
+    is 8,192 TLB entries against 16. The price is paid at start, when the buffer is prefaulted. What that
+    gains and costs is measured on docs/benchmarks/tiers.md ("Why the code is shaped this way").
 
     ``pinning``: how the buffer is pinned where CUDA is present (``registered``: its own pages, pinned in
     place; ``allocated``: torch's pinned allocator, where registering failed), else ``none``.

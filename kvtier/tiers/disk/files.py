@@ -254,12 +254,9 @@ def read_into(path: str, out: memoryview, nbytes: int, *, direct: bool) -> int:
 def new_buffer(nbytes: int) -> mmap.mmap:
     """A fresh page-aligned anonymous buffer of at least ``nbytes``.
 
-    Fresh memory costs the kernel a zeroed page per 4 KiB, and on this 2-core machine that ran at 0.7-1.4
-    GiB/s (MAP_POPULATE or faulted) -- slower than the disk, so every read into a new buffer was bound by it
-    (the disk tier read at 0.73 of a plain sequential read: the first reads of a tier, and every read
-    beyond the pool's retained bytes, got new buffers). Buffers of 2 MiB and more are therefore rounded up
-    to whole huge pages and advised MADV_HUGEPAGE: one fault per 2 MiB, measured at 4.9-6.3 GiB/s
-    (faulted by the O_DIRECT read itself or the staging copy). Smaller ones are populated in one call.
+    Fresh memory costs the kernel a zeroed page per 4 KiB, which can be slower than the disk, so buffers of
+    2 MiB and more are rounded up to whole huge pages and advised MADV_HUGEPAGE (one fault per 2 MiB); smaller
+    ones are populated in one call. Measured on docs/benchmarks/tiers.md ("Why the code is shaped this way").
     """
     if nbytes < HUGE_PAGE:
         return mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)
@@ -312,8 +309,8 @@ def _parse_key(name: str) -> ChunkHash | None:
 def scan(paths: ChunkPaths) -> tuple[list[tuple[ChunkHash, int]], dict[str, int]]:
     """Every chunk file under ``paths.dir`` as ``(key, size)``, oldest first; removes everything else there.
 
-    Costs a directory listing and one stat per file: no file is opened (measured: reading each header made
-    a cold re-index of 100,000 chunks 5x slower). A file only becomes a chunk name by an atomic rename after
+    Costs a directory listing and one stat per file: no file is opened (reading each header is several
+    times slower on a cold re-index: docs/benchmarks/tiers.md). A file only becomes a chunk name by an atomic rename after
     it was complete, so what is left to remove is: ``temp`` files of interrupted writes, ``torn`` files too
     short to hold a blob header (possible only after a machine crash with fsync off), and ``stray`` names.
     Damage inside a complete file is found by the checksum when it is read (and then removed).

@@ -10,7 +10,7 @@
   key always goes to the same writer thread, so its writes and removals happen in the order decided.
 * **Reads overlap.** ``get`` reads its files on a thread pool, each into a reused page-aligned buffer, and
   hands out views of those buffers until its ``with`` block ends.
-* **O_DIRECT** (on by default; measured faster here, see README) bypasses the page cache for both: the memory
+* **O_DIRECT** (on by default; docs/benchmarks/tiers.md) bypasses the page cache for both: the memory
   tier above is the cache, and a second copy in the page cache would only push other pages out. Filesystems
   that refuse it (tmpfs on older kernels) are detected on first use and served buffered.
 * **Faults are misses.** ENOSPC, EIO or any failure while writing skips that store (temp file removed,

@@ -37,8 +37,8 @@ class MooncakeTierConfig(RemoteTierConfig):
     segment is 16 MiB; a share that comes to less contributes nothing. ``segment_device``: ``cpu``, or
     ``cuda:N`` for spare GPU memory (needs a Mooncake build with VRAM segments). ``buffer_bytes``: the
     registered memory values move through (see buffers.py). ``max_transfers``: batches this replica moves at
-    once; the others wait their turn within their deadline (over TCP on 2 cores, one at a time beat three at
-    once: benchmarks/mooncake_tier.py; more may pay with RDMA and cores to spare). ``metrics_url``: the
+    once; the others wait their turn within their deadline (docs/benchmarks/tiers.md has how many pay over
+    TCP; more may pay with RDMA and cores to spare). ``metrics_url``: the
     master's Prometheus endpoint, read for the pool's used bytes and capacity (default: the master's host,
     port 9003). Key prefix, deadlines and circuit breaker: RemoteTierConfig.
     """

@@ -1,12 +1,9 @@
 """Connection set-up for the Redis tier: the only module of the tier that imports redis-py.
 
 The tier moves values over its own RESP code (resp.py) instead of redis-py's pipelines because that is
-clearly faster for KV-sized values: it sends memoryviews without joining them and receives bulk replies
-with ``recv_into`` straight into reused buffers. Measured by ``benchmarks/redis_tier.py`` on one
-redis-server over loopback TCP, 16 values of 32 MiB, in two runs on a busy 2-core machine: GET through the
-tier was 1.78x and 1.83x the throughput of redis-py with hiredis and 3.0x and 1.74x that of valkey-glide;
-``KVCache.store`` (encode and seal included) 1.9x and 3.0x redis-py's pipelined SET and 1.2x and 1.45x
-valkey-glide's.
+faster for KV-sized values: it sends memoryviews without joining them and receives bulk replies with
+``recv_into`` straight into reused buffers (``benchmarks/redis_tier.py`` compares it with redis-py and
+valkey-glide; the figures are on docs/benchmarks/tiers.md).
 
 redis-py's public API never hands out a connection's socket, so this module opens the socket itself and
 uses redis-py only through public functions: ``redis.connection.parse_url`` reads the URL (schemes, user,

@@ -16,7 +16,7 @@ Values
     before any part is asked for.
 
 Capacity
-    Left to the server: set ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (see README). The tier does not
+    Left to the server: set ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (docs/tiers/redis.md). The tier does not
     evict; ``stats()`` reports the server's ``used_memory``, its ``maxmemory`` (or its host's memory when it has
     none) and its key count (split values count once per part), summed over a cluster's primaries.
 
