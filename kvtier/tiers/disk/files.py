@@ -310,9 +310,10 @@ def scan(paths: ChunkPaths) -> tuple[list[tuple[ChunkHash, int]], dict[str, int]
     """Every chunk file under ``paths.dir`` as ``(key, size)``, oldest first; removes everything else there.
 
     Costs a directory listing and one stat per file: no file is opened (reading each header is several
-    times slower on a cold re-index: docs/benchmarks/tiers.md). A file only becomes a chunk name by an atomic rename after
-    it was complete, so what is left to remove is: ``temp`` files of interrupted writes, ``torn`` files too
-    short to hold a blob header (possible only after a machine crash with fsync off), and ``stray`` names.
+    times slower on a cold re-index: docs/benchmarks/tiers.md). A file only becomes a chunk name by an
+    atomic rename after it was complete, so what is left to remove is: ``temp`` files of interrupted writes,
+    ``torn`` files too short to hold a blob header (possible only after a machine crash with fsync off), and
+    ``stray`` names.
     Damage inside a complete file is found by the checksum when it is read (and then removed).
     """
     found: list[tuple[int, ChunkHash, int]] = []
