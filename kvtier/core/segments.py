@@ -14,17 +14,14 @@ costs no new storage code:
   tier above evicts them, as for chunks.
 * A failing tier is a miss or a skipped store plus ``kvtier_tier_errors_total``; nothing is raised.
 
-Segments are not chunked: a segment shorter than a chunk is cached like any other.
-
-``BlendConfig`` says how an engine blends cached segments into a prompt; it lives here, free of engine
-imports, so configuration code can build one without loading transformers.
+Segments are not chunked: a segment shorter than a chunk is cached like any other. How an engine blends cached
+segments into a prompt is its own configuration (``kvtier.integrations.blend.BlendConfig``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,34 +38,6 @@ log = logging.getLogger(__name__)
 #: are not even segmented). Each segment that missed costs a forward pass of its own after the first token, so
 #: this bounds the passes a request can cause; 64 is far more passages than a RAG prompt carries.
 MAX_SEGMENTS = 64
-
-
-@dataclass(frozen=True)
-class BlendConfig:
-    """How blending trades quality for time to first token.
-
-    ``recompute_ratio``: share of reused tokens recomputed in the layers after ``check_layer`` (0..1).
-    ``check_layer``: the layer whose K/V deviation picks them (layers up to it compute every token).
-    ``max_deviation``: the quality gate; a mean relative deviation above it means a full prefill.
-    ``base_position``: the position segments are computed at when cached (part of their key).
-    """
-
-    #: 0.15: the largest r measured (benchmarks/blend_rag.py, README) that keeps TTFT at least 2x shorter than
-    #: prefix caching alone.
-    recompute_ratio: float = 0.15
-    check_layer: int = 1
-    max_deviation: float = 0.5
-    base_position: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.recompute_ratio <= 1.0:
-            raise ConfigError(f"recompute_ratio must lie in [0, 1], got {self.recompute_ratio}")
-        if self.check_layer < 0:
-            raise ConfigError(f"check_layer must be >= 0, got {self.check_layer}")
-        if not self.max_deviation >= 0.0:
-            raise ConfigError(f"max_deviation must be >= 0, got {self.max_deviation}")
-        if self.base_position < 0:
-            raise ConfigError(f"base_position must be >= 0, got {self.base_position}")
 
 
 class SegmentCache:

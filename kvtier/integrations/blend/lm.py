@@ -32,7 +32,8 @@ import torch
 from kvtier.base.errors import ConfigError
 from kvtier.core.cache import KVCache
 from kvtier.core.segments import MAX_SEGMENTS, SegmentCache
-from kvtier.integrations.blend.prefill import BlendConfig, BlendResult, ReusedSpan, blended_prefill
+from kvtier.integrations.blend.config import BlendConfig
+from kvtier.integrations.blend.prefill import BlendResult, ReusedSpan, blended_prefill
 from kvtier.integrations.blend.rope import Rerotator, UnsupportedModel
 from kvtier.integrations.transformers import (
     GenerationStats,
