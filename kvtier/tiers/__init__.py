@@ -7,6 +7,7 @@ from kvtier.tiers.base import (
     EvictionListener,
     EvictionReporter,
     Flushable,
+    LargeLoadWindows,
     Listable,
     RemovalListener,
     RemovalReporter,
@@ -16,7 +17,6 @@ from kvtier.tiers.base import (
     TierContext,
     TierStats,
     WriteMode,
-    locate_keys,
     register_tier,
     stats_gauges,
 )
@@ -27,7 +27,7 @@ from kvtier.tiers.redis import RedisTier, RedisTierConfig  # redis-py is importe
 
 __all__ = [
     "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener", "EvictionReporter",
-    "Flushable", "Listable", "MemoryTier", "MemoryTierConfig", "MooncakeTier", "MooncakeTierConfig", "RedisTier",
-    "RedisTierConfig", "RemovalListener", "RemovalReporter", "SharedStore", "Tier", "TierConfig",
-    "TierContext", "TierStats", "WriteMode", "locate_keys", "register_tier", "stats_gauges",
+    "Flushable", "LargeLoadWindows", "Listable", "MemoryTier", "MemoryTierConfig", "MooncakeTier",
+    "MooncakeTierConfig", "RedisTier", "RedisTierConfig", "RemovalListener", "RemovalReporter", "SharedStore",
+    "Tier", "TierConfig", "TierContext", "TierStats", "WriteMode", "register_tier", "stats_gauges",
 ]
