@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvtier.core.pipeline
 from kvtier import CacheConfig, KVCache, KVSpec
+from kvtier.core.jobs import PipelineTuning
 from kvtier.policy import POLICIES
 from kvtier.tiers import DiskTierConfig, Flushable, MemoryTierConfig
 
@@ -20,6 +20,7 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.bfloat16)
 CHUNK = 16
 CHUNK_BYTES = SPEC.bytes_per_token * CHUNK
 SLOTS = 10  #: chunks the tier holds
+TWO_CHUNK_WINDOWS = PipelineTuning(window_bytes=2 * CHUNK_BYTES)
 
 
 def kv_for(n_tokens: int) -> torch.Tensor:
@@ -27,8 +28,7 @@ def kv_for(n_tokens: int) -> torch.Tensor:
 
 
 @pytest.fixture(params=["memory", "disk"])
-def make_cache(request, tmp_path, monkeypatch):
-    monkeypatch.setattr(kvtier.core.pipeline, "WINDOW_BYTES", 2 * CHUNK_BYTES)  # two chunks a window
+def make_cache(request, tmp_path):
 
     def make(policy: str) -> KVCache:
         room = SLOTS * (CHUNK_BYTES + 320)  # payload and header of each chunk
@@ -36,8 +36,8 @@ def make_cache(request, tmp_path, monkeypatch):
             tier = MemoryTierConfig(capacity_bytes=room, policy=policy)
         else:
             tier = DiskTierConfig(path=tmp_path, capacity_bytes=room, policy=policy, fsync=False, o_direct=False)
-        cache = KVCache(SPEC, "chain-order@1", CacheConfig(chunk_size=CHUNK, tiers=(tier,)))
-        assert cache._pipeline.per_window == 2
+        cache = KVCache(SPEC, "chain-order@1", CacheConfig(chunk_size=CHUNK, tiers=(tier,)), tuning=TWO_CHUNK_WINDOWS)
+        assert cache._pipeline.per_window == 2  # two chunks a window
         return cache
 
     return make
@@ -93,18 +93,17 @@ def test_a_prefix_read_then_a_longer_prompt_stored_is_evicted_from_its_end(make_
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc-lfu"])
-def test_a_restarted_disk_tier_still_evicts_a_prompt_from_its_end(tmp_path, monkeypatch, policy):
+def test_a_restarted_disk_tier_still_evicts_a_prompt_from_its_end(tmp_path, policy):
     """The prompt's windows are written and read as separate batches, each stamped on its own; ``order_chain``
     stamps the chain again, so the order a restart rebuilds from the files' mtimes keeps it whole."""
-    monkeypatch.setattr(kvtier.core.pipeline, "WINDOW_BYTES", 2 * CHUNK_BYTES)
     tier = DiskTierConfig(path=tmp_path, capacity_bytes=SLOTS * (CHUNK_BYTES + 320), policy=policy, fsync=False,
                           o_direct=False)
     config = CacheConfig(chunk_size=CHUNK, tiers=(tier,))
     prompt = list(range(6 * CHUNK))
-    with KVCache(SPEC, "chain-order@1", config) as cache:
+    with KVCache(SPEC, "chain-order@1", config, tuning=TWO_CHUNK_WINDOWS) as cache:
         cache.store(prompt, kv_for(len(prompt)))
         settle(cache)
         assert cache.retrieve(prompt)[1] == len(prompt)  # three windows read in parallel, then re-stamped
-    with KVCache(SPEC, "chain-order@1", config) as cache:
+    with KVCache(SPEC, "chain-order@1", config, tuning=TWO_CHUNK_WINDOWS) as cache:
         assert held(cache, prompt) == [True] * 6
         evict_checking_prefix(cache, prompt, unused_tail=6)

@@ -9,12 +9,13 @@ import time
 import pytest
 import torch
 
-import kvtier.core.pipeline
 from kvtier import CacheConfig, KVCache, KVSpec
 from kvtier.base.errors import TierError
 from kvtier.base.metrics import Metrics
 from kvtier.codecs import BytesPayload
 from kvtier.codecs.blob import parse_blob
+from kvtier.core.jobs import PipelineTuning
+from kvtier.core.pipeline import Pipeline
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig
 from tests.codecs.conftest import kv_like
 from tests.codecs.test_cache import cache_roundtrip
@@ -24,20 +25,18 @@ CHUNK = 16
 N_CHUNKS = 12
 
 
-@pytest.fixture(autouse=True)
-def one_chunk_windows(monkeypatch):
-    """Every chunk its own window, so a dozen small chunks exercise many tasks in flight."""
-    monkeypatch.setattr(kvtier.core.pipeline, "WINDOW_BYTES", 1)
-    monkeypatch.setattr(kvtier.core.pipeline, "MAX_WINDOW_BYTES", 1)
+#: Every chunk its own window, so a dozen small chunks exercise many tasks in flight.
+ONE_CHUNK = PipelineTuning(window_bytes=1, max_window_bytes=1)
 
 
-def memory_cache(codec: str = "raw", **kw) -> KVCache:
+def memory_cache(codec: str = "raw", tuning: PipelineTuning = ONE_CHUNK, **kw) -> KVCache:
     tiers = (MemoryTierConfig(capacity_bytes=8 << 20, codec=codec, prefault=False),)
-    return KVCache(SPEC, model="m", config=CacheConfig(chunk_size=CHUNK, tiers=tiers), **kw)
+    return KVCache(SPEC, model="m", config=CacheConfig(chunk_size=CHUNK, tiers=tiers), tuning=tuning, **kw)
 
 
 def data(seed: int = 0) -> tuple[list[int], torch.Tensor]:
-    return list(range(seed, seed + N_CHUNKS * CHUNK)), kv_like(layers=2, tokens=N_CHUNKS * CHUNK, heads=2, dim=64, seed=seed)
+    tokens = N_CHUNKS * CHUNK
+    return list(range(seed, seed + tokens)), kv_like(layers=2, tokens=tokens, heads=2, dim=64, seed=seed)
 
 
 @pytest.mark.parametrize("codec", ["raw", "lossless", "int8"])
@@ -45,7 +44,7 @@ def test_many_windows_from_disk_give_what_each_chunk_decodes_to(tmp_path, codec:
     tiers = (MemoryTierConfig(capacity_bytes=8 << 20, prefault=False),
              DiskTierConfig(path=tmp_path, codec=codec, fsync=False))
     tokens, kv = data()
-    with KVCache(SPEC, model="m", config=CacheConfig(chunk_size=CHUNK, tiers=tiers)) as cache:
+    with KVCache(SPEC, model="m", config=CacheConfig(chunk_size=CHUNK, tiers=tiers), tuning=ONE_CHUNK) as cache:
         assert cache.store(tokens, kv) == len(tokens)
         cache.tiers[1].flush()
         cache.tiers[0].delete(cache.keys(tokens))  # only the disk holds the prefix now
@@ -58,9 +57,9 @@ def test_many_windows_from_disk_give_what_each_chunk_decodes_to(tmp_path, codec:
         assert cache.metrics.get("kvtier_hit_tokens_total", tier="disk") == len(tokens)
 
 
-def test_corrupt_chunk_ends_the_prefix_and_later_windows_are_not_read(monkeypatch) -> None:
-    monkeypatch.setattr(kvtier.core.pipeline, "WORKERS", 1)  # windows one after another: which are read is certain
-    with memory_cache("int8") as cache:
+def test_corrupt_chunk_ends_the_prefix_and_later_windows_are_not_read() -> None:
+    one_worker = PipelineTuning(window_bytes=1, max_window_bytes=1, decoders=1, read_ahead=0)
+    with memory_cache("int8", one_worker) as cache:  # windows one after another: which are read is certain
         tokens, kv = data()
         cache.store(tokens, kv)
         keys = cache.keys(tokens)
@@ -213,10 +212,9 @@ class ConcurrencySink:
 
 
 @pytest.mark.parametrize("decoders", [1, 2])
-def test_windows_decode_in_at_most_one_slot_per_core_while_others_read_ahead(monkeypatch, decoders: int) -> None:
-    monkeypatch.setattr(kvtier.core.pipeline, "DECODERS", decoders)
-    monkeypatch.setattr(kvtier.core.pipeline, "WORKERS", decoders + 3)
-    with memory_cache("int8") as cache:
+def test_windows_decode_in_at_most_one_slot_per_core_while_others_read_ahead(decoders: int) -> None:
+    tuning = PipelineTuning(window_bytes=1, max_window_bytes=1, decoders=decoders, read_ahead=3)
+    with memory_cache("int8", tuning) as cache:
         tokens, kv = data()
         cache.store(tokens, kv)
         sink = ConcurrencySink(torch.empty_like(kv))
@@ -225,17 +223,16 @@ def test_windows_decode_in_at_most_one_slot_per_core_while_others_read_ahead(mon
         assert torch.equal(sink.out, cache.retrieve(tokens)[0])
 
 
-def test_a_sink_without_a_destination_gets_chunks_in_reused_buffers(monkeypatch) -> None:
+def test_a_sink_without_a_destination_gets_chunks_in_reused_buffers() -> None:
     """Decoding allocates no chunk per chunk: each worker decodes into its own scratch chunk, again and again."""
     # fewer workers than chunks, whatever the machine (a 16-core one has 19 workers by default)
-    monkeypatch.setattr(kvtier.core.pipeline, "DECODERS", 2)
-    monkeypatch.setattr(kvtier.core.pipeline, "WORKERS", 5)
-    with memory_cache("int8") as cache:
+    tuning = PipelineTuning(window_bytes=1, max_window_bytes=1, decoders=2, read_ahead=3)
+    with memory_cache("int8", tuning) as cache:
         tokens, kv = data()
         cache.store(tokens, kv)
         sink = ConcurrencySink(torch.empty_like(kv))
         assert cache.retrieve(tokens, sink) == (None, len(tokens))
-        assert len(sink.buffers) <= kvtier.core.pipeline.WORKERS < N_CHUNKS
+        assert len(sink.buffers) <= tuning.workers < N_CHUNKS
         for i in range(N_CHUNKS):
             part = slice(i * CHUNK, (i + 1) * CHUNK)
             assert torch.equal(sink.out[:, :, part], cache_roundtrip("int8", kv[:, :, part]))
@@ -290,13 +287,12 @@ def test_a_sink_lending_the_wrong_memory_is_its_error_and_the_chunks_stay_cached
         assert cache.metrics.get("kvtier_corrupt_chunks_total", tier="memory") == 0
 
 
-def test_load_windows_grow_with_the_prefix_up_to_the_cap_and_store_windows_do_not(monkeypatch) -> None:
+def test_load_windows_grow_with_the_prefix_up_to_the_cap_and_store_windows_do_not() -> None:
     """Windows of two chunks at least and eight at most, equal in size, and never fewer than 15 (3 per worker)
     while they can grow."""
     chunk_bytes = SPEC.bytes_per_token * CHUNK
-    monkeypatch.setattr(kvtier.core.pipeline, "WINDOW_BYTES", 2 * chunk_bytes)
-    monkeypatch.setattr(kvtier.core.pipeline, "MAX_WINDOW_BYTES", 8 * chunk_bytes)
-    pipeline = kvtier.core.pipeline.Pipeline(SPEC, CHUNK, Metrics(), workers=5)  # 3 windows per worker: 15 at least
+    tuning = PipelineTuning(window_bytes=2 * chunk_bytes, max_window_bytes=8 * chunk_bytes, decoders=2, read_ahead=3)
+    pipeline = Pipeline(SPEC, CHUNK, Metrics(), tuning)  # 5 workers, 3 windows per worker: 15 at least
     for n, size in [(0, 2), (1, 2), (29, 2), (45, 3), (90, 6), (120, 8), (1000, 8)]:
         idx = list(range(n))
         windows = list(pipeline.windows(idx, grow=True))
@@ -306,15 +302,14 @@ def test_load_windows_grow_with_the_prefix_up_to_the_cap_and_store_windows_do_no
     pipeline.close()
 
 
-def test_a_long_load_reads_in_grown_windows_and_gives_the_same_bytes(monkeypatch) -> None:
+def test_a_long_load_reads_in_grown_windows_and_gives_the_same_bytes() -> None:
     """Through a real cache: the store puts one-chunk windows, the load gets three chunks at a time (12 chunks,
     two workers, two windows per worker), and every chunk arrives as it decodes alone. A tier without
     ``large_load_windows`` (a network tier) keeps one-chunk windows."""
     chunk_bytes = SPEC.bytes_per_token * CHUNK
-    monkeypatch.setattr(kvtier.core.pipeline, "MAX_WINDOW_BYTES", 3 * chunk_bytes)
-    monkeypatch.setattr(kvtier.core.pipeline, "WORKERS", 2)
-    monkeypatch.setattr(kvtier.core.pipeline, "WINDOWS_PER_WORKER", 2)
-    with memory_cache("int8") as cache:
+    tuning = PipelineTuning(window_bytes=1, max_window_bytes=3 * chunk_bytes, decoders=1, read_ahead=1,
+                            windows_per_worker=2)
+    with memory_cache("int8", tuning) as cache:
         tokens, kv = data(5)
         tier = cache.tiers[0]
         puts: list[int] = []
@@ -352,9 +347,10 @@ class GpuLikeSource:
 
 
 def test_a_store_from_a_gpu_is_put_in_bounded_windows_gathered_ahead_on_the_pool(monkeypatch) -> None:
-    with memory_cache("raw") as cache:
+    chunk_bytes = SPEC.bytes_per_token * CHUNK
+    two_chunks = PipelineTuning(window_bytes=1, max_window_bytes=1, device_window_bytes=2 * chunk_bytes)
+    with memory_cache("raw", two_chunks) as cache:
         tokens, kv = data()
-        monkeypatch.setattr(cache._pipeline, "per_device_window", 2)
         puts = []
         put = cache.tiers[0].put
         monkeypatch.setattr(cache.tiers[0], "put", lambda items: puts.append(len(items)) or put(items))

@@ -7,6 +7,7 @@ import torch
 
 from kvtier import CacheConfig, KVCache
 from kvtier.base.errors import ConfigError
+from kvtier.core.events import ChunkEventKind, EntryKind
 from kvtier.core.segments import SegmentCache
 from kvtier.tiers import MemoryTierConfig
 from tests.test_cache import CHUNK, CHUNK_BYTES, SPEC, BrokenTierConfig, kv_for
@@ -92,3 +93,19 @@ def test_store_checks_the_kv_against_the_spec_and_the_tokens():
         seg.store(SEGMENT, kv_for(39))
     with pytest.raises(ConfigError):
         SegmentCache(seg.cache, base_position=-1)
+
+
+def test_segments_enter_the_event_stream_as_segments_not_chunks():
+    """Stores and promotions of a segment are STORED events of kind SEGMENT, with no chain position."""
+    fast, slow = MemoryTierConfig(capacity_bytes=64 * CHUNK_BYTES), MemoryTierConfig(capacity_bytes=64 * CHUNK_BYTES)
+    seg = segments(fast, slow)
+    seen = []
+    seg.cache.events.subscribe(seen.extend)
+    seg.store(SEGMENT, kv_for(40))
+    key = seg.key(SEGMENT)
+    assert [(e.kind, e.tier, e.key, e.entry, e.position) for e in seen] == [
+        (ChunkEventKind.STORED, tier, key, EntryKind.SEGMENT, None) for tier in ("memory", "memory2")]
+    seg.cache.tiers[0].delete([key])
+    seen.clear()
+    assert seg.retrieve([SEGMENT])[0] is not None
+    assert [(e.kind, e.tier, e.entry) for e in seen] == [(ChunkEventKind.STORED, "memory", EntryKind.SEGMENT)]

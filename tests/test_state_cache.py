@@ -7,6 +7,8 @@ from kvtier import CacheConfig, KVCache, KVSpec
 from kvtier.base.errors import ConfigError
 from kvtier.base.state import ModelStateSpec, StateKind, StateSpec, state_key
 from kvtier.codecs import BytesPayload
+from kvtier.core.events import ChunkEventKind, EntryKind
+from kvtier.core.jobs import PipelineTuning
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig, WriteMode
 
 CHUNK = 16
@@ -17,10 +19,10 @@ HYBRID = ModelStateSpec(KV, (CONV, SSM))
 PURE_SSM = ModelStateSpec(None, (CONV, SSM))
 
 
-def make(spec=HYBRID, *tiers, adapter="", snapshots="every"):
+def make(spec=HYBRID, *tiers, adapter="", snapshots="every", tuning=None):
     tiers = tiers or (MemoryTierConfig(capacity_bytes=8 << 20, prefault=False),)
     return KVCache(spec, "hybrid@1", CacheConfig(chunk_size=CHUNK, tiers=tiers, state_snapshots=snapshots),
-                   adapter=adapter)
+                   adapter=adapter, tuning=tuning)
 
 
 def tokens(n, seed=0):
@@ -205,6 +207,25 @@ def test_snapshots_are_promoted_like_chunks(tmp_path):
                                                                                           StateKind.SSM)]) == [True] * 2
 
 
+def test_snapshot_stores_and_promotions_are_reported_as_snapshots_apart_from_chunks():
+    """The event rule of kvtier.core.events: snapshots enter tiers as EntryKind.SNAPSHOT, promotions included."""
+    memory = MemoryTierConfig(capacity_bytes=8 << 20, prefault=False)
+    toks = tokens(64)
+    with make(HYBRID, memory, memory) as cache:
+        seen = []
+        cache.events.subscribe(seen.extend)
+        fill(cache, toks, [4])
+        wanted = sorted(state_key(cache.keys(toks)[3], kind) for kind in (StateKind.CONV, StateKind.SSM))
+        assert sorted((e.tier, e.key) for e in seen if e.entry is EntryKind.SNAPSHOT) == [
+            (tier, key) for tier in ("memory", "memory2") for key in wanted]
+        assert {e.entry for e in seen if e.key not in wanted} == {EntryKind.CHUNK}
+        cache.tiers[0].delete(wanted)
+        seen.clear()
+        assert_restored(cache.retrieve_states(toks), toks, 4)
+        assert sorted((e.kind, e.tier, e.key, e.entry, e.position) for e in seen) == [
+            (ChunkEventKind.STORED, "memory", key, EntryKind.SNAPSHOT, None) for key in wanted]
+
+
 def test_snapshots_are_demoted_to_a_write_back_tier():
     snapshot_bytes = CONV.nbytes + SSM.nbytes
     fast = MemoryTierConfig(capacity_bytes=snapshot_bytes + (8 << 10), prefault=False)  # about one snapshot
@@ -231,10 +252,9 @@ def test_store_states_checks_its_input():
         make(KV).store_states(toks, {1: snapshot(1)})
 
 
-def test_restore_under_inference_mode_across_pipeline_windows(monkeypatch):
+def test_restore_under_inference_mode_across_pipeline_windows():
     """Engines retrieve inside torch.inference_mode; the pipeline's workers write the KV on other threads."""
-    monkeypatch.setattr("kvtier.core.pipeline.WINDOW_BYTES", 1)  # one chunk per window: several windows, a pool
-    cache = make()
+    cache = make(tuning=PipelineTuning(window_bytes=1))  # one chunk per window: several windows, a pool
     toks = tokens(100)
     fill(cache, toks, [6])
     with torch.inference_mode():

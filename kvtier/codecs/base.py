@@ -78,16 +78,30 @@ class Codec(Protocol):
         """Decode a payload into a tensor of ``shape``/``dtype``. The result may view ``payload`` (no copy),
         so it is valid only while the payload's memory is; copy out of it before releasing that memory."""
 
-    # Optional: copies_only: bool -- True for a codec whose encode and decode only copy bytes (raw), which the
-    # pipeline then runs in the calling thread instead of on its pool.
+    # Optional: copies_only: bool -- see CopiesOnly.
     #
     # Optional: device_chunks: bool -- True for a codec whose encode takes a chunk on a GPU (its payload copies
     # it to the host when written); others are handed a host copy (``kvtier.codecs.blob.encode_blob``).
     #
-    # Optional: def decode_into(self, payload, shape, dtype, out: torch.Tensor) -> None
-    #     Decode into ``out`` (``shape``, on the CPU, any floating dtype the codec accepts, any strides: a
-    #     token range of a larger tensor). The same checks and errors as ``decode``; on a CodecError ``out``
-    #     may hold part of the chunk. Never writes outside ``out``.
+    # Optional: def decode_into(self, payload, shape, dtype, out: torch.Tensor) -> None -- see DecodesInto.
+
+
+@runtime_checkable
+class CopiesOnly(Protocol):
+    """Optional codec capability: ``copies_only`` True for a codec whose encode and decode only copy bytes (raw),
+    which the pipeline then runs in the calling thread instead of on its pool."""
+
+    copies_only: bool
+
+
+@runtime_checkable
+class DecodesInto(Protocol):
+    """Optional codec capability: decoding into memory the caller owns."""
+
+    def decode_into(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor) -> None:
+        """Decode into ``out`` (``shape``, on the CPU, any floating dtype the codec accepts, any strides: a token
+        range of a larger tensor). The same checks and errors as ``decode``; on a CodecError ``out`` may hold part
+        of the chunk. Never writes outside ``out``."""
 
 
 def check_destination(out: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
@@ -100,9 +114,8 @@ def decode_into(codec: Codec, payload: memoryview, shape: tuple[int, ...], dtype
                 out: torch.Tensor) -> None:
     """Decode ``payload`` into ``out`` with ``codec``'s own ``decode_into`` where it has one, else ``decode``
     and one copy (a codec registered from outside need not implement it)."""
-    direct = getattr(codec, "decode_into", None)
-    if direct is not None:
-        direct(payload, shape, dtype, out)
+    if isinstance(codec, DecodesInto):
+        codec.decode_into(payload, shape, dtype, out)
         return
     check_destination(out, shape, codec.name)
     out.copy_(codec.decode(payload, shape, dtype))

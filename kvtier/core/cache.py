@@ -3,7 +3,8 @@
 * ``lookup(tokens)`` -> how many leading tokens are cached (a multiple of the chunk size), with the chunks
   allowed to sit in different tiers. No side effects (eviction order untouched).
 * ``store(tokens, kv)`` writes the full chunks of ``kv`` that tiers lack: to the first tier and to every tier
-  in write-through mode; write-back tiers receive chunks when the tier above evicts them.
+  in write-through mode; write-back tiers receive chunks when the tier above evicts them (the rules of the
+  chain of tiers, chain.py).
 * ``retrieve(tokens)`` loads the longest cached prefix, verifying every chunk (token ids always; checksum
   for tiers whose bytes left the process). A chunk that fails is deleted, counted and ends the prefix: the
   engine recomputes from there. Hits in slower tiers are promoted into the faster ones.
@@ -11,7 +12,7 @@
 Failures of a tier (``KVTierError``) become misses or skipped stores plus a metric; they never propagate.
 
 Models with SSM layers (a ``ModelStateSpec`` instead of a ``KVSpec``) also keep state snapshots at chunk
-boundaries (``store_states`` / ``retrieve_states``, logic in state_cache.py); their ``lookup`` counts only
+boundaries (``store_states`` / ``retrieve_states``, logic in snapshots.py); their ``lookup`` counts only
 prefixes whose every kind is cached: the KV of each chunk up to a boundary and the snapshot at it.
 """
 
@@ -29,13 +30,13 @@ from kvtier.base.keys import ChunkHash, Namespace, Tokens, token_array
 from kvtier.base.layout import KVSpec
 from kvtier.base.metrics import Metrics
 from kvtier.base.state import ModelStateSpec
-from kvtier.codecs import codec_by_id
-from kvtier.codecs.blob import encode_blob, parse_blob
+from kvtier.core.chain import TierChain
 from kvtier.core.config import CacheConfig
 from kvtier.core.events import CacheEvents
+from kvtier.core.jobs import PipelineTuning, StoreJob, source_device
 from kvtier.core.pipeline import Pipeline
 from kvtier.core.snapshots import NoStates, PrefixState, Snapshot, StateSnapshots
-from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, TierContext, WriteMode, locate_keys
+from kvtier.tiers import Tier, TierContext
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class KVSource(Protocol):
 
     Optional: ``device``, where the chunks are (``cpu`` when absent). A store from a GPU first waits for the
     work queued on the caller's current stream, and bounds the chunks it holds there at once
-    (``pipeline.DEVICE_WINDOW_BYTES``)."""
+    (``PipelineTuning.device_window_bytes``)."""
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
         """Canonical KV of tokens ``[start, end)``: ``[layers, 2, end - start, kv_heads, head_dim]``, any strides,
@@ -113,7 +114,9 @@ def _tier_names(kinds: Sequence[str]) -> list[str]:
 class KVCache:
     """Tiered prefix KV cache for one model (one namespace apart from per-call tenant salts).
 
-    Thread-safe: tiers lock their own state and the cache keeps none besides them.
+    ``tuning`` sets how the pipeline cuts and overlaps its windows (defaults suit any machine). ``chain`` is the
+    chain of tiers, which segment caches (segments.py) share. Thread-safe: tiers lock their own state and the
+    cache keeps none besides them.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class KVCache:
         tp_size: int = 1,
         adapter: str = "",
         metrics: Metrics | None = None,
+        tuning: PipelineTuning | None = None,
     ) -> None:
         self.config = config if config is not None else CacheConfig()
         self.model_spec = ModelStateSpec.of(spec)
@@ -134,15 +138,15 @@ class KVCache:
         self.namespace = Namespace(model, spec, self.chunk_size, tp_rank, tp_size, adapter)
         self.metrics = metrics if metrics is not None else Metrics()
         self.events = CacheEvents()  #: chunks stored / removed per tier (kvtier.events)
-        self._pipeline = Pipeline(self.spec, self.chunk_size, self.metrics)  # a pure SSM model moves no KV
+        self._pipeline = Pipeline(self.spec, self.chunk_size, self.metrics, tuning)  # pure SSM: moves no KV
         names = _tier_names([cfg.kind for cfg in self.config.tiers])
         self.tiers: list[Tier] = []
         try:
             for cfg, name in zip(self.config.tiers, names):
                 self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
-            self._wire_write_back()
-            self.events.watch(self.tiers)
-            self._states = (StateSnapshots(self.model_spec, self.config, self.tiers, self.metrics, self._tier_failed)
+            self.chain = TierChain(self.tiers, [cfg.write for cfg in self.config.tiers], self.metrics, self.events,
+                                   self._pipeline)
+            self._states = (StateSnapshots(self.model_spec, self.chunk_size, self.chain)
                             if self.model_spec.states else NoStates())
         except BaseException:
             self.close()
@@ -185,16 +189,11 @@ class KVCache:
         namespace), chunk ``i`` being tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of ``source`` and of
         ``token_ids`` (recorded in, and checked on every read of, its blob). True per chunk newly written to at
         least one tier. Never raises for tier failures."""
-        device = torch.device(getattr(source, "device", "cpu"))
+        device = source_device(source)
         if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
             torch.cuda.current_stream(device).synchronize()
-        written = [False] * len(keys)
-        for tier, cfg in zip(self.tiers, self.config.tiers):
-            if tier is not self.tiers[0] and cfg.write is WriteMode.BACK:
-                continue
-            for i in self._store_into(tier, keys, token_ids, source):
-                written[i] = True
-        self._order_chains(keys)
+        written = self.chain.store_chunks(StoreJob(keys, token_ids, source))
+        self.chain.order_chain(keys)
         return written
 
     def retrieve(
@@ -216,8 +215,8 @@ class KVCache:
             keys = self.keys(token_ids, salt=salt)
             if max_tokens is not None:
                 keys = keys[: max(max_tokens, 0) // self.chunk_size]
-            where = self._locate(keys)
-            n = self._prefix(where)
+            where = self.chain.locate(keys)
+            n = self.chain.prefix(where)
             if n == 0:
                 self.metrics.inc("kvtier_miss_tokens_total", len(keys) * self.chunk_size)
                 return (None if out is not None and not isinstance(out, torch.Tensor) else out), 0
@@ -239,12 +238,12 @@ class KVCache:
         """``retrieve`` under keys the caller derived itself (see ``store_keyed``) into ``sink``: returns how many
         leading chunks of ``keys`` arrived verified. Never raises for tier failures."""
         with self.metrics.timer("kvtier_retrieve_seconds"):
-            return self._load_prefix(keys, self._locate(keys), token_ids, sink)
+            return self._load_prefix(keys, self.chain.locate(keys), token_ids, sink)
 
     def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
         """For each key, the index of the fastest tier holding it (None where no tier does; a prefix ends at the
         first None). No side effects: what a router or a simulator asks before choosing where a request goes."""
-        return self._locate(keys)
+        return self.chain.locate(keys)
 
     # -- state beyond attention KV (SSM layers; see kvtier.base.state) ---------------------------------------------
     def store_states(self, tokens: Tokens, snapshots: dict[int, Snapshot], *, salt: bytes = b"") -> int:
@@ -280,119 +279,27 @@ class KVCache:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _wire_write_back(self) -> None:
-        for i, cfg in enumerate(self.config.tiers[1:], start=1):
-            if cfg.write is not WriteMode.BACK:
-                continue
-            upper = self.tiers[i - 1]
-            if not isinstance(upper, EvictionReporter):
-                raise ConfigError(f"tier {upper.name} cannot feed a write-back tier (it reports no evictions)")
-            target = self.tiers[i]
-            upper.set_eviction_listener(lambda key, blob, target=target: self._demote(key, blob, target))
-
-    def _locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
-        """For each key, the index of the fastest tier holding it (None where no tier does)."""
-        return locate_keys(self.tiers, keys, self._tier_failed)
-
     def _kv_prefix(self, keys: Sequence[ChunkHash]) -> int:
         """Leading chunks whose KV some tier holds; all of them for models without attention layers."""
-        return self._prefix(self._locate(keys)) if self.spec is not None else len(keys)
+        return self.chain.prefix(self.chain.locate(keys)) if self.spec is not None else len(keys)
 
     def _require_attention(self) -> None:
         if self.spec is None:
             raise ConfigError("this model has no attention layers: use store_states / retrieve_states")
 
-    @staticmethod
-    def _prefix(where: Sequence[int | None]) -> int:
-        for i, t in enumerate(where):
-            if t is None:
-                return i
-        return len(where)
-
     def _load_prefix(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray,
                      sink: KVSink) -> int:
-        """Load the located prefix of ``keys`` into ``sink``, count the misses; return the chunks that arrived."""
-        n = self._prefix(where)
-        good = self._load(keys[:n], where[:n], token_ids, sink) if n else 0
+        """Load the located prefix of ``keys`` into ``sink``, count hits per tier and the misses; return how many
+        leading chunks arrived verified."""
+        n = self.chain.prefix(where)
+        good = 0
         if n:
-            self._order_chains(keys[:good])
+            ok = self.chain.load_chunks(keys[:n], where[:n], token_ids, sink)
+            good = self.chain.prefix([t if hit else None for t, hit in zip(where, ok)])
+            for t, tier in enumerate(self.tiers):
+                hits = sum(1 for i in range(good) if where[i] == t)
+                if hits:
+                    self.metrics.inc("kvtier_hit_tokens_total", hits * self.chunk_size, tier=tier.name)
+            self.chain.order_chain(keys[:good])
         self.metrics.inc("kvtier_miss_tokens_total", (len(keys) - good) * self.chunk_size)
         return good
-
-    def _load(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray, sink: KVSink) -> int:
-        """Copy chunks into ``sink`` (pipeline.py: windows overlapped on a pool); return how many leading
-        chunks arrived intact."""
-        size = self.chunk_size
-        ok = self._pipeline.load(self.tiers, keys, where, token_ids, sink,
-                                 lambda i, tokens, chunk, t: self._promote(keys[i], tokens, chunk, t),
-                                 self._tier_failed)
-        good = self._prefix([t if hit else None for t, hit in zip(where, ok)])
-        for t, tier in enumerate(self.tiers):
-            hits = sum(1 for i in range(good) if where[i] == t)
-            if hits:
-                self.metrics.inc("kvtier_hit_tokens_total", hits * size, tier=tier.name)
-        return good
-
-    def _order_chains(self, keys: Sequence[ChunkHash]) -> None:
-        """Tell every tier with a policy the request's chain, once all its windows are done (chunks load on
-        a pool and store window by window, so their touches reach a policy in no chain order)."""
-        for tier in self.tiers:
-            if isinstance(tier, ChainOrdered):
-                try:
-                    tier.order_chain(keys)
-                except KVTierError as exc:
-                    self._tier_failed(tier, "order_chain", exc)
-
-    def _store_into(self, tier: Tier, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource) -> list[int]:
-        """Write the chunks ``tier`` lacks; return the indices it newly stored."""
-        size = self.chunk_size
-        try:
-            present = tier.contains(keys)
-        except KVTierError as exc:
-            self._tier_failed(tier, "put", exc)
-            return []
-        missing = [i for i, p in enumerate(present) if not p]
-        if not missing:
-            return []
-        done = self._pipeline.encode_and_put(tier, missing, keys, token_ids, source, self._tier_failed)
-        self.events.stored(tier.name, keys, done, token_ids, size)
-        self.metrics.inc("kvtier_stored_tokens_total", len(done) * size, tier=tier.name)
-        return done
-
-    def _promote(self, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, found_in: int) -> None:
-        """Copy a chunk found in tier ``found_in`` into every faster tier.
-
-        Called inside the slower tier's ``get`` block: ``chunk`` may view that tier's buffer (the raw codec
-        decodes without copying), which is valid only until the block ends."""
-        for tier in self.tiers[:found_in]:
-            if self._copy_into(tier, key, tokens, chunk, "promote"):
-                self.metrics.inc("kvtier_promotions_total", tier=tier.name)
-
-    def _demote(self, key: ChunkHash, blob: memoryview, target: Tier) -> None:
-        """Write-back: re-encode an entry the upper tier is evicting into ``target``.
-
-        Runs as the upper tier's eviction listener, while ``blob`` is still valid (see EvictionReporter)."""
-        try:
-            header, payload = parse_blob(blob, key, verify=False)
-            chunk = codec_by_id(header.codec_id).decode(payload, header.shape, header.dtype)
-        except KVTierError as exc:
-            self._tier_failed(target, "demote", exc)
-            return
-        if self._copy_into(target, key, header.tokens(blob), chunk, "demote"):
-            self.metrics.inc("kvtier_demotions_total", tier=target.name)
-
-    def _copy_into(self, tier: Tier, key: ChunkHash, tokens: np.ndarray, chunk: torch.Tensor, op: str) -> bool:
-        """Encode ``chunk`` for ``tier`` (its codec, sealed where it verifies) and store it; True if stored.
-        A failure of the tier is counted under ``op`` and is a False, never an exception."""
-        try:
-            stored = tier.put([(key, encode_blob(key, tokens, tier.codec, chunk, seal=tier.verifies))])[0]
-        except KVTierError as exc:
-            self._tier_failed(tier, op, exc)
-            return False
-        if stored:
-            self.events.moved_in(tier.name, key)
-        return stored
-
-    def _tier_failed(self, tier: Tier, op: str, exc: KVTierError) -> None:
-        self.metrics.inc("kvtier_tier_errors_total", tier=tier.name, op=op)
-        log.warning("tier %s failed on %s: %s", tier.name, op, exc)

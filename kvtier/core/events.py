@@ -1,10 +1,18 @@
 """What a KVCache tells the world about where chunks are: stored / removed events per tier, and snapshots.
 
-``CacheEvents`` is the hub one ``KVCache`` owns (``cache.events``). The cache reports the chunks it stores
-(``stored``, with their chain position), and every tier that is a ``RemovalReporter`` reports the keys that
-leave it (evicted, deleted, lost). Subscribers get batches of ``ChunkEvent`` synchronously, in the thread that
-caused them, often while a tier holds its lock: a subscriber must be quick (append to a queue), must not call
-into the cache and must not raise.
+``CacheEvents`` is the hub one ``KVCache`` owns (``cache.events``); its ``TierChain`` reports every entry that
+enters a tier, by one rule for chunks, segments and state snapshots alike:
+
+* each entry newly written into a tier is one ``STORED`` event carrying its ``EntryKind``;
+* a chunk a request stored (``stored``) also carries its chain position, parent and token ids; an entry of
+  any kind that moved between tiers (promoted from a slower one) or a segment or snapshot carries none;
+* an entry demoted into a write-back tier when the tier above evicted it has ``entry=None``: a blob does not
+  record its kind, and eviction hands the chain nothing but the key and the blob;
+* every tier that is a ``RemovalReporter`` reports the keys that leave it (evicted, deleted, lost) as
+  ``REMOVED`` events with ``entry=None``, for the same reason.
+
+Subscribers get batches of ``ChunkEvent`` synchronously, in the thread that caused them, often while a tier
+holds its lock: a subscriber must be quick (append to a queue), must not call into the cache and must not raise.
 
 Ordering: events of one tier arrive in the order the tier changed, except that a store's event is emitted
 just after ``put`` returns, so a chunk evicted by another thread in between may be reported removed before it
@@ -32,6 +40,14 @@ class ChunkEventKind(enum.Enum):
     REMOVED = "removed"
 
 
+class EntryKind(enum.Enum):
+    """What an entry in a tier is: a prefix chunk of KV, a whole segment of KV, or one kind of a state snapshot."""
+
+    CHUNK = "chunk"
+    SEGMENT = "segment"
+    SNAPSHOT = "snapshot"
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkEvent:
     """One chunk arriving in or leaving one tier.
@@ -39,6 +55,8 @@ class ChunkEvent:
     ``position`` is the chunk's index in its chain (0: the first chunk of a prompt) and ``parent`` the key
     before it (None at position 0); both None where the cache does not know them (removals, chunks moved
     between tiers by eviction). ``tokens`` are the chunk's token ids (little-endian uint32) for stores.
+    ``entry`` is the kind of entry where the chain knows it, None where a tier moved or dropped the entry on its
+    own (removals, demotions on eviction): see the rule at the top of this module.
     """
 
     kind: ChunkEventKind
@@ -47,6 +65,7 @@ class ChunkEvent:
     position: int | None = None
     parent: ChunkHash | None = None
     tokens: bytes | None = None
+    entry: EntryKind | None = None
 
 
 Subscriber = Callable[[Sequence[ChunkEvent]], None]
@@ -92,13 +111,15 @@ class CacheEvents:
         if not subscribers or not indices:
             return
         events = [ChunkEvent(ChunkEventKind.STORED, tier, keys[i], i, keys[i - 1] if i else None,
-                             _chunk_tokens(token_ids, i, chunk_size)) for i in indices]
+                             _chunk_tokens(token_ids, i, chunk_size), EntryKind.CHUNK) for i in indices]
         self._emit(subscribers, events)
 
-    def moved_in(self, tier: str, key: ChunkHash) -> None:
-        """A chunk of unknown position arrived in ``tier`` (promoted or demoted)."""
-        if self._subscribers:
-            self._emit(self._subscribers, [ChunkEvent(ChunkEventKind.STORED, tier, key)])
+    def entered(self, tier: str, keys: Sequence[ChunkHash], entry: EntryKind | None) -> None:
+        """Entries of no known chain position are now in ``tier``: segments and snapshots a request stored,
+        entries promoted from a slower tier, and (``entry=None``) entries demoted from a faster one."""
+        subscribers = self._subscribers
+        if subscribers and keys:
+            self._emit(subscribers, [ChunkEvent(ChunkEventKind.STORED, tier, key, entry=entry) for key in keys])
 
     def _removed(self, tier: str, key: ChunkHash) -> None:
         if self._subscribers:

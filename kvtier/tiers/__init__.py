@@ -16,6 +16,7 @@ from kvtier.tiers.base import (
     EvictionListener,
     EvictionReporter,
     Flushable,
+    LargeLoadWindows,
     Listable,
     RemovalListener,
     RemovalReporter,
@@ -25,7 +26,6 @@ from kvtier.tiers.base import (
     TierContext,
     TierStats,
     WriteMode,
-    locate_keys,
     register_tier,
     register_tier_kind,
     stats_gauges,
@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TIER_CLASSES", "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener",
-    "EvictionReporter", "Flushable", "Listable", "MemoryTier", "MemoryTierConfig", "MooncakeTier",
-    "MooncakeTierConfig", "RedisTier", "RedisTierConfig", "RemovalListener", "RemovalReporter", "SharedStore",
-    "Tier", "TierConfig", "TierContext", "TierStats", "WriteMode", "locate_keys", "register_tier",
+    "EvictionReporter", "Flushable", "LargeLoadWindows", "Listable", "MemoryTier", "MemoryTierConfig",
+    "MooncakeTier", "MooncakeTierConfig", "RedisTier", "RedisTierConfig", "RemovalListener", "RemovalReporter",
+    "SharedStore", "Tier", "TierConfig", "TierContext", "TierStats", "WriteMode", "register_tier",
     "register_tier_kind", "stats_gauges",
 ]

@@ -15,9 +15,8 @@ conformance suite in tests/conformance checks them):
 * Every tier is built as ``XTier(config, ctx)``: its ``TierConfig`` subclass and the ``TierContext`` of the
   cache that owns it. A kind's config and tier classes are found by name in ``TIER_KINDS`` and
   ``TIER_CLASSES`` (lazy registries: nothing of a tier is imported before it is configured or built), so a
-  tier's config never imports its tier. Optional capabilities are the protocols ``EvictionReporter``, ``Flushable``,
-  ``RemovalReporter``, ``Listable`` and ``SharedStore``, and the attribute ``large_load_windows`` (True where
-  a long load should ask ``get`` for fewer, larger windows: see ``kvtier.core.pipeline.Pipeline.windows``).
+  tier's config never imports its tier. Optional capabilities are the protocols ``EvictionReporter``,
+  ``Flushable``, ``RemovalReporter``, ``Listable``, ``SharedStore`` and ``LargeLoadWindows``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
-from kvtier.base.errors import ConfigError, KVTierError
+from kvtier.base.errors import ConfigError
 from kvtier.base.keys import ChunkHash
 from kvtier.base.layout import KVSpec
 from kvtier.base.metrics import Metrics
@@ -70,27 +69,6 @@ class Tier(Protocol):
         """Release resources; flush pending writes where the tier has them."""
 
 
-def locate_keys(tiers: Sequence[Tier], keys: Sequence[ChunkHash],
-                on_error: Callable[[Tier, str, KVTierError], None]) -> list[int | None]:
-    """For each key, the index of the fastest of ``tiers`` holding it (None where none does). Each tier is asked
-    only about the keys no faster tier holds; one that fails goes to ``on_error(tier, "contains", exc)`` and
-    counts as holding nothing. No side effects on eviction order."""
-    where: list[int | None] = [None] * len(keys)
-    for t, tier in enumerate(tiers):
-        todo = [i for i, w in enumerate(where) if w is None]
-        if not todo:
-            break
-        try:
-            present = tier.contains([keys[i] for i in todo])
-        except KVTierError as exc:
-            on_error(tier, "contains", exc)
-            continue
-        for i, hit in zip(todo, present):
-            if hit:
-                where[i] = t
-    return where
-
-
 #: Receives an entry its tier evicts: (key, blob), the blob valid only during the call (see EvictionReporter).
 EvictionListener = Callable[[ChunkHash, memoryview], None]
 
@@ -119,6 +97,15 @@ class ChainOrdered(Protocol):
     mtimes)."""
 
     def order_chain(self, keys: Sequence[ChunkHash]) -> None: ...
+
+
+@runtime_checkable
+class LargeLoadWindows(Protocol):
+    """Optional capability: a tier that says whether a long load should ask ``get`` for fewer, larger windows
+    (``large_load_windows`` True: a get costs no round trip per window, as in memory or on a local disk; see
+    ``kvtier.core.pipeline.Pipeline.windows``). Tiers without it get windows of the base size."""
+
+    large_load_windows: bool
 
 
 @runtime_checkable

@@ -89,7 +89,7 @@ def test_blend_refuses_models_with_ssm_layers(model_dir):
     from kvtier.apps.serve.backend import Backend, ServerConfig
     from kvtier.base.errors import ConfigError
     from kvtier.core.config import CacheConfig
-    from kvtier.core.segments import BlendConfig
+    from kvtier.integrations.blend.config import BlendConfig
     from kvtier.tiers import MemoryTierConfig
 
     cache = CacheConfig(chunk_size=16, tiers=(MemoryTierConfig(capacity_bytes=4 << 20),))

@@ -18,7 +18,7 @@ import sys
 
 from kvtier.base.errors import ConfigError
 from kvtier.core.config import CacheConfig, parse_size
-from kvtier.core.segments import BlendConfig
+from kvtier.integrations.blend.config import BlendConfig
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
 
 

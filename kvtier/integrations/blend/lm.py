@@ -33,7 +33,8 @@ from kvtier.base.errors import ConfigError
 from kvtier.base.metrics import declare_counter
 from kvtier.core.cache import KVCache
 from kvtier.core.segments import MAX_SEGMENTS, SegmentCache
-from kvtier.integrations.blend.prefill import BlendConfig, BlendResult, ReusedSpan, blended_prefill
+from kvtier.integrations.blend.config import BlendConfig
+from kvtier.integrations.blend.prefill import BlendResult, ReusedSpan, blended_prefill
 from kvtier.integrations.blend.rope import Rerotator, UnsupportedModel
 from kvtier.integrations.transformers import (
     GenerationStats,

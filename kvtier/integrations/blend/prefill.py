@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from kvtier.base.layout import KVSpec
-from kvtier.core.segments import BlendConfig
+from kvtier.integrations.blend.config import BlendConfig
 from kvtier.integrations.transformers import kv_spec
 
 
