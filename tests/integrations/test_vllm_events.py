@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,3 +50,20 @@ def test_the_scheduler_side_hands_each_event_over_once():
     scheduler.add(None)
     assert list(scheduler.take()) == [event]
     assert list(scheduler.take()) == []
+
+
+def test_segment_and_snapshot_stores_are_not_reported_as_blocks():
+    from kvtier.core.events import ChunkEvent, ChunkEventKind, EntryKind
+    from kvtier.integrations.vllm.events import to_vllm
+
+    key = bytes(range(32))
+    tokens = np.arange(CHUNK, dtype="<u4").tobytes()
+    stored = [ChunkEvent(ChunkEventKind.STORED, "disk", key, 0, None, tokens, entry)
+              for entry in (EntryKind.SEGMENT, EntryKind.SNAPSHOT)]
+    assert to_vllm(stored, CHUNK) == []  # not prefix blocks: a router must not match prompts against them
+    chunk = ChunkEvent(ChunkEventKind.STORED, "disk", key, 0, None, tokens, EntryKind.CHUNK)
+    demoted = ChunkEvent(ChunkEventKind.STORED, "redis", key, None, None, tokens, None)
+    removed = ChunkEvent(ChunkEventKind.REMOVED, "memory", key)
+    out = to_vllm([*stored, chunk, demoted, removed], CHUNK)
+    assert [type(e) for e in out] == [BlockStored, BlockStored, BlockRemoved]
+    assert [e.medium for e in out] == ["disk", "redis", "memory"]

@@ -23,7 +23,7 @@ import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
 from kvtier.core.cache import KVCache
-from kvtier.core.events import ChunkEvent, ChunkEventKind
+from kvtier.core.events import ChunkEvent, ChunkEventKind, EntryKind
 
 OWNERSHIP = "kvtier"
 MAX_PENDING = 100_000  # events kept between two steps; beyond, the oldest are dropped
@@ -55,10 +55,20 @@ class KVTierKVEvents(KVConnectorKVEvents):
         self._events.clear()
 
 
+#: Entry kinds that are not prefix blocks: never reported to vLLM as stored blocks.
+_NOT_BLOCKS = (EntryKind.SEGMENT, EntryKind.SNAPSHOT)
+
+
 def to_vllm(events: Sequence[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]:
-    """vLLM events for a batch of kvtier events, consecutive stores of one chain joined into one."""
+    """vLLM events for a batch of kvtier events, consecutive stores of one chain joined into one.
+
+    Segments (blending) and state snapshots are not prefix blocks a router can match a prompt against: their
+    stores are left out. Removals and demotions carry no entry kind (a blob does not record it) and pass.
+    """
     out: list[KVCacheEvent] = []
     for event in events:
+        if event.entry in _NOT_BLOCKS:
+            continue
         if event.kind is ChunkEventKind.REMOVED:
             out.append(BlockRemoved(block_hashes=[bytes(event.key)], medium=event.tier, ownership=OWNERSHIP))
             continue
