@@ -34,6 +34,15 @@ from kvtier.core.chain import TierChain
 from kvtier.core.config import CacheConfig
 from kvtier.core.events import CacheEvents
 from kvtier.core.jobs import PipelineTuning, StoreJob, source_device
+from kvtier.core.metrics import (
+    HIT_TOKENS,
+    LOOKUP_SECONDS,
+    LOOKUP_TOKENS,
+    LOOKUPS,
+    MISS_TOKENS,
+    RETRIEVE_SECONDS,
+    STORE_SECONDS,
+)
 from kvtier.core.pipeline import Pipeline
 from kvtier.core.snapshots import NoStates, PrefixState, Snapshot, StateSnapshots
 from kvtier.tiers import Tier, TierContext
@@ -159,11 +168,11 @@ class KVCache:
 
     def lookup(self, tokens: Tokens, *, salt: bytes = b"") -> int:
         """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size)."""
-        with self.metrics.timer("kvtier_lookup_seconds"):
+        with self.metrics.timer(LOOKUP_SECONDS):
             keys = self.keys(tokens, salt=salt)
             n = self._states.usable(keys, self._kv_prefix(keys))
-        self.metrics.inc("kvtier_lookups_total")
-        self.metrics.inc("kvtier_lookup_tokens_total", len(keys) * self.chunk_size)
+        self.metrics.inc(LOOKUPS)
+        self.metrics.inc(LOOKUP_TOKENS, len(keys) * self.chunk_size)
         return n * self.chunk_size
 
     def store(self, tokens: Tokens, kv: torch.Tensor | KVSource, *, salt: bytes = b"") -> int:
@@ -171,7 +180,7 @@ class KVCache:
 
         Returns the number of tokens newly written to at least one tier. Never raises for tier failures.
         """
-        with self.metrics.timer("kvtier_store_seconds"):
+        with self.metrics.timer(STORE_SECONDS):
             self._require_attention()
             token_ids = token_array(tokens)
             keys = self.keys(token_ids, salt=salt)
@@ -209,7 +218,7 @@ class KVCache:
         ``out`` is a canonical tensor with room for the prefix, or a KVSink; when omitted a tensor is
         allocated. Returns ``(tensor or None for a sink, n_tokens)``; only the first ``n_tokens`` are valid.
         """
-        with self.metrics.timer("kvtier_retrieve_seconds"):
+        with self.metrics.timer(RETRIEVE_SECONDS):
             self._require_attention()
             token_ids = token_array(tokens)
             keys = self.keys(token_ids, salt=salt)
@@ -218,7 +227,7 @@ class KVCache:
             where = self.chain.locate(keys)
             n = self.chain.prefix(where)
             if n == 0:
-                self.metrics.inc("kvtier_miss_tokens_total", len(keys) * self.chunk_size)
+                self.metrics.inc(MISS_TOKENS, len(keys) * self.chunk_size)
                 return (None if out is not None and not isinstance(out, torch.Tensor) else out), 0
             tensor: torch.Tensor | None
             if out is None:
@@ -237,7 +246,7 @@ class KVCache:
     def retrieve_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, sink: KVSink) -> int:
         """``retrieve`` under keys the caller derived itself (see ``store_keyed``) into ``sink``: returns how many
         leading chunks of ``keys`` arrived verified. Never raises for tier failures."""
-        with self.metrics.timer("kvtier_retrieve_seconds"):
+        with self.metrics.timer(RETRIEVE_SECONDS):
             return self._load_prefix(keys, self.chain.locate(keys), token_ids, sink)
 
     def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
@@ -256,7 +265,7 @@ class KVCache:
         """Restore the longest prefix of ``tokens`` (at most ``max_tokens``) whose attention KV and state
         snapshot are all cached and verify: a hit at boundary ``k`` needs the KV of chunks ``1..k`` and the
         snapshot at ``k``. A miss is ``PrefixState()`` (0 tokens)."""
-        with self.metrics.timer("kvtier_retrieve_seconds"):
+        with self.metrics.timer(RETRIEVE_SECONDS):
             token_ids = token_array(tokens)
             limit = len(token_ids) if max_tokens is None else max(max_tokens, 0)
             keys = self.keys(token_ids, salt=salt)[: limit // self.chunk_size]
@@ -299,7 +308,7 @@ class KVCache:
             for t, tier in enumerate(self.tiers):
                 hits = sum(1 for i in range(good) if where[i] == t)
                 if hits:
-                    self.metrics.inc("kvtier_hit_tokens_total", hits * self.chunk_size, tier=tier.name)
+                    self.metrics.inc(HIT_TOKENS, hits * self.chunk_size, tier=tier.name)
             self.chain.order_chain(keys[:good])
-        self.metrics.inc("kvtier_miss_tokens_total", (len(keys) - good) * self.chunk_size)
+        self.metrics.inc(MISS_TOKENS, (len(keys) - good) * self.chunk_size)
         return good

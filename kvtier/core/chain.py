@@ -37,8 +37,10 @@ from kvtier.codecs import codec_by_id
 from kvtier.codecs.blob import encode_blob, parse_blob
 from kvtier.core.events import CacheEvents, EntryKind
 from kvtier.core.jobs import Entry, Failure, LoadJob, StoreJob
+from kvtier.core.metrics import DEMOTIONS, PROMOTIONS, STORED_TOKENS
 from kvtier.core.pipeline import Pipeline
 from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, WriteMode
+from kvtier.tiers.metrics import CORRUPT_CHUNKS, READ_BYTES, TIER_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ class TierChain:
             self._count(result.failure)
         size = self.pipeline.chunk_size
         self.events.stored(tier.name, job.keys, result.done, job.token_ids, size)
-        self.metrics.inc("kvtier_stored_tokens_total", len(result.done) * size, tier=tier.name)
+        self.metrics.inc(STORED_TOKENS, len(result.done) * size, tier=tier.name)
         return result.done
 
     def load_chunks(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray,
@@ -185,7 +187,7 @@ class TierChain:
                     except BlobError as exc:
                         bad.append((t, key, exc))
                         continue
-                    self.metrics.inc("kvtier_read_bytes_total", blob.nbytes, tier=tier.name)
+                    self.metrics.inc(READ_BYTES, blob.nbytes, tier=tier.name)
         except KVTierError as exc:
             self.failed(tier, "get", exc)
         self._discard(bad, kind)
@@ -208,7 +210,7 @@ class TierChain:
         for tier in self.tiers[:found_in]:
             done = self._put(tier, entries, "promote", kind)
             if done:
-                self.metrics.inc("kvtier_promotions_total", len(done), tier=tier.name)
+                self.metrics.inc(PROMOTIONS, len(done), tier=tier.name)
 
     def _demote(self, key: ChunkHash, blob: memoryview, t: int) -> None:
         """Write-back: re-encode an entry the tier above ``t`` is evicting into tier ``t``. Runs as that tier's
@@ -221,7 +223,7 @@ class TierChain:
             self.failed(target, "demote", exc)
             return
         if self._put(target, [Entry(key, header.tokens(blob), tensor)], "demote", None):
-            self.metrics.inc("kvtier_demotions_total", tier=target.name)
+            self.metrics.inc(DEMOTIONS, tier=target.name)
 
     # -- writing, deleting, counting -----------------------------------------------------------------------
     def _missing(self, tier: Tier, keys: Sequence[ChunkHash], op: str) -> list[int]:
@@ -251,7 +253,7 @@ class TierChain:
         by_tier: dict[int, list[ChunkHash]] = {}
         for t, key, exc in bad:
             tier = self.tiers[t]
-            self.metrics.inc("kvtier_corrupt_chunks_total", tier=tier.name)
+            self.metrics.inc(CORRUPT_CHUNKS, tier=tier.name)
             log.warning("tier %s: %s %s is a miss: %s", tier.name, kind.value, key.hex()[:16], exc)
             by_tier.setdefault(t, []).append(key)
         for t, keys in by_tier.items():
@@ -265,6 +267,6 @@ class TierChain:
 
     def failed(self, tier: Tier, op: str, exc: KVTierError) -> None:
         """Count and log a failure of ``tier`` on ``op``; the caller turns it into a miss or a skipped write."""
-        self.metrics.inc("kvtier_tier_errors_total", tier=tier.name, op=op)
+        self.metrics.inc(TIER_ERRORS, tier=tier.name, op=op)
         log.warning("tier %s failed on %s: %s", tier.name, op, exc)
 

@@ -70,6 +70,7 @@ from kvtier.core.jobs import (
     source_device,
 )
 from kvtier.tiers import LargeLoadWindows, Tier
+from kvtier.tiers.metrics import READ_BYTES
 
 
 class Pipeline:
@@ -231,7 +232,7 @@ class Pipeline:
         """``chunks`` of tier ``t`` arrived: count their bytes, and promote them where they came from below."""
         if not chunks:
             return
-        self.metrics.inc("kvtier_read_bytes_total", nbytes, tier=state.job.tiers[t].name)
+        self.metrics.inc(READ_BYTES, nbytes, tier=state.job.tiers[t].name)
         job, size = state.job, self.chunk_size
         if t > 0 and job.promoter is not None:
             job.promoter.promote(t, [Entry(job.keys[i], job.token_ids[i * size : (i + 1) * size], chunk)

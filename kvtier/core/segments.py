@@ -31,6 +31,7 @@ from kvtier.codecs.blob import decode_blob
 from kvtier.core.cache import KVCache
 from kvtier.core.events import EntryKind
 from kvtier.core.jobs import Entry
+from kvtier.core.metrics import SEGMENT_HIT_TOKENS, SEGMENT_MISS_TOKENS, SEGMENT_RETRIEVE_SECONDS, SEGMENT_STORED_TOKENS
 from kvtier.tiers import Tier
 
 #: Segments one prompt may have: a prompt with more is not blended (a plain prefill; chats with more messages
@@ -63,15 +64,15 @@ class SegmentCache:
         """The canonical KV of each segment (a new tensor of its own, the caller's to modify), or None where no
         tier holds a verified copy."""
         metrics = self.cache.metrics
-        with metrics.timer("kvtier_segment_retrieve_seconds"):
+        with metrics.timer(SEGMENT_RETRIEVE_SECONDS):
             arrays = [token_array(seg) for seg in segments]
             keys = [self.key(ids, salt=salt) for ids in arrays]
             tokens = dict(zip(keys, arrays))
             found = self.cache.chain.read(tokens, self._decode, EntryKind.SEGMENT)
             for key, (_, t) in found.items():
-                metrics.inc("kvtier_segment_hit_tokens_total", len(tokens[key]), tier=self.cache.tiers[t].name)
+                metrics.inc(SEGMENT_HIT_TOKENS, len(tokens[key]), tier=self.cache.tiers[t].name)
             missed = sum(len(ids) for key, ids in tokens.items() if key not in found)
-            metrics.inc("kvtier_segment_miss_tokens_total", missed)
+            metrics.inc(SEGMENT_MISS_TOKENS, missed)
         seen: set[ChunkHash] = set()
         out = []
         for key in keys:  # a segment asked for twice gets a copy of its own the second time
@@ -88,7 +89,7 @@ class SegmentCache:
         for tier, done in self.cache.chain.store([Entry(self.key(ids, salt=salt), ids, kv)], EntryKind.SEGMENT):
             if done:
                 stored = True
-                self.cache.metrics.inc("kvtier_segment_stored_tokens_total", len(ids), tier=tier.name)
+                self.cache.metrics.inc(SEGMENT_STORED_TOKENS, len(ids), tier=tier.name)
         return stored
 
     def _decode(self, tier: Tier, key: ChunkHash, blob: memoryview, tokens: np.ndarray) -> torch.Tensor:

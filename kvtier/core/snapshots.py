@@ -33,6 +33,7 @@ from kvtier.codecs.blob import decode_blob
 from kvtier.core.chain import TierChain
 from kvtier.core.events import EntryKind
 from kvtier.core.jobs import Entry
+from kvtier.core.metrics import SNAPSHOTS_LOADED, SNAPSHOTS_STORED
 from kvtier.tiers import Tier
 
 #: One snapshot: a tensor per state kind, ``[slots, *shape]`` as the model's StateSpec says.
@@ -124,7 +125,7 @@ class StateSnapshots:
         if len(found) < len(by_key):
             return None
         for key, (_, t) in found.items():
-            self._metrics.inc("kvtier_state_snapshots_loaded_total", tier=self._chain.tiers[t].name,
+            self._metrics.inc(SNAPSHOTS_LOADED, tier=self._chain.tiers[t].name,
                               kind=by_key[key].value)
         return {by_key[key]: tensor for key, (tensor, _) in found.items()}
 
@@ -157,6 +158,6 @@ class StateSnapshots:
         stored: set[int] = set()
         for tier, done in self._chain.store(entries, EntryKind.SNAPSHOT):
             if done:
-                self._metrics.inc("kvtier_state_snapshots_stored_total", len(done), tier=tier.name)
+                self._metrics.inc(SNAPSHOTS_STORED, len(done), tier=tier.name)
             stored.update(owners[i] for i in done)
         return len(stored)
