@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.router.fleet import scrape
-from tests.server.test_hostile import MALFORMED_JSON
+from tests.apps.route.fleet import scrape
+from tests.apps.serve.test_hostile import MALFORMED_JSON
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: kvtier\r\nContent-Type: application/json\r\n"
 MB = 1_000_000

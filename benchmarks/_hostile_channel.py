@@ -18,12 +18,12 @@ from collections import Counter
 import httpx
 from _hostile_attacks import code, post, series, sized_text
 
-from tests.router.fleet import scrape
+from tests.apps.route.fleet import scrape
 
 
 def hostile_peer(*args: str, wait_s: float) -> str:
     """Run tests.events.hostile with ``args`` for ``wait_s`` seconds after it is ready; its first line."""
-    from tests.router.fleet import ROOT
+    from tests.apps.route.fleet import ROOT
 
     proc = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
@@ -95,7 +95,7 @@ def e3_flood(fleet, big: bool) -> dict:
 def e4_impostor(fleet, big: bool) -> dict:
     """A replica is killed and a process binds its (fixed) event ports at once, serving fake keys with a key pair
     of its own: the router adopts none; the replica restarts on other ports and is followed again."""
-    from tests.router.fleet import ROOT
+    from tests.apps.route.fleet import ROOT
 
     n = 1_000_000 if big else 100_000
     replica = fleet.replicas[1]

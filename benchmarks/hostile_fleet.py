@@ -49,8 +49,8 @@ import _hostile_channel as channel  # noqa: E402
 from _util import result  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.router.fleet import ROOT, ReplicaProcess  # noqa: E402
-from tests.server.conftest import build_tiny_model  # noqa: E402
+from tests.apps.route.fleet import ROOT, ReplicaProcess  # noqa: E402
+from tests.apps.serve.conftest import build_tiny_model  # noqa: E402
 
 ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks.r2_huge_prompts),
            ("R-3 header->router", attacks.r3_header("router", 128 << 20)),

@@ -72,9 +72,9 @@ EOF
 
 echo "== CUDA tests"
 python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$OUT/cuda-tests.xml" \
-  tests/test_gpu.py tests/integrations/test_paged_layouts.py tests/tiers/test_memory_gpu.py \
+  tests/native/test_gpu.py tests/integrations/test_paged_layouts.py tests/tiers/test_memory_gpu.py \
   tests/tiers/mooncake/test_gpu.py tests/integrations/test_transformers.py tests/tiers/test_memory.py \
-  tests/test_cache.py tests/test_pipeline.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -40
+  tests/core/test_cache.py tests/core/test_pipeline.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -40
 status=${PIPESTATUS[0]}
 
 if [ "${BENCH:-1}" = 1 ]; then
@@ -86,7 +86,7 @@ fi
 echo "== the suite's service-free part"
 timeout "${SUITE_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
   --junitxml="$OUT/suite.xml" --tb=short ${SUITE_PATHS:-tests} \
-  --ignore=tests/server --ignore=tests/router --ignore=tests/bench --ignore=tests/sim \
+  --ignore=tests/apps \
   --ignore=tests/integrations/test_vllm.py --ignore=tests/integrations/test_vllm_events.py \
   --ignore=tests/integrations/test_vllm_hybrid.py --ignore=tests/integrations/test_vllm_mooncake.py \
   -k "not redis and not valkey" > "$OUT/suite.log" 2>&1

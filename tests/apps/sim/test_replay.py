@@ -16,7 +16,7 @@ from kvtier.apps.sim.study import chunk_chains
 from kvtier.apps.sim.trace import read_mooncake
 from kvtier.fleet.scoring import Routing, RoutingConfig
 from kvtier.tiers import WriteMode
-from tests.sim.conftest import BLOCK_TOKENS
+from tests.apps.sim.conftest import BLOCK_TOKENS
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.test_http import chat
+from tests.apps.serve.test_http import chat
 
 
 def test_metrics_endpoint_is_prometheus_text_with_server_and_cache_families(client):

@@ -11,7 +11,7 @@ from kvtier.apps.sim.replay import replay
 from kvtier.apps.sim.trace import read_mooncake
 from kvtier.base.errors import ConfigError
 from kvtier.fleet.scoring import Routing
-from tests.sim.conftest import BLOCK_TOKENS
+from tests.apps.sim.conftest import BLOCK_TOKENS
 
 TOTAL = 240
 

@@ -10,7 +10,7 @@ import pytest
 from kvtier.apps.sim.synthetic import generate
 from kvtier.apps.sim.trace import block_token_ids, is_mooncake, read_mooncake
 from kvtier.base.errors import ConfigError
-from tests.sim.conftest import SMALL
+from tests.apps.sim.conftest import SMALL
 
 
 def test_block_tokens_are_deterministic_and_distinct():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.conftest import start_server
-from tests.server.test_http import MESSAGES, SYSTEM
+from tests.apps.serve.conftest import start_server
+from tests.apps.serve.test_http import MESSAGES, SYSTEM
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from kvtier.base.errors import ConfigError
 from kvtier.core.events import ChunkEventKind, EntryKind
 from kvtier.core.segments import SegmentCache
 from kvtier.tiers import MemoryTierConfig
-from tests.test_cache import CHUNK, CHUNK_BYTES, SPEC, BrokenTierConfig, kv_for
+from tests.core.test_cache import CHUNK, CHUNK_BYTES, SPEC, BrokenTierConfig, kv_for
 
 SEGMENT = list(range(100, 140))  # 40 tokens: more than two chunks, not a multiple of one
 SHORT = [7, 8, 9]  # shorter than a chunk

@@ -13,8 +13,8 @@ import threading
 import httpx
 import pytest
 
-from tests.server.conftest import start_server
-from tests.server.test_http import MESSAGES, SYSTEM, metric
+from tests.apps.serve.conftest import start_server
+from tests.apps.serve.test_http import MESSAGES, SYSTEM, metric
 
 BAD_STOPS = [["a", "b", "c", "d", "e"], "", [""], ["ok", ""]]
 

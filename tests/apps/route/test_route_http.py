@@ -22,8 +22,8 @@ import pytest
 
 from kvtier.apps.route.config import AdmissionConfig, HealthConfig, ProxyConfig, RouterConfig, default_routing
 from kvtier.fleet.scoring import Routing
-from tests.router.fleet import LiveRouter, ReplicaProcess
-from tests.server.conftest import WORDS, build_tiny_model
+from tests.apps.route.fleet import LiveRouter, ReplicaProcess
+from tests.apps.serve.conftest import WORDS, build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def routed_total(live: LiveRouter) -> float:
 
 
 def scrape_all(live: LiveRouter) -> dict[str, float]:
-    from tests.router.fleet import scrape
+    from tests.apps.route.fleet import scrape
 
     return scrape(live.url)
 

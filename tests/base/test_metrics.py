@@ -1,6 +1,6 @@
 """Metrics on prometheus-client: kvtier's API unchanged, one registry per object, declared names, valid text.
 
-The suite runs strict (tests/conftest.py): an undeclared name raises. Declarations: tests/test_metric_decls.py."""
+The suite runs strict (tests/conftest.py): an undeclared name raises. Declarations: tests/base/test_metric_decls.py."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
 from kvtier.apps.serve.textstream import TextStream
 from kvtier.base.errors import ConfigError
 from kvtier.web.errors import RequestError
-from tests.server.conftest import WORDS
+from tests.apps.serve.conftest import WORDS
 
 
 @pytest.fixture(scope="module")

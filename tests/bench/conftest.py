@@ -1,1 +1,0 @@
-from tests.server.conftest import tiny_model_dir  # noqa: F401  (the tiny model fixture)
