@@ -39,9 +39,13 @@ def chunk_slot_bytes(chunk_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class _ModelledDisk(MemoryTierConfig):
-    """A disk tier's capacity and eviction order, held in RAM (see kvtier.apps.sim.fleet)."""
+    """A disk tier's capacity and eviction order, held in RAM (see kvtier.apps.sim.fleet): named ``disk`` in
+    the fleet's reports, built as a memory tier (the registry would build the real disk tier for ``disk``)."""
 
     kind = "disk"
+
+    def build(self, ctx: TierContext) -> Tier:
+        return MemoryTier(self, ctx)
 
 
 @dataclass(frozen=True)
