@@ -67,3 +67,11 @@ def test_metrics_reference_is_generated_from_the_real_declarations():
     names = [metric.name for metric in declared()]
     assert "kvtier_hit_tokens_total" in names
     assert all(f"| `{name}` |" in page for name in names)
+
+
+def test_every_docs_page_is_in_the_sites_navigation():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = [p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")]
+    assert pages
+    missing = [page for page in pages if page not in nav]
+    assert not missing, f"pages no reader can reach from the site's navigation: {missing}"
