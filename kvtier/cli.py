@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "route": "kvtier.router.cli",
     "sim": "kvtier.sim.cli",
     "calibrate": "kvtier.calibrate",
+    "vllm": "kvtier.integrations.vllm.cli",
 }
 
 
