@@ -88,7 +88,6 @@ class Bench:
         self.rows: list[dict] = []
         self.itl: dict[str, dict] = {}
         self.notes: list[str] = []
-        self.texts: dict[tuple, list[str]] = {}  # (workload, seed) -> vLLM alone's outputs (same prompts)
 
     def server(self, label: str, tiers: list[dict] | None, mode: str | None) -> VllmServer:
         kvtier = None
@@ -139,12 +138,7 @@ class Bench:
         row = {"workload": workload, "label": label, "concurrency": concurrency, "seed": seed, **summarize(raw),
                "loadavg": (load + os.getloadavg()[0]) / 2, "duration_s": raw["duration"]}
         row["loaded_share"] = (_hits(server) - hits) / row["prompt_tokens"]
-        key = (workload, seed)
-        if label == "vLLM alone":
-            self.texts[key] = raw["generated_texts"]
-        elif (expected := self.texts.get(key)) is not None:
-            row["same_outputs"] = raw["generated_texts"] == expected
-            row["same_share"] = sum(a == b for a, b in zip(raw["generated_texts"], expected)) / len(expected)
+        row["_texts"] = raw["generated_texts"]  # compared with vLLM alone's at the end, then dropped
         self.rows.append(row)
         return row
 
@@ -188,7 +182,14 @@ def main() -> None:
     parser.add_argument("--alone-at", default="4", help="requests in flight at which vLLM alone runs (comma-separated; "
                         "it is compute-bound here, so 4 alone keeps a full run near 30 minutes); the ratios of the "
                         "memory tier at other levels are against the nearest one run")
+    parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
+    if args.report:
+        run = json.loads(Path(args.report).read_text())
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report(run, out)
+        return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tests.redis_server import RedisServer, have_redis_server
@@ -197,7 +198,6 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     modes = load_modes()
-    default_mode = "async" if "async" in modes else "sync"
     memory = [{"kind": "memory", "capacity_bytes": "4GiB"}]
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-serve-") as tmp:
         bench = Bench(size, out, Path(tmp))
@@ -267,25 +267,41 @@ def main() -> None:
                 bench.notes.append("no redis-server: Redis rows skipped")
             step("done")
 
-    rows = bench.rows
-    for row in rows:
-        bases = [r for r in rows if r["label"] == "vLLM alone" and r["workload"] == row["workload"]]
-        base = min(bases, key=lambda r: abs(r["concurrency"] - row["concurrency"]), default=None)
-        if base is not None and row is not base:
-            row["vs_alone"] = row["req_s"] / base["req_s"]
-            row["vs_alone_at"] = base["concurrency"]
+    rows = compare(bench.rows)
     bench.notes.append(f"vLLM's prefix cache: {bench.blocks} blocks of {BLOCK} tokens (a quarter of the prefix "
                        f"workload); load average {os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} CPUs")
-    print_table(rows, bench.itl, bench.notes)
-    plot(rows, bench.itl, out / "vllm_serve.png")
-    ratios, checks = targets(rows, bench.itl, default_mode)
-    (out / "vllm_serve.json").write_text(json.dumps({"size": size, "rows": rows, "itl": bench.itl, "ratios": ratios,
-                                                     "targets": checks, "notes": bench.notes}, indent=1))
-    print(f"plot: {out / 'vllm_serve.png'}   raw: {out / 'vllm_serve.json'}   client log: {bench.log}")
-    result({"benchmark": "vllm_serve", "quick": args.quick, "load_modes": modes, "default_load_mode": default_mode,
-            **{k: round(v, 3) for k, v in ratios.items()}, "targets": checks,
-            "loadavg_1m": round(os.getloadavg()[0], 2)})
+    report({"quick": args.quick, "size": size, "load_modes": modes, "rows": rows, "itl": bench.itl,
+            "notes": bench.notes, "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Each kvtier run against vLLM alone on the same prompts (same workload and seed): greedy outputs equal,
+    and request throughput (vLLM alone at the nearest concurrency run)."""
+    for row in rows:
+        bases = [r for r in rows if r["label"] == "vLLM alone" and r["workload"] == row["workload"]
+                 and r["seed"] == row["seed"]]
+        base = min(bases, key=lambda r: abs(r["concurrency"] - row["concurrency"]), default=None)
+        if base is not None and row["label"] != "vLLM alone":
+            row["vs_alone"] = row["req_s"] / base["req_s"]
+            row["vs_alone_at"] = base["concurrency"]
+            row["same_outputs"] = row["_texts"] == base["_texts"]
+    for row in rows:
+        row.pop("_texts", None)
+    return rows
+
+
+def report(run: dict, out: Path) -> None:
+    """The table, the PNG, the JSON and the RESULT line of a run (``--report`` re-renders a saved one)."""
+    rows, itl = run["rows"], run["itl"]
+    default_mode = "async" if "async" in run["load_modes"] else "sync"
+    print_table(rows, itl, run["notes"])
+    plot(rows, itl, out / "vllm_serve.png")
+    ratios, checks = targets(rows, itl, default_mode)
+    (out / "vllm_serve.json").write_text(json.dumps({**run, "ratios": ratios, "targets": checks}, indent=1))
+    print(f"plot: {out / 'vllm_serve.png'}   raw: {out / 'vllm_serve.json'}   client log: {out / 'client.log'}")
+    result({"benchmark": "vllm_serve", "quick": run["quick"], "load_modes": run["load_modes"],
+            "default_load_mode": default_mode, **{k: round(v, 3) for k, v in ratios.items()}, "targets": checks,
+            "loadavg_1m_end": round(run["loadavg_end"], 2)})
 
 if __name__ == "__main__":
     main()
