@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "route": "kvtier.apps.route.cli",
     "sim": "kvtier.apps.sim.cli",
     "calibrate": "kvtier.apps.calibrate.cli",
+    "vllm": "kvtier.integrations.vllm.cli",
 }
 
 

@@ -1,0 +1,136 @@
+"""benchmarks/vllm_serve.py's clients: vLLM's own benchmark client (``vllm bench serve``, run in this process),
+and a streaming probe that times other users' tokens while one request loads a long prefix."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+def vllm_bench(url: str, name: str, tokenizer: str, dataset: list[str], concurrency: int, seed: int,
+               log: Path) -> dict:
+    """One run of vLLM's benchmark client (the code behind ``vllm bench serve``) against ``url``: greedy,
+    fixed output lengths, no warm-up or test request before it. Its report goes to ``log``; returns its
+    result dict (``request_throughput``, ``ttfts`` and ``itls`` in seconds, ``input_lens``, ...)."""
+    from kvtier.integrations.vllm.cli import ensure_vllm_metadata
+
+    ensure_vllm_metadata()  # vLLM's CPU build: platform detection reads the `vllm` distribution's version
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([
+        "--backend", "vllm", "--base-url", url, "--model", name, "--tokenizer", tokenizer,
+        "--max-concurrency", str(concurrency), "--seed", str(seed), "--ignore-eos", "--temperature", "0",
+        "--disable-tqdm", "--ready-check-timeout-sec", "0", "--num-warmups", "0", "--save-detailed",
+        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", *dataset])
+    with open(log, "a") as out, contextlib.redirect_stdout(out):
+        print(f"\n===== {url} concurrency {concurrency} seed {seed}: {' '.join(dataset)}", flush=True)
+        result = main(args)
+    if result.get("failed"):
+        errors = [e for e in result.get("errors", []) if e][:3]
+        raise RuntimeError(f"{result['failed']} requests of vLLM's benchmark client failed: {errors}")
+    return result
+
+
+def summarize(result: dict) -> dict:
+    """Throughput and TTFT / ITL percentiles (seconds) from the client's per-request lists."""
+    ttfts = np.array(result["ttfts"], dtype=float)
+    itls = np.array([x for per in result["itls"] for x in per], dtype=float)
+    return {"req_s": result["request_throughput"], "ttft_p50": float(np.percentile(ttfts, 50)),
+            "ttft_p99": float(np.percentile(ttfts, 99)),
+            "itl_p50": float(np.percentile(itls, 50)) if itls.size else float("nan"),
+            "itl_p99": float(np.percentile(itls, 99)) if itls.size else float("nan"),
+            "prompt_tokens": int(sum(result["input_lens"])), "requests": int(result["completed"])}
+
+
+def _stream(url: str, name: str, prompt: list[int], max_tokens: int, times: list[float],
+            stop: threading.Event) -> None:
+    """Stream one greedy completion, appending each token's arrival time, until done or ``stop`` is set (the
+    connection is then closed, which aborts the request in vLLM)."""
+    body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if stop.is_set():
+                return
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0].get("text"):
+                times.append(time.perf_counter())
+
+
+def itl_under_load(url: str, name: str, loads: list[list[int]], streams: list[list[int]], *, max_tokens: int,
+                   quiet_s: float, gap_s: float) -> dict:
+    """Start ``streams`` (greedy streamed completions); once each has produced tokens for ``quiet_s`` seconds,
+    send each prompt of ``loads`` (one token each, its prefix held by kvtier), one after another ``gap_s``
+    apart. The streams' inter-token latencies are split into those that overlap a load request (from its send
+    to its answer) and those that overlap none."""
+    stop = threading.Event()
+    times: list[list[float]] = [[] for _ in streams]
+    threads = [threading.Thread(target=_stream, args=(url, name, p, max_tokens, t, stop), daemon=True)
+               for p, t in zip(streams, times)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 300
+    while min(len(t) for t in times) < 3:
+        if time.monotonic() > deadline or not all(th.is_alive() for th in threads):
+            stop.set()
+            raise RuntimeError("the background streams did not start")
+        time.sleep(0.05)
+    time.sleep(quiet_s)
+    windows, load_s = [], []
+    with httpx.Client(timeout=600) as client:
+        for prompt in loads:
+            start = time.perf_counter()
+            resp = client.post(f"{url}/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 1,
+                                                              "temperature": 0})
+            resp.raise_for_status()
+            end = time.perf_counter()
+            windows.append((start, end))
+            load_s.append(end - start)
+            time.sleep(gap_s)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    during, quiet = [], []
+    for t in times:
+        for a, b in zip(t[1:], t[2:]):  # from the second token on: the first gap includes a prefill
+            overlaps = any(a < end and b > start for start, end in windows)
+            (during if overlaps else quiet).append(b - a)
+    if not during or not quiet:
+        raise RuntimeError("no inter-token latency fell inside (or outside) the loads")
+    p99 = {k: float(np.percentile(v, 99)) for k, v in (("during", during), ("quiet", quiet))}
+    return {"itl_p99_quiet": p99["quiet"], "itl_p99_loading": p99["during"],
+            "itl_p50_quiet": float(np.percentile(quiet, 50)), "itl_p50_loading": float(np.percentile(during, 50)),
+            "ratio": p99["during"] / p99["quiet"], "samples_loading": len(during), "samples_quiet": len(quiet),
+            "load_request_s": float(np.median(load_s))}
+
+
+def evict_page_cache(folder: Path) -> str:
+    """Drop the page cache (root), else evict ``folder``'s files from it (posix_fadvise DONTNEED, which any
+    user may do for files they can open); says which."""
+    from _util import drop_caches
+
+    if drop_caches():
+        return "drop_caches"
+    for root, _dirs, files in os.walk(folder):
+        for file in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(root, file), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    return "fadvise"
