@@ -1,11 +1,15 @@
 """Issue 29, E-1/E-2/E-4: hostile processes against a replica's event sockets and a router's subscriber.
 
+The replicas here allow the default router key of this user (kvtier.events.keys), which the subscribers use;
+the hostile peers bring keys of their own.
+
 Each hostile peer is a process of its own speaking the real wire format (tests/events/hostile.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
@@ -21,8 +25,10 @@ import zmq.asyncio
 
 from kvtier.base.keys import ChunkHash
 from kvtier.core.events import TierHolding
+from kvtier.events.keys import Allow, default_key_file, load_or_create
 from kvtier.events.publisher import EventPublisher, PublisherConfig
 from kvtier.events.subscriber import EventSubscriber
+from kvtier.events.wire import SNAPSHOT_REQUEST
 from kvtier.fleet.index import FleetIndex
 from tests.events.hostile import fake_key
 from tests.events.test_events import IndexSink
@@ -72,23 +78,70 @@ def port(endpoint: str) -> int:
     return urlsplit(endpoint).port
 
 
-def test_subscriptions_other_than_the_topic_are_refused_not_kept():
-    """E-1: a local process opening many subscriptions makes the replica hold none of them."""
+def test_a_client_whose_key_is_not_allowed_never_subscribes():
+    """E-1: a local process with a key of its own cannot complete the handshake, so none of its 20,000
+    subscriptions reaches the replica (libzmq would record each one while it stays connected)."""
     replica = Replica(0)
     pub = replica.publisher
     try:
         with hostile("subscribe", pub.endpoint, pub.public_key.decode(), "20000"):
-            until(lambda: pub.counts.get("subscription_refused", 0) == 20_000)
+            until(lambda: pub.counts.get("client_refused", 0) >= 1)
+            time.sleep(0.5)  # room for subscriptions to arrive, were the peer let in
+        assert pub.counts.get("subscription_refused", 0) == 0
     finally:
         pub.close()
 
 
+def test_subscriptions_of_an_allowed_client_other_than_the_topic_are_refused_not_kept():
+    """E-1 with ``allow.any`` (the old behaviour) or the peer's key allowed: only the topic is subscribed."""
+    replica = Replica(0, dataclasses.replace(CONFIG, allow=Allow(any=True)))
+    pub = replica.publisher
+    try:
+        with hostile("subscribe", pub.endpoint, pub.public_key.decode(), "20000"):
+            until(lambda: pub.counts.get("subscription_refused", 0) == 20_000)
+        assert pub.counts.get("client_refused", 0) == 0
+    finally:
+        pub.close()
+
+
+def test_only_allowed_keys_get_snapshots_and_the_router_key_file_is_allowed(tmp_path):
+    """E-1: a key named in ``allow.keys`` and the key in ``allow.local_key_file`` are served; another is not."""
+    named_public, named_secret = zmq.curve_keypair()
+    local = load_or_create(tmp_path / "route.key")
+    assert load_or_create(tmp_path / "route.key") == local  # created once, then read
+    replica = Replica(3, dataclasses.replace(CONFIG, allow=Allow(keys=(named_public.decode(),),
+                                                                 local_key_file=str(tmp_path / "route.key"))))
+    pub = replica.publisher
+    try:
+        got = {who: _snapshot_with(pub, key) for who, key in
+               (("named", (named_public, named_secret)), ("local", local), ("other", zmq.curve_keypair()))}
+    finally:
+        pub.close()
+    assert got == {"named": True, "local": True, "other": False}
+    assert pub.counts["client_refused"] >= 1
+
+
+def _snapshot_with(pub: EventPublisher, key: tuple[bytes, bytes]) -> bool:
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.curve_publickey, dealer.curve_secretkey = key
+        dealer.curve_serverkey = pub.public_key
+        dealer.connect(pub.control_endpoint)
+        dealer.send(SNAPSHOT_REQUEST)
+        return bool(dealer.poll(3000))
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_unread_snapshot_replies_are_one_per_peer_and_encoded_once():
-    """E-2: 200 snapshot requests whose replies are never read queue at most a couple of replies."""
+    """E-2: 200 snapshot requests whose replies are never read queue at most a couple of replies (a peer that
+    is let in: it has the router's key)."""
     replica = Replica(100_000)  # a 3.4 MB snapshot
     pub = replica.publisher
     try:
-        with hostile("snapshots", pub.control_endpoint, pub.public_key.decode(), "200"):
+        with hostile("snapshots", pub.control_endpoint, pub.public_key.decode(), "200", str(default_key_file())):
             until(lambda: pub.counts.get("snapshot_sent", 0) + pub.counts.get("snapshot_dropped", 0) == 200)
         assert pub.counts["snapshot_sent"] <= 4
         assert replica.listed == 1  # the stream did not move: one listing, one encoding, shared
