@@ -55,6 +55,7 @@ from tests.server.conftest import build_tiny_model  # noqa: E402
 ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks.r2_huge_prompts),
            ("R-3 header->router", attacks.r3_header("router", 128 << 20)),
            ("R-3 header->replica", attacks.r3_header("replica", 128 << 20)),
+           ("R-4 heads->sink (control)", attacks.r4_half_heads("sink")),
            ("R-4 heads->router", attacks.r4_half_heads("router")),
            ("R-4 heads->replica", attacks.r4_half_heads("replica")),
            ("R-5 1MB user", attacks.r5_sessions), ("R-6 1GiB answer", attacks.r6_huge_answer),
@@ -63,6 +64,7 @@ ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks
            ("E-3 index flood", channel.e3_flood), ("E-4 impostor", channel.e4_impostor)]
 CLEAR = {"200", "408", "431", "503", "miss"}  #: besides any 4xx
 PROBE_S, HEALTH_MS, RSS_MB = 0.05, 100.0, 200.0
+CONTROL = "(control)"  #: rows that measure the attacker's own cost, not kvtier: reported, not a target
 
 
 class Replica(ReplicaProcess):
@@ -321,7 +323,7 @@ def main() -> None:
                         "own": row["own"], "codes": row["codes"], "health_max_ms": round(worst["health_max_ms"], 1),
                         "rss_after_minus_before_mb": round(max(p["rss_after_mb"] - p["rss_before_mb"]
                                                                for p in row["procs"].values()), 1)}
-    figures["all_targets_met"] = all(row["pass"] for row in rows)
+    figures["all_targets_met"] = all(row["pass"] for row in rows if not row["name"].endswith(CONTROL))
     result(figures)
 
 
