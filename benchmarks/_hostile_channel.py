@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 import httpx
-from _hostile_attacks import code, post, series, sized_text
+from _hostile_attacks import attacker_priority, code, post, series, sized_text
 
 from tests.router.fleet import scrape
 
@@ -26,7 +26,8 @@ def hostile_peer(*args: str, wait_s: float) -> str:
     from tests.router.fleet import ROOT
 
     proc = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                            stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                            preexec_fn=attacker_priority)
     try:
         ready = proc.stdout.readline().strip()
         time.sleep(wait_s)

@@ -13,7 +13,10 @@ Measured for each attack, against the issue's targets:
   bounded miss (event-channel attacks), never a 5xx, a reset without an answer, nor no answer;
 * ``/health`` latency on the router and both replicas, probed every 50 ms by threads of this process throughout
   (max and p99, and the max as a multiple of the idle median); the target is under 100 ms. A replica the attack
-  stops or kills on purpose is not probed meanwhile;
+  stops or kills on purpose is not probed meanwhile. Attackers that burn CPU of their own (R-4's connection
+  opener, the event-channel peers) are processes apart, at ``nice`` +10 (``_hostile_attacks.ATTACKER_NICE``),
+  and R-4 has a control row, the same attacker against a listener that does nothing (``(control)``: reported,
+  not a target): the attacker's own CPU is not a server's doing;
 * RSS (VmRSS) of the router and the replicas before, at peak and 2 s after the attack; the target is ending
   within 200 MB of the level before;
 * the attack's own target where it has one (R-4: no connection left unanswered; R-6: the whole answer passed
