@@ -20,14 +20,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pytest
 import zmq
 import zmq.asyncio
 
+from kvtier.base.errors import ConfigError
 from kvtier.base.keys import ChunkHash
 from kvtier.core.events import TierHolding
 from kvtier.events.keys import Allow, default_key_file, load_or_create
 from kvtier.events.publisher import EventPublisher, PublisherConfig
-from kvtier.events.subscriber import EventSubscriber
+from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
 from kvtier.events.wire import SNAPSHOT_REQUEST
 from kvtier.fleet.index import FleetIndex
 from tests.events.hostile import fake_key
@@ -121,6 +123,45 @@ def test_only_allowed_keys_get_snapshots_and_the_router_key_file_is_allowed(tmp_
     assert pub.counts["client_refused"] >= 1
 
 
+def test_a_router_whose_key_the_replica_does_not_allow_learns_nothing_and_one_it_allows_follows():
+    """E-1 from the router's side: the subscriber's key is the router's; a replica allowing another key gives it
+    no snapshot (it keeps asking), and the replica's allowed router is followed."""
+    router_key = zmq.curve_keypair()
+    replica = Replica(5, dataclasses.replace(CONFIG, allow=Allow(keys=(router_key[0].decode(),), local_key_file=None)))
+    pub = replica.publisher
+    quick = SubscriberConfig(snapshot_timeout_s=0.3, retry_s=0.05)
+    try:
+        stranger, allowed = FleetIndex(), FleetIndex()
+        async def has_failed(counts: dict) -> None:
+            for _ in range(200):
+                if counts.get("snapshot_failed"):
+                    return
+                await asyncio.sleep(0.05)
+
+        counts = asyncio.run(_follow(pub, stranger, lambda: pub.counts.get("client_refused", 0) >= 2, has_failed,
+                                     client_key=zmq.curve_keypair(), config=quick))
+        assert counts.get("snapshot", 0) == 0 and counts["snapshot_failed"] >= 1 and stranger.chunks("r") == {}
+        asyncio.run(_follow(pub, allowed, lambda: allowed.holdings("r").synced, client_key=router_key, config=quick))
+        assert allowed.chunks("r") == {"memory": 5}
+    finally:
+        pub.close()
+
+
+def test_kvtier_serve_reads_its_allow_list_from_flags_or_the_environment(monkeypatch):
+    from argparse import Namespace
+
+    from kvtier.apps.serve.cli import events_allow
+
+    key = zmq.curve_keypair()[0].decode()
+    assert events_allow(Namespace(events_allow=[key])) == Allow(keys=(key,))
+    assert events_allow(Namespace(events_allow=["any"])).any
+    monkeypatch.setenv("KVTIER_EVENTS_ALLOW", f"{key}, ")
+    assert events_allow(Namespace(events_allow=None)) == Allow(keys=(key,))
+    monkeypatch.setenv("KVTIER_EVENTS_ALLOW", "not-a-key")
+    with pytest.raises(ConfigError):
+        events_allow(Namespace(events_allow=None))
+
+
 def _snapshot_with(pub: EventPublisher, key: tuple[bytes, bytes]) -> bool:
     ctx = zmq.Context()
     try:
@@ -160,11 +201,13 @@ def test_a_snapshot_lists_at_most_max_snapshot_keys():
         pub.close()
 
 
-async def _follow(pub: EventPublisher, index: FleetIndex, done, after=None, timeout: float = 10.0) -> dict:
+async def _follow(pub: EventPublisher, index: FleetIndex, done, after=None, timeout: float = 10.0,
+                  client_key: tuple[bytes, bytes] | None = None,
+                  config: SubscriberConfig = SubscriberConfig()) -> dict:
     ctx = zmq.asyncio.Context()
     counts: dict[str, int] = {}
-    sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, IndexSink(index),
-                          count=lambda what: counts.__setitem__(what, counts.get(what, 0) + 1))
+    sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, IndexSink(index), config,
+                          count=lambda what: counts.__setitem__(what, counts.get(what, 0) + 1), client_key=client_key)
     task = asyncio.ensure_future(sub.run())
     try:
         deadline = time.monotonic() + timeout
