@@ -71,18 +71,21 @@ def r1_malformed(fleet, big: bool) -> dict:
 # -- R-2 ----------------------------------------------------------------------------------------------------
 def r2_huge_prompts(fleet, big: bool) -> dict:
     """A 31 MB text prompt (over the router's 8 MiB cap), a 7 MB one (under it: a bounded prefix tokenized, the
-    replica judges the context), a chat of 840k messages."""
-    sizes = (31 * MB, 7 * MB, 840_000) if big else (9 * MB, 3 * MB, 100_000)
+    replica judges the context), a chat of 840k messages (over the cap), and one of 240k messages (7.9 MB, just
+    under it: the most checking, rendering and tokenizing one body can ask of the router)."""
+    sizes = (31 * MB, 7 * MB, 840_000, 240_000) if big else (9 * MB, 3 * MB, 100_000, 100_000)
     codes, times = Counter(), []
     session = home_on(fleet, fleet.replicas[0].name)  # a real replica's, not the compromised one's stub answers
     for body, path in (({"prompt": sized_text(sizes[0])}, "/v1/completions"),
                        ({"prompt": sized_text(sizes[1])}, "/v1/completions"),
-                       ({"messages": [{"role": "user", "content": "hi"}] * sizes[2]}, "/v1/chat/completions")):
+                       ({"messages": [{"role": "user", "content": "hi"}] * sizes[2]}, "/v1/chat/completions"),
+                       ({"messages": [{"role": "user", "content": "hi"}] * sizes[3]}, "/v1/chat/completions")):
         sent = time.perf_counter()
         codes[code(post(fleet.url, path, json=body, headers={"x-session-id": session or "r2"}))] += 1
         times.append(time.perf_counter() - sent)
     return {"codes": codes, "size": f"text {sizes[0] / MB:.0f} MB, text {sizes[1] / MB:.0f} MB, "
-            f"chat {sizes[2]:,} messages", "ok": None, "note": "answered in " + ", ".join(f"{t:.1f}s" for t in times)}
+            f"chats of {sizes[2]:,} and {sizes[3]:,} messages", "ok": None,
+            "note": "answered in " + ", ".join(f"{t:.1f}s" for t in times)}
 
 
 # -- R-3 ----------------------------------------------------------------------------------------------------
