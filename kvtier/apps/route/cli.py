@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvtier.base.errors import ConfigError
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
+from kvtier.web.startup import freeze_startup_objects
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -119,5 +120,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"kvtier route: events key {public} (from {key_file}; replicas on other hosts or of other users need "
           f"kvtier serve --events-allow '{public}')", flush=True)
-    uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level)).run()
+    server = uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level))
+    freeze_startup_objects()  # the tokenizer and its modules out of the cyclic GC: no 0.4 s collections under load
+    server.run()
     return 0

@@ -20,6 +20,7 @@ from kvtier.base.errors import ConfigError
 from kvtier.core.config import CacheConfig, parse_size
 from kvtier.core.segments import BlendConfig
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
+from kvtier.web.startup import freeze_startup_objects
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
     server = uvicorn.Server(server_config(app, backend, args.host, args.port, args.log_level))
+    freeze_startup_objects()  # the model and its modules out of the cyclic GC: no 0.4 s collections under load
     try:
         server.run()
     finally:
