@@ -97,6 +97,7 @@ class Publisher(multiprocessing.Process):
             self.control.send_multipart((client_id, SNAPSHOT_REQUEST, snapshot))
 
     def run(self) -> None:
+        os.nice(10)  # an attacker's own CPU, niced like the others (benchmarks/_hostile_attacks.ATTACKER_NICE)
         self._bind()
         while os.getppid() == self._parent:  # dies with the replica it belongs to (E-3 kills that one)
             self._answer_snapshots()
