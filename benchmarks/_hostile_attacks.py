@@ -7,10 +7,14 @@ not one: ``reset`` (closed without an answer), ``none`` (no answer within the bo
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import selectors
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -67,18 +71,21 @@ def r1_malformed(fleet, big: bool) -> dict:
 # -- R-2 ----------------------------------------------------------------------------------------------------
 def r2_huge_prompts(fleet, big: bool) -> dict:
     """A 31 MB text prompt (over the router's 8 MiB cap), a 7 MB one (under it: a bounded prefix tokenized, the
-    replica judges the context), a chat of 840k messages."""
-    sizes = (31 * MB, 7 * MB, 840_000) if big else (9 * MB, 3 * MB, 100_000)
+    replica judges the context), a chat of 840k messages (over the cap), and one of 240k messages (7.9 MB, just
+    under it: the most checking, rendering and tokenizing one body can ask of the router)."""
+    sizes = (31 * MB, 7 * MB, 840_000, 240_000) if big else (9 * MB, 3 * MB, 100_000, 100_000)
     codes, times = Counter(), []
     session = home_on(fleet, fleet.replicas[0].name)  # a real replica's, not the compromised one's stub answers
     for body, path in (({"prompt": sized_text(sizes[0])}, "/v1/completions"),
                        ({"prompt": sized_text(sizes[1])}, "/v1/completions"),
-                       ({"messages": [{"role": "user", "content": "hi"}] * sizes[2]}, "/v1/chat/completions")):
+                       ({"messages": [{"role": "user", "content": "hi"}] * sizes[2]}, "/v1/chat/completions"),
+                       ({"messages": [{"role": "user", "content": "hi"}] * sizes[3]}, "/v1/chat/completions")):
         sent = time.perf_counter()
         codes[code(post(fleet.url, path, json=body, headers={"x-session-id": session or "r2"}))] += 1
         times.append(time.perf_counter() - sent)
     return {"codes": codes, "size": f"text {sizes[0] / MB:.0f} MB, text {sizes[1] / MB:.0f} MB, "
-            f"chat {sizes[2]:,} messages", "ok": None, "note": "answered in " + ", ".join(f"{t:.1f}s" for t in times)}
+            f"chats of {sizes[2]:,} and {sizes[3]:,} messages", "ok": None,
+            "note": "answered in " + ", ".join(f"{t:.1f}s" for t in times)}
 
 
 # -- R-3 ----------------------------------------------------------------------------------------------------
@@ -168,16 +175,77 @@ def half_heads(url: str, n: int, hold_s: float) -> tuple[Counter, int]:
     return codes, opened
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process used so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+#: Attacker processes run this much nicer than the servers: on 2 cores the CPU an attacker burns on its own side
+#: (opening 19,488 connections costs it ~9x what refusing them costs the router) would otherwise decide every
+#: process's latency, which no server setting can bound (a cgroup can). The servers' own work is not deprioritized.
+ATTACKER_NICE = 10
+
+
+def attacker_priority() -> None:
+    os.nice(ATTACKER_NICE)
+
+
+def heads_in_process(url: str, n: int, hold_s: float) -> tuple[Counter, int, float]:
+    """``half_heads`` run by a process of its own (so its work does not hold this process's GIL, where the
+    /health probes run): its answers, connections opened and the CPU seconds it used."""
+    from tests.apps.route.fleet import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/_hostile_attacks.py"), "heads", url, str(n),
+                           str(hold_s)], cwd=ROOT, capture_output=True, text=True, timeout=hold_s + 300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, preexec_fn=attacker_priority)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Counter(out["codes"]), out["opened"], out["cpu_s"]
+
+
 def r4_half_heads(target: str):
     def attack(fleet, big: bool) -> dict:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        want = 20_000 if target == "router" else 2_000
+        want = 2_000 if target == "replica" else 20_000
         n = min(want if big else 1_000, soft - 512)
-        codes, opened = half_heads(fleet.target_url(target), n, hold_s=14.0)
+        if target == "sink":  # the control: the same attacker against a listener that does nothing
+            sink = subprocess.Popen([sys.executable, __file__, "sink", str(n)], stdout=subprocess.PIPE, text=True)
+            url, pid = sink.stdout.readline().strip(), sink.pid
+        else:
+            url, pid = fleet.target_url(target), fleet.router.pid if target == "router" else fleet.replicas[0].proc.pid
+        used = cpu_s(pid)
+        try:
+            codes, opened, attacker_s = heads_in_process(url, n, hold_s=14.0)
+            used = cpu_s(pid) - used
+        finally:
+            if target == "sink":
+                sink.kill()
+                sink.wait(timeout=10)
         return {"codes": codes, "size": f"{n:,} half-sent heads to the {target} (fd limit {soft:,}), held 14 s",
-                "ok": codes["none"] == 0, "note": f"{opened:,} connected"}
-    attack.__doc__ = f"Half-sent request heads held open against the {target} (R-4)."
+                "ok": codes["none"] == 0 if target != "sink" else None,
+                "note": f"{opened:,} connected; CPU s: attacker {attacker_s:.1f}, {target} {used:.1f}"}
+    attack.__doc__ = f"Half-sent request heads held open against the {target} (R-4); the attacker is a process of " \
+                     "its own. Against ``sink`` (a listener that accepts and holds, the control) it measures what " \
+                     "the attacker's own work costs the others on the same cores."
     return attack
+
+
+def sink(n: int) -> None:
+    """A listener that accepts connections and holds them without reading (R-4's control); prints its URL."""
+    import asyncio
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", 0, backlog=2048)
+        print(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
 
 
 # -- R-5 ----------------------------------------------------------------------------------------------------
@@ -230,15 +298,26 @@ def r6_huge_answer(fleet, big: bool) -> dict:
 
 
 # -- R-7 ----------------------------------------------------------------------------------------------------
+def routed_by_prefix(fleet, replica, tries: int = 20) -> dict | None:
+    """A request body the router sends to ``replica`` because that replica alone holds its prefix (it is sent
+    to the replica directly first, which publishes the chunks it stored): deterministic where homing a fresh
+    session id depends on every earlier attack's sessions and the load at that moment."""
+    for i in range(tries):  # a new prompt each try: one routed elsewhere is cached there too
+        body = {"prompt": f"r7 {i} {time.time_ns()} " + sized_text(900), "max_tokens": 1}
+        post(replica.url, "/v1/completions", json={**body, "prompt": body["prompt"][:880]})
+        r = post(fleet.url, "/v1/completions", json=body)
+        if isinstance(r, httpx.Response) and r.headers.get("x-kvtier-replica") == replica.name:
+            return body
+        time.sleep(0.5)  # the replica's events not in the router's index yet
+    return None
+
+
 def r7_stopped_replica(fleet, big: bool) -> dict:
     """A request sent to a replica that is SIGSTOPped: answered by another once the stopped one is ejected."""
-    session, replica = None, None
-    for replica in fleet.replicas:  # whichever real replica a session lands on
-        session = home_on(fleet, replica.name, tries=20)
-        if session is not None:
-            break
-    if session is None:
-        return {"codes": Counter(["unrouted"]), "size": "-", "ok": False, "note": "no session landed on it"}
+    replica = fleet.replicas[0]
+    body = routed_by_prefix(fleet, replica)
+    if body is None:
+        return {"codes": Counter(["unrouted"]), "size": "-", "ok": False, "note": "no request routed to it"}
     ejected_at = []
 
     def watch() -> None:
@@ -258,7 +337,7 @@ def r7_stopped_replica(fleet, big: bool) -> dict:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        r = post(fleet.url, "/v1/completions", json={"prompt": "the cache keeps"}, headers={"x-session-id": session})
+        r = post(fleet.url, "/v1/completions", json=body)
         answered = time.perf_counter()
     finally:
         replica.proc.send_signal(signal.SIGCONT)
@@ -274,3 +353,12 @@ def r7_stopped_replica(fleet, big: bool) -> dict:
 
 
 # -- E-1, E-2 -----------------------------------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "heads":  # heads URL N HOLD_S: R-4's attacker, a process of its own
+        resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+        got, n_open = half_heads(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        print(json.dumps({"codes": got, "opened": n_open, "cpu_s": cpu_s(os.getpid())}))
+    elif sys.argv[1] == "sink":
+        sink(int(sys.argv[2]))

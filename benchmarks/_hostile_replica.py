@@ -10,15 +10,22 @@ HTTP is tests.apps.route.stub_replica's (``/health`` 200, small completions), pl
 * ``POST /hostile/flood`` ``{"keys": N, "tiers": T, "snapshot": S}``: publish N stored-chunk events in
   batches of 1,000 (real wire format), then T events each naming a tier of its own, and from then on answer
   snapshot requests with S keys, skipping a batch so that the router asks for it (E-3). ``GET /hostile/flood``
-  says how many events went out.
+  says how many events went out. Until then a snapshot is empty and at the stream's current position, so the
+  router follows the batches that come after it (one at a fixed position sent it into a gap-and-resync loop
+  that never applied a batch: the full run's index held 0 keys).
+
+The event publisher is a process of its own (forked before anything else starts): building and sending
+millions of events must not hold this process's GIL, or its HTTP ``/health`` stalls, the router ejects it
+and forgets its index, and the flood never reaches the index it is aimed at.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import queue
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -41,38 +48,58 @@ BATCH = 1000
 MIB = 1 << 20
 
 
-class Publisher(threading.Thread):
-    """A CURVE PUB and control ROUTER like a replica's, fed hostile batches on request; heartbeats otherwise."""
+class Publisher(multiprocessing.Process):
+    """A CURVE PUB and control ROUTER like a replica's, fed hostile batches on request; heartbeats otherwise.
+    ``start()`` returns once the child bound its sockets: ``ports``, ``public_key``, ``epoch`` are set then."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
+        self.jobs: multiprocessing.Queue = multiprocessing.Queue()
+        self._sent, self._seq = multiprocessing.Value("q", 0), multiprocessing.Value("q", -1)
+        self._ready, self._tell = multiprocessing.Pipe(duplex=False)
+        self.epoch, self._parent = uuid.uuid4().hex, os.getpid()
+
+    def start(self) -> None:
+        super().start()
+        self.ports, self.public_key = self._ready.recv()
+
+    @property
+    def sent(self) -> int:
+        return self._sent.value
+
+    @property
+    def seq(self) -> int:
+        return self._seq.value
+
+    def _bind(self) -> None:
         self.ctx = zmq.Context()
         public, secret = zmq.curve_keypair()
-        self.public_key, self.epoch = public.decode(), uuid.uuid4().hex
         self.pub, self.control = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
-        self.ports = []
+        ports = []
         for socket in (self.pub, self.control):
             socket.setsockopt(zmq.LINGER, 0)
             socket.curve_secretkey, socket.curve_server = secret, True
-            self.ports.append(socket.bind_to_random_port("tcp://127.0.0.1"))
+            ports.append(socket.bind_to_random_port("tcp://127.0.0.1"))
         self.pub.setsockopt(zmq.SNDHWM, 0)  # a flood that waits for nobody: everything goes out
-        self.jobs: queue.Queue = queue.Queue()
-        self.seq, self.sent = -1, 0
-        self.snapshot = encode_snapshot(self.epoch, -1, [TierHolding("memory", [])])
+        self.snapshot: bytes | None = None  # until the flood ends: an empty one at the current seq
+        self._tell.send((ports, public.decode()))
 
     def _send(self, events: list[WireEvent]) -> None:
-        self.seq += 1
-        self.pub.send_multipart((TOPIC, self.seq.to_bytes(8, "big"),
-                                 encode_batch(Batch(self.epoch, self.seq, time.time(), events))))
-        self.sent += len(events)
+        self._seq.value += 1
+        self.pub.send_multipart((TOPIC, self._seq.value.to_bytes(8, "big"),
+                                 encode_batch(Batch(self.epoch, self._seq.value, time.time(), events))))
+        self._sent.value += len(events)
 
     def _answer_snapshots(self) -> None:
         while self.control.poll(0):
             client_id, *_ = self.control.recv_multipart()
-            self.control.send_multipart((client_id, SNAPSHOT_REQUEST, self.snapshot))
+            snapshot = self.snapshot or encode_snapshot(self.epoch, self.seq, [TierHolding("memory", [])])
+            self.control.send_multipart((client_id, SNAPSHOT_REQUEST, snapshot))
 
     def run(self) -> None:
-        while True:
+        os.nice(10)  # an attacker's own CPU, niced like the others (benchmarks/_hostile_attacks.ATTACKER_NICE)
+        self._bind()
+        while os.getppid() == self._parent:  # dies with the replica it belongs to (E-3 kills that one)
             self._answer_snapshots()
             try:
                 job = self.jobs.get(timeout=0.2)
@@ -89,7 +116,7 @@ class Publisher(threading.Thread):
             if job["snapshot"]:
                 keys = [fake_key(i) for i in range(job["snapshot"])]
                 self.snapshot = encode_snapshot(self.epoch, self.seq + 1, [TierHolding("memory", keys)])
-                self.seq += 1  # a batch skipped: the router sees a gap and asks for this snapshot
+                self._seq.value += 1  # a batch skipped: the router sees a gap and asks for this snapshot
 
 
 def main() -> None:

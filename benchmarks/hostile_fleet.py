@@ -13,7 +13,10 @@ Measured for each attack, against the issue's targets:
   bounded miss (event-channel attacks), never a 5xx, a reset without an answer, nor no answer;
 * ``/health`` latency on the router and both replicas, probed every 50 ms by threads of this process throughout
   (max and p99, and the max as a multiple of the idle median); the target is under 100 ms. A replica the attack
-  stops or kills on purpose is not probed meanwhile;
+  stops or kills on purpose is not probed meanwhile. Attackers that burn CPU of their own (R-4's connection
+  opener, the event-channel peers) are processes apart, at ``nice`` +10 (``_hostile_attacks.ATTACKER_NICE``),
+  and R-4 has a control row, the same attacker against a listener that does nothing (``(control)``: reported,
+  not a target): the attacker's own CPU is not a server's doing;
 * RSS (VmRSS) of the router and the replicas before, at peak and 2 s after the attack; the target is ending
   within 200 MB of the level before;
 * the attack's own target where it has one (R-4: no connection left unanswered; R-6: the whole answer passed
@@ -55,6 +58,7 @@ from tests.apps.serve.conftest import build_tiny_model  # noqa: E402
 ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks.r2_huge_prompts),
            ("R-3 header->router", attacks.r3_header("router", 128 << 20)),
            ("R-3 header->replica", attacks.r3_header("replica", 128 << 20)),
+           ("R-4 heads->sink (control)", attacks.r4_half_heads("sink")),
            ("R-4 heads->router", attacks.r4_half_heads("router")),
            ("R-4 heads->replica", attacks.r4_half_heads("replica")),
            ("R-5 1MB user", attacks.r5_sessions), ("R-6 1GiB answer", attacks.r6_huge_answer),
@@ -63,6 +67,7 @@ ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks
            ("E-3 index flood", channel.e3_flood), ("E-4 impostor", channel.e4_impostor)]
 CLEAR = {"200", "408", "431", "503", "miss"}  #: besides any 4xx
 PROBE_S, HEALTH_MS, RSS_MB = 0.05, 100.0, 200.0
+CONTROL = "(control)"  #: rows that measure the attacker's own cost, not kvtier: reported, not a target
 
 
 class Replica(ReplicaProcess):
@@ -321,7 +326,7 @@ def main() -> None:
                         "own": row["own"], "codes": row["codes"], "health_max_ms": round(worst["health_max_ms"], 1),
                         "rss_after_minus_before_mb": round(max(p["rss_after_mb"] - p["rss_before_mb"]
                                                                for p in row["procs"].values()), 1)}
-    figures["all_targets_met"] = all(row["pass"] for row in rows)
+    figures["all_targets_met"] = all(row["pass"] for row in rows if not row["name"].endswith(CONTROL))
     result(figures)
 
 

@@ -9,12 +9,15 @@ thread-safe); the cache's threads only append to the queue. See wire.py for the 
 
 Both sockets are CURVE servers with a key pair drawn at start: the public key is in ``/kvtier/info``, so a
 router that read it from the replica it was configured with talks only to this process (a process that takes
-the ports after this one died cannot complete the handshake). What a peer can make this process hold is bounded
-by ZMQ's own limits:
+the ports after this one died cannot complete the handshake). Clients are authenticated too: the thread
+answers ZAP for this publisher's sockets and lets only the keys ``PublisherConfig.allow`` names complete the
+handshake (kvtier.events.keys); a refused client sends nothing, and its key is logged once (what to add to
+``--events-allow``). What an allowed peer can make this process hold is bounded by ZMQ's own limits:
 
 * subscriptions: the PUB side is an XPUB in manual mode; only prefixes of the one topic (``b"kvtier"``) are
-  subscribed, anything else is dropped and counted, so a peer's subscriptions cost at most ``len(TOPIC) + 1``
-  trie entries, freed when it disconnects. Inbound messages are capped at ``MAX_INBOUND_BYTES``;
+  subscribed, anything else is dropped and counted. libzmq still records every subscription a peer sends
+  (to unsubscribe it when the peer leaves), which only the allow-list bounds. Inbound messages are capped at
+  ``MAX_INBOUND_BYTES``;
 * send buffers: at most ``send_hwm`` batches wait per subscriber (then ZMQ drops for that subscriber only, which
   it sees as a gap); batches are shared between subscribers, not copied;
 * snapshots: a peer has at most one reply queued (HWM 1 and ROUTER_MANDATORY: another request meanwhile is
@@ -37,9 +40,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils import z85
 
 from kvtier.base.errors import ConfigError
 from kvtier.core.events import ChunkEvent, TierHolding
+from kvtier.events.keys import Allow, Allowed
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, encode_batch, encode_snapshot, wire_event
 
 log = logging.getLogger(__name__)
@@ -49,13 +54,19 @@ log = logging.getLogger(__name__)
 MAX_INBOUND_BYTES = 1024
 #: Subscriptions, and snapshot requests, handled per loop turn each (a flood must not hold back the batches).
 MAX_MESSAGES_PER_TURN = 10_000
+#: Where libzmq asks a context's ZAP handler (RFC 27) about each handshake.
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+#: Refused client keys logged (once each); beyond, refusals are only counted.
+MAX_LOGGED_REFUSALS = 64
 
 
 @dataclass(frozen=True)
 class PublisherConfig:
     """Where and how often. Ports 0 take free ports (the replica's ``/kvtier/info`` says which).
 
-    ``send_hwm``: batches queued per subscriber; ``max_snapshot_keys``: keys in one snapshot reply.
+    ``send_hwm``: batches queued per subscriber; ``max_snapshot_keys``: keys in one snapshot reply;
+    ``allow``: the client keys that may subscribe or ask for snapshots (by default only this user's local
+    ``kvtier route``).
     """
 
     host: str = "127.0.0.1"
@@ -66,6 +77,7 @@ class PublisherConfig:
     max_queue: int = 100_000
     send_hwm: int = 100
     max_snapshot_keys: int = 2_000_000
+    allow: Allow = Allow()
 
     def __post_init__(self) -> None:
         if not (self.heartbeat_s > 0 and self.batch_interval_s > 0 and self.max_queue > 0):
@@ -78,7 +90,7 @@ class EventPublisher:
     """Publishes what ``subscribe`` feeds it; ``holdings`` gives what the cache holds now, for snapshots.
 
     ``public_key`` (Z85) is what subscribers must expect; ``counts`` counts snapshots sent, replies dropped
-    (``snapshot_dropped``), truncated snapshots and refused subscriptions.
+    (``snapshot_dropped``), truncated snapshots, refused subscriptions and refused clients (``client_refused``).
     """
 
     def __init__(self, subscribe: Callable[[Callable[[Sequence[ChunkEvent]], None]], Callable[[], None]],
@@ -94,7 +106,12 @@ class EventPublisher:
         self._seq = -1
         self._snapshot: tuple[int, bytes] | None = None  # (seq, encoded): shared by every reply at that seq
         self._ctx = zmq.Context()
+        self._allowed = Allowed(config.allow)
+        self._refused_keys: set[bytes] = set()
         try:
+            self._zap = self._ctx.socket(zmq.REP)  # bound first: every handshake of the sockets below asks it
+            self._zap.setsockopt(zmq.LINGER, 0)
+            self._zap.bind(ZAP_ENDPOINT)
             self._pub = self._socket(zmq.XPUB, secret_key)
             self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
             self._pub.setsockopt(zmq.SNDHWM, config.send_hwm)
@@ -142,9 +159,12 @@ class EventPublisher:
         poller = zmq.Poller()
         poller.register(self._control, zmq.POLLIN)
         poller.register(self._pub, zmq.POLLIN)
+        poller.register(self._zap, zmq.POLLIN)
         last_sent = 0.0
         while self._running:
             ready = dict(poller.poll(self.config.batch_interval_s * 1000))
+            if self._zap in ready:
+                self._authenticate()
             if self._pub in ready:
                 self._subscriptions()
             if self._control in ready:
@@ -161,6 +181,29 @@ class EventPublisher:
         self._seq += 1 + skip
         payload = encode_batch(Batch(self.epoch, self._seq, time.time(), [wire_event(e) for e in events]))
         self._pub.send_multipart((TOPIC, self._seq.to_bytes(8, "big"), payload), copy=False)
+
+    def _authenticate(self) -> None:
+        """Answer the ZAP requests waiting (RFC 27): 200 for an allowed CURVE client key, 400 otherwise."""
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            try:
+                request = self._zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            version, request_id = (request + [b"", b""])[:2]
+            key = request[6] if len(request) >= 7 and request[5] == b"CURVE" else b""
+            ok = version == b"1.0" and self._allowed.allows(key)
+            if not ok:
+                self._refused(key, request[3] if len(request) > 3 else b"?")
+            self._zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400", b"OK" if ok else b"not allowed",
+                                      b"router" if ok else b"", b""])
+
+    def _refused(self, key: bytes, address: bytes) -> None:
+        self._counted("client_refused")
+        if len(self._refused_keys) < MAX_LOGGED_REFUSALS and key not in self._refused_keys:
+            self._refused_keys.add(key)
+            shown = z85.encode(key).decode() if len(key) == 32 else "none"
+            log.warning("event sockets: refused a client from %s with key %s (kvtier serve --events-allow KEY "
+                        "lets a router in)", address.decode(errors="replace"), shown)
 
     def _subscriptions(self) -> None:
         """Subscribe each peer to what it asked for if that is a prefix of the topic; refuse anything else."""

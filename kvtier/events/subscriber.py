@@ -11,9 +11,12 @@ The subscriber keeps a ``ReplicaHoldings`` (what the replica holds, per tier) in
 
 Only the replica itself can feed the sink: both sockets are CURVE clients of the replica's public key (from its
 ``/kvtier/info``, fetched from the URL the router was configured with), so a process that takes the replica's
-event ports after it died fails the handshake and is never heard. What one message can cost is bounded: a batch
-at most ``MAX_BATCH_BYTES``, a snapshot at most ``MAX_SNAPSHOT_BYTES`` (ZMQ refuses longer ones), and a
-snapshot is decoded and prepared (``HoldingsSink.prepare``) in a worker thread, off the event loop.
+event ports after it died fails the handshake and is never heard. The client key is the router's own key pair
+(kvtier.events.keys), which the replica must allow: one it does not is refused at the handshake, and the
+subscriber goes on asking for a snapshot every ``retry_s`` (the replica logs the key it refused). What one
+message can cost is bounded: a batch at most ``MAX_BATCH_BYTES``, a snapshot at most ``MAX_SNAPSHOT_BYTES``
+(ZMQ refuses longer ones), and a snapshot is decoded and prepared (``HoldingsSink.prepare``) in a worker
+thread, off the event loop.
 
 The replica's silence is not this module's business: the router's health checks eject a dead replica and
 restart its subscriber when it comes back (its endpoints may have changed).
@@ -31,6 +34,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from kvtier.events.keys import default_key_file, load_or_create
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, Snapshot, WireError, decode_batch, decode_snapshot
 
 log = logging.getLogger(__name__)
@@ -63,10 +67,13 @@ class EventSubscriber:
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, control_endpoint: str, server_key: bytes,
                  sink: HoldingsSink, config: SubscriberConfig = SubscriberConfig(),
-                 count: Callable[[str], None] = lambda what: None) -> None:
-        """``server_key``: the replica's CURVE public key (Z85), as its ``/kvtier/info`` gives it."""
+                 count: Callable[[str], None] = lambda what: None,
+                 client_key: tuple[bytes, bytes] | None = None) -> None:
+        """``server_key``: the replica's CURVE public key (Z85), as its ``/kvtier/info`` gives it;
+        ``client_key``: this side's (public, secret) pair, Z85 (None: this user's default router key pair)."""
         self._ctx, self._endpoint, self._control_endpoint = ctx, endpoint, control_endpoint
         self._server_key = server_key
+        self._client_key = client_key if client_key is not None else load_or_create(default_key_file())
         self._sink, self._config, self._count = sink, config, count
         self.epoch: str | None = None
         self.seq = -1
@@ -76,7 +83,7 @@ class EventSubscriber:
         socket = self._ctx.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-        socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
+        socket.curve_publickey, socket.curve_secretkey = self._client_key
         socket.curve_serverkey = self._server_key
         return socket
 
@@ -91,6 +98,9 @@ class EventSubscriber:
             while True:
                 frames = await sub.recv_multipart()
                 self._receive(frames)
+                # pyzmq's recv returns a finished future while batches are queued, so without this a flood
+                # (E-3: 4 M stores) is applied without the loop ever running anything else: /health took 5 s
+                await asyncio.sleep(0)
                 if self.epoch is None or time.monotonic() - self._synced_at > self._config.resync_s:
                     await self._resync()
         finally:

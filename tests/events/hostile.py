@@ -3,8 +3,12 @@
 They speak the real wire format (kvtier.events.wire) over real ZMQ sockets, and every loop is bounded in count
 and time. Each prints ``READY`` once its sockets are set up, and exits by itself.
 
-* ``subscribe ENDPOINT KEY N``: opens N distinct subscriptions on a replica's event socket and stays connected.
-* ``snapshots ENDPOINT KEY N``: asks a replica's control socket for N snapshots and never reads a reply.
+* ``subscribe ENDPOINT KEY N [KEYFILE]``: opens N distinct subscriptions on a replica's event socket and stays
+  connected.
+* ``snapshots ENDPOINT KEY N [KEYFILE]``: asks a replica's control socket for N snapshots and never reads a reply.
+
+Both bring a CURVE key pair of their own (a local process the replica does not know), or, with KEYFILE, the
+router's (kvtier.events.keys: a peer the replica lets in, such as a compromised router).
 * ``impostor PORT CONTROL_PORT N``: binds a (dead) replica's event ports with a CURVE key pair of its own and
   serves N fake keys: a batch of stores per heartbeat and a snapshot to whoever asks.
 """
@@ -14,11 +18,13 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from pathlib import Path
 
 import zmq
 
 from kvtier.base.keys import ChunkHash
 from kvtier.core.events import TierHolding
+from kvtier.events.keys import load_or_create
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, WireEvent, encode_batch, encode_snapshot
 
 LIFETIME_S = 20.0
@@ -28,28 +34,30 @@ def fake_key(i: int) -> ChunkHash:
     return ChunkHash(hashlib.sha256(b"fake-%d" % i).digest())
 
 
-def client(ctx: zmq.Context, kind: int, endpoint: str, server_key: str, hwm: int = 1000) -> zmq.Socket:
+def client(ctx: zmq.Context, kind: int, endpoint: str, server_key: str, hwm: int = 1000,
+           key_file: str | None = None) -> zmq.Socket:
     socket = ctx.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, hwm)
-    socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
+    socket.curve_publickey, socket.curve_secretkey = load_or_create(Path(key_file)) if key_file else \
+        zmq.curve_keypair()
     socket.curve_serverkey = server_key.encode()
     socket.connect(endpoint)
     return socket
 
 
-def subscribe(endpoint: str, server_key: str, n: int) -> None:
+def subscribe(endpoint: str, server_key: str, n: int, key_file: str | None = None) -> None:
     ctx = zmq.Context()
-    sub = client(ctx, zmq.SUB, endpoint, server_key, hwm=0)  # no limit: every subscription goes out
+    sub = client(ctx, zmq.SUB, endpoint, server_key, hwm=0, key_file=key_file)  # no limit: every subscription goes out
     for i in range(n):
         sub.subscribe(b"x%d" % i)
     print("READY", flush=True)
     time.sleep(LIFETIME_S)
 
 
-def snapshots(endpoint: str, server_key: str, n: int) -> None:
+def snapshots(endpoint: str, server_key: str, n: int, key_file: str | None = None) -> None:
     ctx = zmq.Context()
-    dealer = client(ctx, zmq.DEALER, endpoint, server_key)
+    dealer = client(ctx, zmq.DEALER, endpoint, server_key, key_file=key_file)
     dealer.setsockopt(zmq.RCVHWM, 1)
     dealer.setsockopt(zmq.RCVBUF, 4096)
     for _ in range(n):
@@ -84,4 +92,4 @@ if __name__ == "__main__":
     if what == "impostor":
         impostor(int(args[0]), int(args[1]), int(args[2]))
     else:
-        {"subscribe": subscribe, "snapshots": snapshots}[what](args[0], args[1], int(args[2]))
+        {"subscribe": subscribe, "snapshots": snapshots}[what](args[0], args[1], int(args[2]), *args[3:4])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvtier.base.errors import ConfigError
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
+from kvtier.web.startup import freeze_startup_objects
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -45,6 +46,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--max-attempts", type=int, default=3, help="replicas tried for a request that failed early")
     f.add_argument("--read-timeout", type=float, default=600.0, help="longest wait for a replica's next bytes")
     f.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    f.add_argument("--events-key", metavar="FILE",
+                   help="the router's CURVE key pair for replicas' event sockets, created if missing; replicas "
+                        "allow its public key with --events-allow (default: this user's per-host key, which "
+                        "local replicas of the same user allow by themselves)")
     add_http_limit_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -83,7 +88,8 @@ def router_config(args: argparse.Namespace):
         proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue),
         health=HealthConfig(interval_s=args.health_interval), index=IndexConfig(recent_ttl_s=args.record_ttl),
-        tokenizer=Path(args.model) if args.model else None, http=http_limits(args))
+        tokenizer=Path(args.model) if args.model else None, http=http_limits(args),
+        events_key=Path(args.events_key) if args.events_key else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,5 +110,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     policy = config.routing.routing.value + (" + sticky sessions" if config.routing.sticky else "")
     print(f"kvtier route: {len(config.replicas)} replicas, {policy}, on http://{args.host}:{args.port}", flush=True)
-    uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level)).run()
+    try:
+        from kvtier.events.keys import default_key_file, load_or_create
+
+        key_file = config.events_key or default_key_file()
+        public = load_or_create(key_file)[0].decode()
+    except (ConfigError, OSError) as exc:
+        print(f"kvtier route: events key {exc}", file=sys.stderr)
+        return 2
+    print(f"kvtier route: events key {public} (from {key_file}; replicas on other hosts or of other users need "
+          f"kvtier serve --events-allow '{public}')", flush=True)
+    server = uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level))
+    freeze_startup_objects()  # the tokenizer and its modules out of the cyclic GC: no 0.4 s collections under load
+    server.run()
     return 0

@@ -98,7 +98,9 @@ class IndexConfig:
 @dataclass(frozen=True)
 class RouterConfig:
     """The replicas (base URLs), how to choose among them, the tokenizer's model folder (None: SmolLM2), and
-    the limits of the router's own HTTP server."""
+    the limits of the router's own HTTP server, and the file of the router's events key pair (None: this
+    user's default, kvtier.events.keys.default_key_file(), which replicas of the same user on this host allow
+    without configuration; replicas elsewhere need its public key in ``kvtier serve --events-allow``)."""
 
     replicas: tuple[str, ...]
     routing: RoutingConfig = field(default_factory=default_routing)
@@ -109,6 +111,7 @@ class RouterConfig:
     tokenizer: Path | None = None
     #: what a client may cost the router's HTTP server: head size and count, read timeouts, connections
     http: HttpLimits = HttpLimits()
+    events_key: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas:

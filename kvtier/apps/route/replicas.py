@@ -182,8 +182,9 @@ class Replica:
 
     # -- events ----------------------------------------------------------------------------------------------
     def follow_events(self, ctx: zmq.asyncio.Context, index: FleetIndex, config: SubscriberConfig,
-                      count: Callable[[str], None]) -> None:
-        """Subscribe to the events ``info`` names (again, if they changed since the last call)."""
+                      count: Callable[[str], None], client_key: tuple[bytes, bytes] | None = None) -> None:
+        """Subscribe to the events ``info`` names (again, if they changed since the last call), as the CURVE
+        client ``client_key`` (the router's pair; None: the default one)."""
         events = self.info.events if self.info is not None else None
         if self._events is not None and self._events.done() and not self._events.cancelled():
             log.error("replica %s: event subscription stopped: %r", self.name, self._events.exception())
@@ -198,7 +199,7 @@ class Replica:
             return
         self._sink = _ReplicaSink(index, self.name)
         subscriber = EventSubscriber(ctx, events.endpoint, events.control, events.key.encode(), self._sink, config,
-                                     count)
+                                     count, client_key)
         self._events = asyncio.ensure_future(subscriber.run())
 
     def stop_events(self) -> None:

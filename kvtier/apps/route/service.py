@@ -51,6 +51,7 @@ from kvtier.apps.route.replicas import Replica, Ticket, record_namespace
 from kvtier.apps.route.requests import ParsedRequest, Prompt
 from kvtier.base.keys import ChunkHash, Namespace
 from kvtier.base.metrics import Metrics
+from kvtier.events.keys import default_key_file, load_or_create
 from kvtier.events.subscriber import SubscriberConfig
 from kvtier.fleet.index import FleetIndex
 from kvtier.fleet.scoring import Reason, RouteRequest, StickySessions
@@ -90,12 +91,14 @@ class Router:
         self.health = Health(self.replicas, config.health, self.metrics, self._follow)
         self.admission: Admission | None = None
         self._zmq: zmq.asyncio.Context | None = None
+        self.events_key: tuple[bytes, bytes] | None = None  #: (public, secret) Z85: what replicas must allow
         self._tasks: list[asyncio.Task] = []
         self.metrics.add_gauges(self._gauges)
 
     async def start(self) -> None:
         """Probe every replica once (their info and events), then keep probing in the background."""
         self._zmq = zmq.asyncio.Context()
+        self.events_key = load_or_create(self.config.events_key or default_key_file())
         self.admission = Admission(self.config.admission)
         await self.health.probe_all()
         self._tasks.append(asyncio.ensure_future(self.health.run()))
@@ -112,7 +115,8 @@ class Router:
     def _follow(self, replica: Replica) -> None:
         assert self._zmq is not None
         count = lambda what: self.metrics.inc(EVENTS, replica=replica.name, what=what)  # noqa: E731
-        replica.follow_events(self._zmq, self.index, SubscriberConfig(resync_s=self.config.index.resync_s), count)
+        replica.follow_events(self._zmq, self.index, SubscriberConfig(resync_s=self.config.index.resync_s), count,
+                              self.events_key)
 
     # -- one request -----------------------------------------------------------------------------------------
     async def route(self, path: str, parsed: ParsedRequest, body: bytes,

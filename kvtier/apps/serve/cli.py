@@ -20,6 +20,7 @@ from kvtier.base.errors import ConfigError
 from kvtier.core.config import CacheConfig, parse_size
 from kvtier.integrations.blend.config import BlendConfig
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
+from kvtier.web.startup import freeze_startup_objects
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -50,6 +51,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--events-port", type=int, default=0, help="ZMQ PUB port of the event stream (default: any free)")
     e.add_argument("--events-control-port", type=int, default=0, help="ZMQ port answering snapshot requests")
     e.add_argument("--no-events", action="store_true", help="publish no cache events")
+    e.add_argument("--events-allow", action="append", default=None, metavar="KEY",
+                   help="a router's events key (printed by kvtier route) that may subscribe; repeat for several, "
+                        "'any' for any client (default: $KVTIER_EVENTS_ALLOW, comma-separated, plus the key of "
+                        "this user's kvtier route on this host)")
     add_http_limit_flags(p)
     p.set_defaults(func=run)
     return p
@@ -68,6 +73,19 @@ def cache_config(args: argparse.Namespace) -> CacheConfig | None:
         tiers = [dataclasses.replace(t, capacity_bytes=size) if t.kind == "memory" else t for t in config.tiers]
         config = dataclasses.replace(config, tiers=tuple(tiers))
     return config
+
+
+def events_allow(args: argparse.Namespace):
+    """The Allow the flags (else ``KVTIER_EVENTS_ALLOW``) describe: the keys named, plus this user's local
+    router key; ``any`` lets any client in (the behaviour before allow-lists, open to E-1's subscription flood)."""
+    import os
+
+    from kvtier.events.keys import Allow
+
+    given = args.events_allow if args.events_allow is not None else \
+        [k for k in os.environ.get("KVTIER_EVENTS_ALLOW", "").split(",") if k.strip()]
+    keys = tuple(k.strip() for k in given if k.strip().lower() != "any")
+    return Allow(keys=keys, any=len(keys) < len(given))
 
 
 def blend_config(args: argparse.Namespace) -> BlendConfig | None:
@@ -104,13 +122,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvtier serve: {backend.name} on http://{args.host}:{args.port} (kvtier cache: {tiers})", flush=True)
     app = create_app(backend)
     try:
-        events = None if args.no_events else PublisherConfig(args.host, args.events_port, args.events_control_port)
+        events = None if args.no_events else PublisherConfig(args.host, args.events_port, args.events_control_port,
+                                                              allow=events_allow(args))
         publisher = attach_events(app, backend, events)
     except ConfigError as exc:
         backend.close()
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
     server = uvicorn.Server(server_config(app, backend, args.host, args.port, args.log_level))
+    freeze_startup_objects()  # the model and its modules out of the cyclic GC: no 0.4 s collections under load
     try:
         server.run()
     finally:

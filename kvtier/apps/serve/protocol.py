@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvtier.integrations.sampling import SEED_MAX, SEED_MIN, SamplingParams
@@ -84,22 +85,22 @@ class CompletionRequest(_Common):
         return prompt
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One message. A msgspec Struct, not a pydantic model: pydantic built one model per message in a single
+    call that holds the GIL, 1.05 s for the 250k messages 8 MiB holds, while /health waited; msgspec, 26 ms."""
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
 
-    @field_validator("role")
-    @classmethod
-    def _developer_is_system(cls, role: str) -> str:
-        return "system" if role == "developer" else role
+    def __post_init__(self) -> None:
+        if self.role == "developer":
+            self.role = "system"
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -110,8 +111,20 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     """``/v1/chat/completions``: the model's chat template turns ``messages`` into the prompt."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("messages", mode="plain")
+    @classmethod
+    def _messages(cls, messages: Any) -> list[ChatMessage]:
+        """Checked by msgspec, strictly: at least one message, no field beyond OpenAI's."""
+        try:
+            checked = msgspec.convert(messages, list[ChatMessage])
+        except msgspec.ValidationError as exc:
+            raise ValueError(str(exc).replace("`$", "`messages")) from None
+        if not checked:
+            raise ValueError("at least one message is required")
+        return checked
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,67 @@
+"""The router's strict type checks of request bodies (kvtier.apps.route.requests), unit-level.
+
+Issue 29, R-2: the checks moved from pydantic models to msgspec (a chat of 250k messages held the GIL for a
+second in pydantic's one call, stalling the event loop); these pin that what is accepted and refused, and the
+field a 400 names, did not change.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.apps.route.requests import TOKEN_ID_LIMIT, parse_request
+from kvtier.web.errors import RequestError
+
+REFUSED = [
+    (False, {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    (False, {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+    (False, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (False, {"prompt": "x", "stream": 1}, "stream"),
+    (False, {"prompt": "x", "user": 7}, "user"),
+    (False, {"prompt": 3}, "prompt"),
+    (False, {"prompt": [1.0]}, "prompt"),
+    (False, {"prompt": [True]}, "prompt"),
+    (False, {"prompt": [1, "a"]}, "prompt"),
+    (False, {"prompt": [[1], "a"]}, "prompt"),
+    (False, {"prompt": []}, "prompt"),
+    (False, {"prompt": [TOKEN_ID_LIMIT]}, "prompt"),
+    (False, {"prompt": [-1]}, "prompt"),
+    (False, {}, "prompt"),
+    (True, {"messages": []}, "messages"),
+    (True, {"messages": [{"role": 3}]}, "messages"),
+    (True, {"messages": [{"content": "hi"}]}, "messages"),
+    (True, {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    (True, {"messages": "hi"}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("chat", "body", "param"), REFUSED)
+def test_bodies_no_replica_could_serve_are_a_400_naming_the_field(chat, body, param):
+    with pytest.raises(RequestError) as refused:
+        parse_request(json.dumps(body).encode(), chat, {})
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_what_routing_needs_is_read_and_unknown_fields_are_left_to_the_replica():
+    ids = parse_request(json.dumps({"prompt": [[1, 2], [3]], "top_k": 5}).encode(), False, {})
+    assert ids.prompt.ids == [1, 2] and not ids.stream and ids.session is None
+    texts = parse_request(json.dumps({"prompt": ["a", "b"], "stream": True, "user": "u"}).encode(), False, {})
+    assert texts.prompt.text == "a" and texts.stream and texts.session is not None
+    chat = parse_request(json.dumps({"messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "user", "content": None, "name": "x"}]}).encode(), True, {})
+    assert chat.prompt.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": ""}]
+    image = parse_request(json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+                          True, {})
+    assert image.prompt.messages is None and image.prompt.text is None and image.prompt.ids is None
+
+
+def test_a_chat_as_long_as_the_body_cap_allows_is_checked_whole():
+    messages = [{"role": "user", "content": "hi"}] * 200_000  # about 6.5 MB, under the 8 MiB cap
+    parsed = parse_request(json.dumps({"messages": messages}).encode(), True, {})
+    assert len(parsed.prompt.messages) == 200_000
+    with pytest.raises(RequestError) as refused:
+        parse_request(json.dumps({"messages": messages + [{"role": None}]}).encode(), True, {})
+    assert refused.value.param == "messages" and "200000" in str(refused.value)
