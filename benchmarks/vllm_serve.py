@@ -131,13 +131,14 @@ class Bench:
     def run(self, server: VllmServer, label: str, workload: str, concurrency: int, seed: int,
             disk: Path | None = None) -> dict:
         self.settle(server, disk)
-        hits = _hits(server)
+        hits, preempted = _hits(server), _preemptions(server)
         load = os.getloadavg()[0]
         raw = vllm_bench(server.url, NAME, self.model, self.dataset(workload), concurrency, seed, self.log)
         time.sleep(1.0)  # the last step's kvtier counters reach /metrics with its output
         row = {"workload": workload, "label": label, "concurrency": concurrency, "seed": seed, **summarize(raw),
                "loadavg": (load + os.getloadavg()[0]) / 2, "duration_s": raw["duration"]}
         row["loaded_share"] = (_hits(server) - hits) / row["prompt_tokens"]
+        row["preemptions"] = _preemptions(server) - preempted  # vLLM's own counter: scheduling under a small cache
         row["_texts"] = raw["generated_texts"]  # compared with vLLM alone's at the end, then dropped
         self.rows.append(row)
         return row
@@ -165,6 +166,15 @@ def _hits(server: VllmServer) -> float:
     if server.kvtier is None:
         return 0.0
     return sum(v for k, v in server.metrics().items() if k.startswith("kvtier_hit_tokens_total"))
+
+
+def _preemptions(server: VllmServer) -> float:
+    """``vllm:num_preemptions_total`` from the server's /metrics (0 where vLLM has not reported it)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_preemptions_total"))
 
 
 def _start(stack: ExitStack, *servers: VllmServer) -> None:
