@@ -203,8 +203,11 @@ def test_kvtier_vllm_names_the_installed_build_as_vllm() -> None:
 
 
 def test_readme_vllm_commands_are_the_ones_tested() -> None:
-    """The README's vLLM section starts the server with the command this test runs."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## vLLM:", 1)[1].split("\n## ", 1)[0]
-    assert "kvtier vllm serve " in section
-    assert '"kv_connector_module_path": "kvtier.integrations.vllm"' in section
+    """The README's vLLM section and the vLLM guide start the server with the command this test runs."""
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    sections = [readme.split("\n## vLLM\n", 1)[1].split("\n## ", 1)[0],
+                (root / "docs" / "integrations" / "vllm.md").read_text()]
+    for section in sections:
+        assert "kvtier vllm serve " in section
+        assert '"kv_connector_module_path": "kvtier.integrations.vllm"' in section

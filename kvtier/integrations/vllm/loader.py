@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import Counter
@@ -104,8 +105,8 @@ class AsyncLoads:
                 try:
                     _, got = self.cache.retrieve(unpack_tokens(load.spec.tokens), load, salt=load.spec.salt,
                                                  max_tokens=len(load.spec.tokens) // 4)
-                except Exception:  # a bug or a sink error: what did not arrive is recomputed
-                    if load.closed:  # reported already (deadline, abort, shutdown: the cache may be closed)
+                except Exception as exc:  # a bug or a sink error: what did not arrive is recomputed
+                    if load.closed or _interpreter_exiting(exc):  # reported already, or the process is ending
                         log.debug("kvtier: closed load of request %s ended in an error", load.spec.req_id)
                     else:
                         log.exception("kvtier: loading request %s failed", load.spec.req_id)
@@ -164,3 +165,9 @@ class AsyncLoads:
         self._thread.join(timeout=5)  # a retrieve stuck in a tier cannot write anymore: do not wait for it
         self.paged.synchronize()
         self._active.clear()
+
+
+def _interpreter_exiting(exc: BaseException) -> bool:
+    """Whether ``exc`` only says the process is exiting: the engine quit while a load ran, and the tiers' thread
+    pools refuse work once Python shuts them down (``concurrent.futures`` says so with this RuntimeError)."""
+    return sys.is_finalizing() or (isinstance(exc, RuntimeError) and "after interpreter shutdown" in str(exc))
