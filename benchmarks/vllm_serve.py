@@ -192,6 +192,8 @@ def main() -> None:
     parser.add_argument("--alone-at", default="4", help="requests in flight at which vLLM alone runs (comma-separated; "
                         "it is compute-bound here, so 4 alone keeps a full run near 30 minutes); the ratios of the "
                         "memory tier at other levels are against the nearest one run")
+    parser.add_argument("--itl-prefix", type=int, metavar="TOKENS",
+                        help="prefix length of the ITL-while-loading probe (the full run's 4,096 in a --quick run)")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
     if args.report:
@@ -204,7 +206,9 @@ def main() -> None:
 
     from tests.redis_server import RedisServer, have_redis_server
 
-    size = QUICK if args.quick else FULL
+    size = dict(QUICK if args.quick else FULL)
+    if args.itl_prefix:
+        size["itl_prefix"] = args.itl_prefix
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     modes = load_modes()
