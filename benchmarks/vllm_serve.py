@@ -52,6 +52,10 @@ NAME, BLOCK, CHUNK, VOCAB = "smollm2", 32, 256, 49152
 FULL = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=36, concurrency=(1, 4, 8),
             random_len=1024, random_prompts=16, random_reps=2, itl_prefix=4096, itl_loads=3, streams=3,
             stream_tokens=600)
+#: the full run's prefix sizes and ITL probe with fewer prompts, at 4 in flight: sync vs async loads in ~20 min
+MEDIUM = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=16, concurrency=(4,),
+              random_len=1024, random_prompts=8, random_reps=1, itl_prefix=4096, itl_loads=3, streams=3,
+              stream_tokens=300)
 QUICK = dict(prefixes=8, prefix_len=512, suffix_len=32, output_len=8, prompts=16, concurrency=(4,),
              random_len=512, random_prompts=8, random_reps=1, itl_prefix=512, itl_loads=1, streams=2,
              stream_tokens=100)
@@ -192,6 +196,9 @@ def main() -> None:
     parser.add_argument("--alone-at", default="4", help="requests in flight at which vLLM alone runs (comma-separated; "
                         "it is compute-bound here, so 4 alone keeps a full run near 30 minutes); the ratios of the "
                         "memory tier at other levels are against the nearest one run")
+    parser.add_argument("--medium", action="store_true",
+                        help="the full run's prefix sizes and ITL probe, fewer prompts, 4 in flight")
+    parser.add_argument("--no-redis", action="store_true", help="leave out the Redis rows")
     parser.add_argument("--itl-prefix", type=int, metavar="TOKENS",
                         help="prefix length of the ITL-while-loading probe (the full run's 4,096 in a --quick run)")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
@@ -206,7 +213,7 @@ def main() -> None:
 
     from tests.redis_server import RedisServer, have_redis_server
 
-    size = dict(QUICK if args.quick else FULL)
+    size = dict(QUICK if args.quick else MEDIUM if args.medium else FULL)
     if args.itl_prefix:
         size["itl_prefix"] = args.itl_prefix
     out = Path(args.out)
@@ -261,7 +268,7 @@ def main() -> None:
                 progress.advance(task)
             phase.close()
 
-            if have_redis_server():
+            if have_redis_server() and not args.no_redis:
                 redis = RedisServer(maxmemory="6gb").start()
                 phase.callback(redis.stop)
                 servers = {mode: bench.server(f"redis {mode}", [{"kind": "redis", "url": redis.url, "timeout_s": 30.0,
@@ -278,7 +285,7 @@ def main() -> None:
                     progress.advance(task)
                 phase.close()
             else:
-                bench.notes.append("no redis-server: Redis rows skipped")
+                bench.notes.append("Redis rows skipped (--no-redis, or no redis-server)")
             step("done")
 
     rows = compare(bench.rows)
