@@ -5,8 +5,9 @@ The public names below load on first use, so ``import kvtier`` (and ``kvtier --h
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvtier.base.registry import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -26,13 +27,7 @@ _PUBLIC: dict[str, str] = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, globals(), _PUBLIC)
 
 
 def __dir__() -> list[str]:

@@ -3,9 +3,9 @@ its settings. ``BlendConfig`` loads without transformers; the other names load i
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvtier.base.registry import lazy_exports
 from kvtier.integrations.blend.config import BlendConfig
 
 _LAZY = {"BlendedLM": "kvtier.integrations.blend.lm", "UnsupportedModel": "kvtier.integrations.blend.rope"}
@@ -13,14 +13,7 @@ _LAZY = {"BlendedLM": "kvtier.integrations.blend.lm", "UnsupportedModel": "kvtie
 __all__ = ["BlendConfig", "BlendedLM", "UnsupportedModel"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_exports(__name__, globals(), _LAZY)
 
 if TYPE_CHECKING:
     from kvtier.integrations.blend.lm import BlendedLM
