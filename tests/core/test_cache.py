@@ -151,9 +151,11 @@ class BrokenTierConfig(TierConfig):
 
 
 class BrokenTier:
+    """Every call fails, as an unreachable network tier's do."""
+
     verifies = True
 
-    def __init__(self, name):
+    def __init__(self, name="broken"):
         from kvtier.codecs import get_codec
 
         self.name, self.codec = name, get_codec("raw")

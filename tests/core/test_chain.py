@@ -3,57 +3,27 @@ failure counting, and the one event rule for chunks, segments and snapshots."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 import torch
 
 from kvtier import KVSpec
-from kvtier.base.errors import ConfigError, TierError
+from kvtier.base.errors import ConfigError
 from kvtier.base.keys import ChunkHash
 from kvtier.base.metrics import Metrics
-from kvtier.codecs import BytesPayload, get_codec
+from kvtier.codecs import BytesPayload
 from kvtier.codecs.blob import decode_blob
 from kvtier.core.cache import TensorSink, TensorSource
 from kvtier.core.chain import TierChain
 from kvtier.core.events import CacheEvents, ChunkEvent, ChunkEventKind, EntryKind
 from kvtier.core.jobs import Entry, StoreJob
 from kvtier.core.pipeline import Pipeline
-from kvtier.tiers import MemoryTierConfig, TierContext, TierStats, WriteMode
+from kvtier.tiers import MemoryTierConfig, TierContext, WriteMode
+from tests.core.test_cache import BrokenTier
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.float16)
 CHUNK = 8
 CHUNK_BYTES = SPEC.bytes_per_token * CHUNK + 320  # payload and header
-
-
-class BrokenTier:
-    """Every call fails, as an unreachable network tier's do."""
-
-    verifies = True
-
-    def __init__(self, name: str = "broken") -> None:
-        self.name, self.codec = name, get_codec("raw")
-
-    def contains(self, keys):
-        raise TierError("unreachable")
-
-    @contextmanager
-    def get(self, keys):
-        raise TierError("unreachable")
-        yield
-
-    def put(self, items):
-        raise TierError("unreachable")
-
-    def delete(self, keys):
-        raise TierError("unreachable")
-
-    def stats(self):
-        return TierStats(0, 0, 0)
-
-    def close(self):
-        pass
 
 
 class GetFails(BrokenTier):

@@ -10,9 +10,6 @@ new engine process on the same disk directory, in-process so the test can damage
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -21,10 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.integrations.vllm_model import build_tiny_llama, prompt_ids  # noqa: E402
+from tests.integrations.vllm_model import build_tiny_llama, prompt_ids, run_engine_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [prompt_ids(1, 300), prompt_ids(2, 256), prompt_ids(3, 100)]
 CHUNK = 64
 FULL_HITS = [256, 255, 64]  # whole chunks, minus the one token vLLM must compute
@@ -47,12 +43,7 @@ def engine(workdir: Path):
         spec = {"model": str(workdir / "model"), "prompts": PROMPTS, "steps": list(steps),
                 "kvtier": None if kvtier is None else json.loads(kvtier), "log_stats": log_stats,
                 "kv_events_port": free_port() if kv_events else None}
-        spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
-        proc = subprocess.run([sys.executable, str(ROOT / "tests/integrations/vllm_engine.py"), str(spec_path),
-                               str(out_path)], env=env, cwd=workdir, capture_output=True, text=True, timeout=900)
+        proc, out_path = run_engine_spec(workdir, name, spec, in_process=in_process)
         assert proc.returncode == 0, f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         return json.loads(out_path.read_text())
 

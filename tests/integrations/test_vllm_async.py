@@ -17,19 +17,15 @@ Nine prompts of 296 tokens, three by three sharing a 256-token prefix (four 64-t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from tests.integrations.vllm_model import build_tiny_llama, prompt_ids  # noqa: E402
+from tests.integrations.vllm_model import build_tiny_llama, prompt_ids, run_engine_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK, PREFIX = 64, 256
 PREFIXES = [prompt_ids(10 + i, PREFIX) for i in range(3)]
 PROMPTS = [PREFIXES[i % 3] + prompt_ids(100 + i, 40) for i in range(9)]
@@ -48,12 +44,7 @@ def run_engine(workdir: Path, name: str, kvtier: dict | None, steps: list[str], 
                prompts: list[list[int]] = PROMPTS, **spec_extra) -> dict:
     spec = {"model": str(workdir / "model"), "prompts": prompts, "steps": steps, "kvtier": kvtier,
             "max_tokens": MAX_TOKENS, **spec_extra}
-    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/integrations/vllm_engine.py"), str(spec_path),
-                           str(out_path)], env=env, cwd=workdir, capture_output=True, text=True, timeout=900)
+    proc, out_path = run_engine_spec(workdir, name, spec, in_process=in_process)
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     out = json.loads(out_path.read_text())
     out["stderr"] = proc.stderr

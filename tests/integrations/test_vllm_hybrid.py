@@ -9,20 +9,16 @@ hybrid KV cache manager. Either way the engine produces no output.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from tests.integrations.vllm_model import VOCAB, prompt_ids  # noqa: E402
+from tests.integrations.vllm_model import VOCAB, prompt_ids, run_engine_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(path: Path, kind: str) -> Path:
@@ -54,12 +50,7 @@ def run_engine(workdir: Path, kind: str) -> tuple[subprocess.CompletedProcess, P
     model = build(workdir / kind, kind)
     spec = {"model": str(model), "prompts": [prompt_ids(1, 200)], "steps": ["gen:first"], "block_size": None,
             "kvtier": {"chunk_size": 256, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]}}
-    spec_path, out_path = workdir / f"{kind}.spec.json", workdir / f"{kind}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/integrations/vllm_engine.py"), str(spec_path),
-                           str(out_path)], env=env, cwd=workdir, capture_output=True, text=True, timeout=900)
-    return proc, out_path
+    return run_engine_spec(workdir, kind, spec, in_process=True)
 
 
 def test_pure_mamba2_is_refused_by_the_connector(tmp_path):

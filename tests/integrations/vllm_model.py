@@ -37,3 +37,20 @@ def prompt_ids(seed: int, n: int) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def run_engine_spec(workdir: Path, name: str, spec: dict, *, in_process: bool) -> tuple:
+    """Run ``tests/integrations/vllm_engine.py`` on ``spec`` in its own interpreter (the engine in that process
+    with ``in_process``, else in vLLM's worker processes); returns ``(completed process, output path)``."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(root), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    proc = subprocess.run([sys.executable, str(root / "tests/integrations/vllm_engine.py"), str(spec_path),
+                           str(out_path)], env=env, cwd=workdir, capture_output=True, text=True, timeout=900)
+    return proc, out_path
