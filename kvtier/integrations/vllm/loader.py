@@ -168,6 +168,7 @@ class AsyncLoads:
 
 
 def _interpreter_exiting(exc: BaseException) -> bool:
-    """Whether ``exc`` only says the process is exiting: the engine quit while a load ran, and the tiers' thread
-    pools refuse work once Python shuts them down (``concurrent.futures`` says so with this RuntimeError)."""
-    return sys.is_finalizing() or (isinstance(exc, RuntimeError) and "after interpreter shutdown" in str(exc))
+    """Whether ``exc`` only says the engine is going away: it quit while a load ran, and a tier's thread pool,
+    shut down by the cache's close or by Python's exit, refuses work (``concurrent.futures`` raises this
+    RuntimeError, "cannot schedule new futures after [interpreter] shutdown", for both)."""
+    return sys.is_finalizing() or (isinstance(exc, RuntimeError) and "cannot schedule new futures" in str(exc))
