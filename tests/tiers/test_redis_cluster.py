@@ -71,7 +71,8 @@ def test_one_dead_shard_costs_only_its_keys(redis_cluster):
         try:
             start = time.monotonic()
             hits = [cache.retrieve(tokens)[1] for tokens, _ in prompts]
-            assert time.monotonic() - start < 3.0  # one timeout at most, then the dead shard's breaker is open
+            assert time.monotonic() - start < 15.0  # a hang guard: one timeout, then the breaker (counted below)
+            assert cache.metrics.total("kvtier_breaker_opens_total") >= 1
             assert 0 < hits.count(CHUNK) < len(prompts)  # the other shards still serve
         finally:
             victim.start()

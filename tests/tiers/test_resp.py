@@ -88,7 +88,7 @@ def test_stalled_reply_times_out_at_the_deadline(pair):
     start = time.monotonic()
     with pytest.raises(WireTimeout):
         reader.read_reply()
-    assert 0.15 < time.monotonic() - start < 1.0
+    assert 0.15 < time.monotonic() - start < 5.0  # not before the deadline; the upper bound only guards a hang
 
 
 def test_big_reply_gets_a_transfer_allowance(pair):
@@ -128,7 +128,7 @@ def test_send_respects_the_deadline(pair):
     start = time.monotonic()
     with pytest.raises(WireTimeout):
         send_all(a, [big], time.monotonic() + 0.2)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0  # a hang guard, not a timing
 
 
 def test_exists_replies_read_in_bulk_or_one_by_one(pair):

@@ -20,7 +20,7 @@ def test_result_exception_and_deadline():
     start = time.monotonic()
     with pytest.raises(CallTimedOut):
         calls.run(lambda: release.wait(10) and "done", deadline=start + 0.2, on_late=late.append)
-    assert time.monotonic() - start < 1.0  # the caller left at its deadline ...
+    assert time.monotonic() - start < 5.0  # the caller left at its deadline (a hang guard, not a timing) ...
     assert late == []
     release.set()  # ... and the call, when it ends, hands its result to on_late
     assert calls.close(wait_s=5) and late == ["done"]
@@ -37,7 +37,7 @@ def test_busy_workers_fail_fast_and_close_refuses_new_calls():
     # CallTimedOut, after which the caller would leave its buffers to a call that never comes)
     with pytest.raises(CallNotStarted):
         calls.run(ran.append, 1, deadline=start + 0.2)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0  # a hang guard, not a timing
     assert not calls.close(wait_s=0.1)  # a call is still inside
     release.set()
     with pytest.raises(CallNotStarted):
