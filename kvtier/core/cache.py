@@ -19,7 +19,8 @@ prefixes whose every kind is cached: the KV of each chunk up to a boundary and t
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -32,6 +33,7 @@ from kvtier.base.metrics import Metrics
 from kvtier.base.state import ModelStateSpec
 from kvtier.core.chain import TierChain
 from kvtier.core.config import CacheConfig
+from kvtier.core.control import CacheControl
 from kvtier.core.events import CacheEvents
 from kvtier.core.jobs import PipelineTuning, StoreJob, source_device
 from kvtier.core.metrics import (
@@ -46,6 +48,7 @@ from kvtier.core.metrics import (
 from kvtier.core.pipeline import Pipeline
 from kvtier.core.snapshots import NoStates, PrefixState, Snapshot, StateSnapshots
 from kvtier.tiers import Tier, TierContext
+from kvtier.tiers.control import Tags, expires_at, tenant_tag
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,7 @@ class KVCache:
         adapter: str = "",
         metrics: Metrics | None = None,
         tuning: PipelineTuning | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config if config is not None else CacheConfig()
         self.model_spec = ModelStateSpec.of(spec)
@@ -149,14 +153,18 @@ class KVCache:
         self.events = CacheEvents()  #: chunks stored / removed per tier (kvtier.events)
         self._pipeline = Pipeline(self.spec, self.chunk_size, self.metrics, tuning)  # pure SSM: moves no KV
         names = _tier_names([cfg.kind for cfg in self.config.tiers])
+        self.clock = clock  #: what store TTLs and the tiers' expiries count on (seconds)
+        tenants = {tenant_tag(salt): name for name, salt in self.config.tenant_salts().items()}
         self.tiers: list[Tier] = []
         try:
             for cfg, name in zip(self.config.tiers, names):
-                self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
+                self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size,
+                                                        self.namespace.root.hex()[:16], tenants, clock)))
             self.chain = TierChain(self.tiers, [cfg.write for cfg in self.config.tiers], self.metrics, self.events,
                                    self._pipeline)
             self._states = (StateSnapshots(self.model_spec, self.chunk_size, self.chain)
                             if self.model_spec.states else NoStates())
+            self.control = CacheControl(self)  #: pins, clears, per-tier lookup and usage (kvtier.core.control)
         except BaseException:
             self.close()
             raise
@@ -175,10 +183,14 @@ class KVCache:
         self.metrics.inc(LOOKUP_TOKENS, len(keys) * self.chunk_size)
         return n * self.chunk_size
 
-    def store(self, tokens: Tokens, kv: torch.Tensor | KVSource, *, salt: bytes = b"") -> int:
+    def store(self, tokens: Tokens, kv: torch.Tensor | KVSource, *, salt: bytes = b"",
+              ttl_s: float | None = None) -> int:
         """Store the full chunks of ``tokens`` whose KV ``kv`` holds (canonical tensor or KVSource).
 
-        Returns the number of tokens newly written to at least one tier. Never raises for tier failures.
+        The new entries are owned by the tenant ``salt`` names (its share and clears: kvtier.core.control) and,
+        with ``ttl_s``, expire that many seconds from now (misses from then on, reclaimed; a tier that cannot
+        expire entries is not written). Returns the number of tokens newly written to at least one tier. Never
+        raises for tier failures; InvalidArgument for a negative or non-finite ``ttl_s``.
         """
         with self.metrics.timer(STORE_SECONDS):
             self._require_attention()
@@ -191,17 +203,20 @@ class KVCache:
                 source: KVSource = TensorSource(kv)
             else:
                 source = kv
-            return sum(self.store_keyed(keys, token_ids, source)) * self.chunk_size
+            return sum(self.store_keyed(keys, token_ids, source, salt=salt, ttl_s=ttl_s)) * self.chunk_size
 
-    def store_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource) -> list[bool]:
+    def store_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource, *, salt: bytes = b"",
+                    ttl_s: float | None = None) -> list[bool]:
         """``store`` under keys the caller derived itself (an engine's own chained page hashes mapped into this
         namespace), chunk ``i`` being tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of ``source`` and of
         ``token_ids`` (recorded in, and checked on every read of, its blob). True per chunk newly written to at
-        least one tier. Never raises for tier failures."""
+        least one tier. ``salt``: the tenant the keys were derived for (the entries' owner); ``ttl_s`` as for
+        ``store``. Never raises for tier failures."""
+        tags = Tags(tenant_tag(salt), expires_at(ttl_s, self.clock()))
         device = source_device(source)
         if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
             torch.cuda.current_stream(device).synchronize()
-        written = self.chain.store_chunks(StoreJob(keys, token_ids, source))
+        written = self.chain.store_chunks(StoreJob(keys, token_ids, source, tags))
         self.chain.order_chain(keys)
         return written
 

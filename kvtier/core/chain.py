@@ -40,6 +40,7 @@ from kvtier.core.jobs import Entry, Failure, LoadJob, StoreJob
 from kvtier.core.metrics import DEMOTIONS, PROMOTIONS, STORED_TOKENS
 from kvtier.core.pipeline import Pipeline
 from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, WriteMode
+from kvtier.tiers.control import Controlled, Tags, put_tagged
 from kvtier.tiers.metrics import CORRUPT_CHUNKS, READ_BYTES, TIER_ERRORS
 
 log = logging.getLogger(__name__)
@@ -206,11 +207,27 @@ class TierChain:
     # -- moving between tiers --------------------------------------------------------------------------------
     def promote(self, found_in: int, entries: Sequence[Entry], kind: EntryKind = EntryKind.CHUNK) -> None:
         """Copy ``entries``, found in tier ``found_in`` (so no faster tier held them), into every faster tier. The
-        tensors may view the slower tier's memory: valid only during the call, which copies them."""
+        tensors may view the slower tier's memory: valid only during the call, which copies them. Each entry
+        keeps its owner and expiry (kvtier/tiers/control.py) where the slower tier records them."""
+        groups = self._by_tags(self.tiers[found_in], entries)
         for tier in self.tiers[:found_in]:
-            done = self._put(tier, entries, "promote", kind)
+            done = sum(len(self._put(tier, group, "promote", kind, tags)) for tags, group in groups.items())
             if done:
-                self.metrics.inc(PROMOTIONS, len(done), tier=tier.name)
+                self.metrics.inc(PROMOTIONS, done, tier=tier.name)
+
+    def _by_tags(self, tier: Tier, entries: Sequence[Entry]) -> dict[Tags | None, list[Entry]]:
+        """``entries`` grouped by the tags ``tier`` has for them (all under None where it records none)."""
+        if not isinstance(tier, Controlled):
+            return {None: list(entries)}
+        try:
+            tags = tier.tags_of([e.key for e in entries])
+        except KVTierError as exc:
+            self.failed(tier, "promote", exc)
+            return {None: list(entries)}
+        groups: dict[Tags | None, list[Entry]] = {}
+        for entry, tag in zip(entries, tags):
+            groups.setdefault(tag, []).append(entry)
+        return groups
 
     def _demote(self, key: ChunkHash, blob: memoryview, t: int) -> None:
         """Write-back: re-encode an entry the tier above ``t`` is evicting into tier ``t``. Runs as that tier's
@@ -235,12 +252,13 @@ class TierChain:
             return []
         return [i for i, p in enumerate(present) if not p]
 
-    def _put(self, tier: Tier, entries: Sequence[Entry], op: str, kind: EntryKind | None) -> list[int]:
-        """Encode ``entries`` for ``tier`` (its codec, sealed where it verifies) and put them; the indices it
-        stored, reported as entering it. A failure is counted under ``op`` and stores nothing."""
+    def _put(self, tier: Tier, entries: Sequence[Entry], op: str, kind: EntryKind | None,
+             tags: Tags | None = None) -> list[int]:
+        """Encode ``entries`` for ``tier`` (its codec, sealed where it verifies) and put them with ``tags``; the
+        indices it stored, reported as entering it. A failure is counted under ``op`` and stores nothing."""
         try:
-            stored = tier.put([(e.key, encode_blob(e.key, e.tokens, tier.codec, e.tensor, seal=tier.verifies))
-                               for e in entries])
+            stored = put_tagged(tier, [(e.key, encode_blob(e.key, e.tokens, tier.codec, e.tensor,
+                                                           seal=tier.verifies)) for e in entries], tags)
         except KVTierError as exc:
             self.failed(tier, op, exc)
             return []

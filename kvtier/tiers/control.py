@@ -107,6 +107,9 @@ class Controlled(Protocol):
     def unpin(self, keys: Sequence[ChunkHash]) -> int:
         """Release pins; bytes unpinned."""
 
+    def pinned(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        """Which ``keys`` are pinned now."""
+
     def clear(self, *, tenant: str | None = None, everything: bool = False) -> int:
         """Remove the namespace's entries (or the tenant's, or everything held); the number removed."""
 
@@ -114,9 +117,15 @@ class Controlled(Protocol):
 
 
 def put_tagged(tier: Tier, items: Sequence[tuple[ChunkHash, Payload]], tags: Tags | None) -> list[bool]:
-    """Store ``items`` with ``tags`` where the tier records them; a tier that does not is given a plain ``put``
-    (its entries then have no owner and no expiry: KVCache's control refuses a TTL for such a tier up front)."""
-    if tags is None or tags == DEFAULT_TAGS or not isinstance(tier, Controlled):
+    """Store ``items`` with ``tags`` where the tier records them. A tier that records no owners is given a plain
+    ``put``; a store with an expiry skips a tier that cannot expire entries (False for every item), so no tier
+    keeps an entry longer than its store asked."""
+    if tags is None or tags == DEFAULT_TAGS:
+        return tier.put(items)
+    features = tier.supports if isinstance(tier, Controlled) else frozenset()
+    if tags.expires_at is not None and Feature.TTL not in features:
+        return [False] * len(items)
+    if not features:
         return tier.put(items)
     return tier.put_tagged(items, tags)
 

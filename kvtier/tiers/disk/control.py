@@ -47,6 +47,9 @@ class DiskControl:
             self.save_control()
         return freed
 
+    def pinned(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        return self._index.pinned(keys)
+
     def clear(self, *, tenant: str | None = None, everything: bool = False) -> int:
         """The directory belongs to one cache, so its namespace is everything it holds."""
         removed = self._index.clear(None if everything else tenant)

@@ -300,6 +300,10 @@ class DiskIndex:
                     and not self._expire(k)]
             return self.ledger.pin(held)
 
+    def pinned(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        with self._lock:
+            return [self.ledger.pinned(key) for key in keys]
+
     def control_unpin(self, keys: Sequence[ChunkHash]) -> int:
         with self._lock:
             return self.ledger.unpin(keys)

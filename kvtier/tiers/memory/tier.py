@@ -293,6 +293,10 @@ class MemoryTier:
         with self._lock:
             return self._ledger.unpin(keys)
 
+    def pinned(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        with self._lock:
+            return [self._ledger.pinned(key) for key in keys]
+
     def clear(self, *, tenant: str | None = None, everything: bool = False) -> int:
         """The tier belongs to one cache, so its namespace is everything it holds."""
         with self._lock:
