@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.base.errors import PinBudgetExceeded
 from kvtier.base.keys import ChunkHash
 from kvtier.base.layout import KVSpec
 from kvtier.base.metrics import Metrics
 from kvtier.codecs import BytesPayload, get_codec
 from kvtier.codecs.blob import blob_bytes, encode_blob
-from kvtier.base.errors import PinBudgetExceeded
 from kvtier.tiers import Flushable, Tier, TierContext
 from kvtier.tiers.control import Controlled, Feature, Tags
 
