@@ -24,24 +24,32 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier.base.errors import InvalidArgument, KVTierError, NotSupported
 from kvtier.base.keys import ChunkHash, Tokens
+from kvtier.core.chain import TierChain
 from kvtier.tiers import Tier
 from kvtier.tiers.control import Controlled, Feature, TierUsage, tenant_tag
 
-if TYPE_CHECKING:
-    from kvtier.core.cache import KVCache
-
 log = logging.getLogger(__name__)
+
+
+class Controls(Protocol):
+    """What CacheControl needs of its cache (a KVCache): its tiers and their chain, its chunk size and keys."""
+
+    tiers: list[Tier]
+    chain: TierChain
+    chunk_size: int
+
+    def keys(self, tokens: Tokens, *, salt: bytes = b"") -> list[ChunkHash]: ...
 
 
 class CacheControl:
     """Pins, clears, per-tier lookup and usage of one KVCache (see the module docstring). Thread-safe as far as
     its tiers are."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: Controls) -> None:
         self._cache = cache
 
     @property

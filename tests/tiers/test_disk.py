@@ -12,9 +12,9 @@ from kvtier.base.errors import ConfigError
 from kvtier.codecs import BytesPayload
 from kvtier.core.config import CacheConfig
 from kvtier.tiers import DiskTier, DiskTierConfig
+from tests.conformance.control_suite import ControlConformance
 from tests.conformance.tier_suite import (
     BLOB_BYTES,
-    ControlConformance,
     EvictingTierConformance,
     RemovalListenerConformance,
     blob,

@@ -5,8 +5,8 @@ import weakref
 import pytest
 
 from kvtier.tiers import MemoryTier, MemoryTierConfig
+from tests.conformance.control_suite import ControlConformance
 from tests.conformance.tier_suite import (
-    ControlConformance,
     EvictingTierConformance,
     EvictionListenerConformance,
     RemovalListenerConformance,
