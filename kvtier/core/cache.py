@@ -255,14 +255,16 @@ class KVCache:
                 tensor, sink = out, TensorSink(out)
             else:
                 tensor, sink = None, out
-            good = self._load_prefix(keys, where, token_ids, sink)
+            good = self._load_prefix(keys, where, token_ids, sink, salt)
         return tensor, good * self.chunk_size
 
-    def retrieve_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, sink: KVSink) -> int:
+    def retrieve_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, sink: KVSink, *,
+                       salt: bytes = b"") -> int:
         """``retrieve`` under keys the caller derived itself (see ``store_keyed``) into ``sink``: returns how many
-        leading chunks of ``keys`` arrived verified. Never raises for tier failures."""
+        leading chunks of ``keys`` arrived verified; ``salt``: the tenant the keys were derived for (the owner of
+        what a hit promotes). Never raises for tier failures."""
         with self.metrics.timer(RETRIEVE_SECONDS):
-            return self._load_prefix(keys, self.chain.locate(keys), token_ids, sink)
+            return self._load_prefix(keys, self.chain.locate(keys), token_ids, sink, salt)
 
     def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
         """For each key, the index of the fastest tier holding it (None where no tier does; a prefix ends at the
@@ -312,13 +314,13 @@ class KVCache:
             raise ConfigError("this model has no attention layers: use store_states / retrieve_states")
 
     def _load_prefix(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray,
-                     sink: KVSink) -> int:
+                     sink: KVSink, salt: bytes = b"") -> int:
         """Load the located prefix of ``keys`` into ``sink``, count hits per tier and the misses; return how many
-        leading chunks arrived verified."""
+        leading chunks arrived verified. Promoted chunks the slower tier records no owner for are ``salt``'s."""
         n = self.chain.prefix(where)
         good = 0
         if n:
-            ok = self.chain.load_chunks(keys[:n], where[:n], token_ids, sink)
+            ok = self.chain.load_chunks(keys[:n], where[:n], token_ids, sink, tenant_tag(salt))
             good = self.chain.prefix([t if hit else None for t, hit in zip(where, ok)])
             for t, tier in enumerate(self.tiers):
                 hits = sum(1 for i in range(good) if where[i] == t)
