@@ -139,3 +139,18 @@ def test_lookup_tiers_and_promotion_over_memory_and_redis(redis_server):
         assert cache.retrieve(tokens, salt=b"alice")[1] == len(tokens)
         assert cache.control.lookup_tiers(tokens, salt=b"alice") == {"memory": len(tokens), "redis": len(tokens)}
         assert cache.control.clear(tenant=b"alice") == {"memory": 3, "redis": 3}
+
+
+def test_pins_and_clears_on_a_cluster_reach_every_shard(redis_cluster):
+    redis_cluster.flush()
+    with make_cache(redis_cluster.url, cluster=True, max_part_bytes=4096) as cache:
+        prompts = [prompt(4, seed=seed) for seed in range(6)]
+        for tokens, kv in prompts:
+            cache.store(tokens, kv, salt=b"alice")
+        cache.store(*prompts[0])
+        assert all(n > 0 for n in redis_cluster.dbsizes())  # values (split in parts) on every primary
+        assert cache.control.pin(prompts[0][0]) == {"redis": 4 * CHUNK}
+        assert cache.control.clear(tenant=b"alice") == {"redis": 24}
+        assert cache.lookup(prompts[0][0]) == 4 * CHUNK and cache.lookup(prompts[1][0], salt=b"alice") == 0
+        assert cache.control.clear() == {"redis": 4}
+        assert sum(redis_cluster.dbsizes()) == 0

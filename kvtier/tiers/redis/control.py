@@ -188,7 +188,8 @@ class RedisControl:
                 cursor, found = self._run_all({node.name: batch}, "clear", deadline)[0].replies[0]
                 if found:
                     unlink = Batch(node)
-                    unlink.add(None, b"UNLINK", *found)
+                    for key in found:  # one key a command: a cluster refuses keys of several slots in one
+                        unlink.add(None, b"UNLINK", key)
                     self._run_all({node.name: unlink}, "clear", deadline)
                     removed += sum(1 for key in found if key.endswith(b"}"))
                 if cursor in (b"0", 0):
