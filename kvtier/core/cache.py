@@ -127,8 +127,10 @@ class KVCache:
     """Tiered prefix KV cache for one model (one namespace apart from per-call tenant salts).
 
     ``tuning`` sets how the pipeline cuts and overlaps its windows (defaults suit any machine). ``chain`` is the
-    chain of tiers, which segment caches (segments.py) share. Thread-safe: tiers lock their own state and the
-    cache keeps none besides them.
+    chain of tiers, which segment caches (segments.py) share. ``clock`` (seconds, wall-clock time by default) is
+    what store TTLs count on and the tiers expire entries by (tests inject their own). ``control`` pins, clears
+    and looks up per tier (kvtier.core.control). Thread-safe: tiers lock their own state and the cache keeps none
+    besides them.
     """
 
     def __init__(

@@ -40,7 +40,7 @@ from kvtier.core.jobs import Entry, Failure, LoadJob, StoreJob
 from kvtier.core.metrics import DEMOTIONS, PROMOTIONS, STORED_TOKENS
 from kvtier.core.pipeline import Pipeline
 from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, WriteMode
-from kvtier.tiers.control import Controlled, Tags, put_tagged
+from kvtier.tiers.control import Controlled, EvictionTags, Tags, put_tagged
 from kvtier.tiers.metrics import CORRUPT_CHUNKS, READ_BYTES, TIER_ERRORS
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,9 @@ class TierChain:
         except KVTierError as exc:
             self.failed(target, "demote", exc)
             return
-        if self._put(target, [Entry(key, header.tokens(blob), tensor)], "demote", None):
+        upper = self.tiers[t - 1]
+        tags = upper.evicting_tags() if isinstance(upper, EvictionTags) else None  # its owner and expiry go along
+        if self._put(target, [Entry(key, header.tokens(blob), tensor)], "demote", None, tags):
             self.metrics.inc(DEMOTIONS, tier=target.name)
 
     # -- writing, deleting, counting -----------------------------------------------------------------------

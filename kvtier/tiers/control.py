@@ -116,6 +116,15 @@ class Controlled(Protocol):
     def usage(self) -> TierUsage: ...
 
 
+@runtime_checkable
+class EvictionTags(Protocol):
+    """Optional capability of an ``EvictionReporter`` that records tags: while its eviction listener runs (on the
+    evicting thread, under the tier's lock), ``evicting_tags`` gives the evicted entry's tags without taking the
+    lock, so a write-back tier below receives the entry with its owner and expiry. None outside such a call."""
+
+    def evicting_tags(self) -> Tags | None: ...
+
+
 def put_tagged(tier: Tier, items: Sequence[tuple[ChunkHash, Payload]], tags: Tags | None) -> list[bool]:
     """Store ``items`` with ``tags`` where the tier records them. A tier that records no owners is given a plain
     ``put``; a store with an expiry skips a tier that cannot expire entries (False for every item), so no tier

@@ -205,3 +205,23 @@ def test_stats_name_configured_tenants_and_lump_the_rest():
         assert set(usage.tenant_bytes) == {"alice", "other", "default"}
         assert usage.tenant_bytes["other"] == 2 * usage.tenant_bytes["alice"] == 2 * usage.tenant_bytes["default"]
         assert usage.entries == 8 and usage.pin_budget_bytes == usage.capacity_bytes // 4
+
+
+def test_a_chunk_demoted_to_a_write_back_tier_keeps_its_owner_and_expiry(tmp_path):
+    from kvtier.tiers import WriteMode
+
+    clock = FakeClock()
+    tiers = (memory(4), DiskTierConfig(path=tmp_path, capacity_bytes=32 * CHUNK_BYTES, fsync=False,
+                                       write=WriteMode.BACK))
+    with make_cache(*tiers, clock=clock) as cache:
+        store(cache, 0, salt=ALICE, ttl_s=60)
+        store(cache, 1, salt=BOB)
+        store(cache, 2, salt=BOB)  # evicts alice's chunks into the disk tier
+        cache.tiers[1].flush()
+        assert cache.control.lookup_tiers(prompt(0), salt=ALICE) == {"memory": 0, "disk": 2 * CHUNK}
+        assert cache.tiers[1].tags_of(cache.keys(prompt(0), salt=ALICE))[0].tenant != ""
+        clock.now += 61
+        assert cache.lookup(prompt(0), salt=ALICE) == 0  # its expiry came along
+        store(cache, 3)  # evicts bob's first prompt into the disk tier
+        cache.tiers[1].flush()
+        assert cache.control.clear(tenant=BOB) == {"memory": 2, "disk": 2}  # demoted, still bob's

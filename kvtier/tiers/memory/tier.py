@@ -37,7 +37,8 @@ class _Entry:
 
 class MemoryTier:
     """The Tier protocol over one preallocated host buffer; an ``EvictionReporter``, ``ChainOrdered``, a
-    ``RemovalReporter``, ``Listable`` and ``Controlled`` (pins, expiry, tenant shares: kvtier/tiers/control.py)."""
+    ``RemovalReporter``, ``Listable``, ``Controlled`` (pins, expiry, tenant shares: kvtier/tiers/control.py) and
+    ``EvictionTags``."""
 
     verifies = False
     supports = frozenset(Feature)
@@ -59,6 +60,7 @@ class MemoryTier:
         self._on_remove: RemovalListener | None = None
         self._config, self._ctx = config, ctx
         self._ledger = Ledger(config, self._alloc.capacity, ctx)
+        self._evicting = threading.local()  #: the tags of the entry being evicted, for the eviction listener
         self._metrics.add_gauges(self._gauges)
 
     # -- the Tier protocol ---------------------------------------------------------------------------------
@@ -239,7 +241,11 @@ class MemoryTier:
             return False
         entry = self._entries[victim]
         if self._on_evict is not None:
-            self._on_evict(victim, self._slab.read(entry.offset, entry.nbytes))
+            self._evicting.tags = self._ledger.tags(victim)
+            try:
+                self._on_evict(victim, self._slab.read(entry.offset, entry.nbytes))
+            finally:
+                self._evicting.tags = None
         self._remove(victim)
         self._metrics.inc(EVICTIONS, tier=self.name)
         return True
@@ -296,6 +302,10 @@ class MemoryTier:
     def pinned(self, keys: Sequence[ChunkHash]) -> list[bool]:
         with self._lock:
             return [self._ledger.pinned(key) for key in keys]
+
+    def evicting_tags(self) -> Tags | None:
+        """``EvictionTags``: the tags of the entry whose eviction this thread is reporting now."""
+        return getattr(self._evicting, "tags", None)
 
     def clear(self, *, tenant: str | None = None, everything: bool = False) -> int:
         """The tier belongs to one cache, so its namespace is everything it holds."""
