@@ -173,11 +173,15 @@ class Ledger:
             yield TENANT_BYTES.name, {"tier": self._tier, "tenant": label}, usage.get(label, 0)
 
     # -- persistence (the disk tier) -----------------------------------------------------------------------
-    def export(self) -> dict[str, object]:
-        """Pins and non-default tags as JSON-ready data (keys in hex), for ``restore`` after a restart."""
-        tags = {key.hex(): [r.tenant, r.expires_at] for key, r in self._records.items()
-                if r.tenant or r.expires_at is not None}
-        return {"version": 1, "pinned": [key.hex() for key, r in self._records.items() if r.pinned], "tags": tags}
+    def export(self, *, pins: bool = True, tags: bool = True) -> dict[str, object]:
+        """The pins and/or the non-default tags as JSON-ready data (keys in hex), for ``restore`` after a restart."""
+        out: dict[str, object] = {"version": 1}
+        if pins:
+            out["pinned"] = [key.hex() for key, r in self._records.items() if r.pinned]
+        if tags:
+            out["tags"] = {key.hex(): [r.tenant, r.expires_at] for key, r in self._records.items()
+                           if r.tenant or r.expires_at is not None}
+        return out
 
     def restore(self, data: Mapping[str, object]) -> None:
         """Apply what ``export`` wrote to the entries held now (others are gone); malformed parts are ignored.

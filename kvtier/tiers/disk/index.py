@@ -323,9 +323,9 @@ class DiskIndex:
         with self._lock:
             return list(self.ledger.gauges())
 
-    def export_control(self) -> dict[str, object]:
+    def export_control(self, *, pins: bool = True, tags: bool = True) -> dict[str, object]:
         with self._lock:
-            return self.ledger.export()
+            return self.ledger.export(pins=pins, tags=tags)
 
     def restore_control(self, data: dict[str, object]) -> None:
         with self._lock:

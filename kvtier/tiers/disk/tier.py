@@ -46,7 +46,7 @@ from kvtier.policy import make_policy
 from kvtier.tiers.base import RemovalListener, TierContext, TierStats, stats_gauges
 from kvtier.tiers.control import DEFAULT_TAGS, Feature, Tags
 from kvtier.tiers.disk.config import DiskTierConfig
-from kvtier.tiers.disk.control import CONTROL_NAME, DiskControl
+from kvtier.tiers.disk.control import DiskControl
 from kvtier.tiers.disk.files import (
     AlignedBufferPool,
     ChunkPaths,
@@ -100,7 +100,7 @@ class DiskTier(DiskControl):
         self.name = name = ctx.name
         self.codec = get_codec(config.codec)
         self.paths = ChunkPaths(root, self.codec.name)
-        self.control_path = os.path.join(self.paths.dir, CONTROL_NAME)
+        self.control_dir = self.paths.dir  #: where pins.json and tags.json go (control.py)
         self._metrics = ctx.metrics
         self._read_direct = self._write_direct = config.o_direct
         self._fsync = config.fsync
