@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from kvtier.base.errors import PinBudgetExceeded
@@ -20,6 +21,8 @@ from kvtier.tiers.control import (
     TierUsage,
 )
 from kvtier.tiers.metrics import PINNED_BYTES, TENANT_BYTES
+
+log = logging.getLogger(__name__)
 
 #: Expired entries a sweep step reclaims at most (each put and contains advances the sweep by one step).
 SWEEP_STEP = 32
@@ -47,6 +50,9 @@ class Ledger:
         self.pinned_bytes = 0
         self._heap: list[tuple[float, int, ChunkHash]] = []
         self._seq = itertools.count()
+        if config.pin_budget_bytes is not None or config.tenant_share < 1 or config.tenant_shares:
+            log.info("tier %s: pin budget %d bytes, tenant share %s of %d bytes, overrides %s", ctx.name,
+                     self.pin_budget, config.tenant_share, capacity, dict(config.tenant_shares))
 
     # -- entries -------------------------------------------------------------------------------------------
     def add(self, key: ChunkHash, nbytes: int, tags: Tags = DEFAULT_TAGS) -> None:
@@ -139,6 +145,15 @@ class Ledger:
         if share >= self.capacity:
             return 0
         return max(0, self._tenant_bytes.get(tenant, 0) + nbytes - self.share_bytes(tenant))
+
+    def over_filter(self) -> Callable[[ChunkHash], bool] | None:
+        """A filter of the keys owned by tenants past their share now (after a restart, or a share cut), to evict
+        first when the tier needs room; None when no tenant is past its share (the common case: no scan)."""
+        over = {t for t, n in self._tenant_bytes.items() if self.share_bytes(t) < min(n, self.capacity)}
+        if not over:
+            return None
+        records = self._records
+        return lambda key: (r := records.get(key)) is not None and r.tenant in over
 
     def owned_by(self, tenant: str) -> Callable[[ChunkHash], bool]:
         """A filter of the keys ``tenant`` owns (for a policy's ``victim``)."""

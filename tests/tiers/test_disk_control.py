@@ -63,3 +63,19 @@ def test_restored_pins_stay_within_the_budget(tmp_path):
         assert tier.usage().pinned_bytes <= 2 * BLOB_BYTES
     finally:
         tier.close()
+
+
+def test_a_tenant_past_its_share_after_a_restart_gives_room_first(tmp_path):
+    tier = disk_tier(tmp_path, 8 * BLOB_BYTES, fsync=False)
+    store(tier, [10], Tags("b"))  # the oldest: plain LRU would evict it first
+    for i in range(6):
+        store(tier, [i], Tags("a"))
+    tier.close()
+    tier = disk_tier(tmp_path, 8 * BLOB_BYTES, fsync=False, tenant_share=0.25, tenant_shares={"default": 1.0})
+    try:
+        store(tier, [20])
+        store(tier, [21])  # the tier is full: tenant a, past its quarter, gives the room
+        assert tier.contains([key(10), key(20), key(21)]) == [True, True, True]
+        assert sum(tier.contains([key(i) for i in range(6)])) == 5
+    finally:
+        tier.close()

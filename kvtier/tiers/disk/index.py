@@ -192,7 +192,9 @@ class DiskIndex:
             if not self._evict(lambda k: owned(k) and self._evictable(k)):
                 return Declined.OVER_QUOTA
         while self.used + nbytes > self.capacity:
-            if not self._evict(self._evictable):
+            over = self.ledger.over_filter()  # tenants past their share give room first
+            if not (over is not None and self._evict(lambda k: over(k) and self._evictable(k))) \
+                    and not self._evict(self._evictable):
                 return Declined.FULL_OF_PINNED
         job = Pending(key, nbytes, stamp_ns)
         self._entries[key] = Entry(nbytes, job)

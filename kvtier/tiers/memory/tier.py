@@ -227,7 +227,9 @@ class MemoryTier:
     def _allocate(self, nbytes: int) -> int | None:
         """Find room, evicting unpinned entries in policy order. Caller holds the lock."""
         while (offset := self._alloc.alloc(nbytes)) is None:
-            if not self._evict(self._evictable):
+            over = self._ledger.over_filter()  # tenants past their share give room first
+            if not (over is not None and self._evict(lambda k: over(k) and self._evictable(k))) \
+                    and not self._evict(self._evictable):
                 return None
         return offset
 
