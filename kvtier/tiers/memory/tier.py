@@ -111,16 +111,17 @@ class MemoryTier:
         pending: list[tuple[int, int, int, object]] = []  # (item index, offset, nbytes, slab)
         with self._lock:
             self._sweep()
+        reserved = 0  # bytes of the pending slots, which the owner's share counts
         for i in reversed(range(len(items))):
             key, payload = items[i]
-            reserved = sum(p[2] for p in pending)
             slot = self._reserve(key, payload.nbytes, tags, reserved, last_try=not pending)
             if slot is None:  # full of pending slots: publish them (they become evictable) and try again
                 self._commit(items, pending, done, tags)
-                pending = []
+                pending, reserved = [], 0
                 slot = self._reserve(key, payload.nbytes, tags, 0, last_try=True)
             if isinstance(slot, tuple):
                 pending.append((i, *slot))
+                reserved += slot[1]
             else:
                 done[i] = bool(slot)
         self._commit(items, pending, done, tags)
