@@ -205,6 +205,7 @@ def test_stats_name_configured_tenants_and_lump_the_rest():
         assert set(usage.tenant_bytes) == {"alice", "other", "default"}
         assert usage.tenant_bytes["other"] == 2 * usage.tenant_bytes["alice"] == 2 * usage.tenant_bytes["default"]
         assert usage.entries == 8 and usage.pin_budget_bytes == usage.capacity_bytes // 4
+        assert cache.control.features() == {"memory": ["clear", "pin", "tenants", "ttl"]}
 
 
 def test_a_chunk_demoted_to_a_write_back_tier_keeps_its_owner_and_expiry(tmp_path):
