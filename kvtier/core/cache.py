@@ -19,7 +19,8 @@ prefixes whose every kind is cached: the KV of each chunk up to a boundary and t
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -45,6 +46,7 @@ from kvtier.core.metrics import (
 )
 from kvtier.core.pipeline import Pipeline
 from kvtier.core.snapshots import NoStates, PrefixState, Snapshot, StateSnapshots
+from kvtier.policy.admission import make_admission
 from kvtier.tiers import Tier, TierContext
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,8 @@ def _tier_names(kinds: Sequence[str]) -> list[str]:
 class KVCache:
     """Tiered prefix KV cache for one model (one namespace apart from per-call tenant salts).
 
-    ``tuning`` sets how the pipeline cuts and overlaps its windows (defaults suit any machine). ``chain`` is the
+    ``tuning`` sets how the pipeline cuts and overlaps its windows (defaults suit any machine). ``clock`` (seconds)
+    drives the tiers' admission rate caps (a simulator passes its trace's time). ``chain`` is the
     chain of tiers, which segment caches (segments.py) share. Thread-safe: tiers lock their own state and the
     cache keeps none besides them.
     """
@@ -139,6 +142,7 @@ class KVCache:
         adapter: str = "",
         metrics: Metrics | None = None,
         tuning: PipelineTuning | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config if config is not None else CacheConfig()
         self.model_spec = ModelStateSpec.of(spec)
@@ -153,8 +157,9 @@ class KVCache:
         try:
             for cfg, name in zip(self.config.tiers, names):
                 self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
+            admission = [make_admission(cfg.admission_settings(), clock) for cfg in self.config.tiers]
             self.chain = TierChain(self.tiers, [cfg.write for cfg in self.config.tiers], self.metrics, self.events,
-                                   self._pipeline)
+                                   self._pipeline, admission)
             self._states = (StateSnapshots(self.model_spec, self.chunk_size, self.chain)
                             if self.model_spec.states else NoStates())
         except BaseException:
@@ -171,6 +176,7 @@ class KVCache:
         with self.metrics.timer(LOOKUP_SECONDS):
             keys = self.keys(tokens, salt=salt)
             n = self._states.usable(keys, self._kv_prefix(keys))
+            self.chain.sighted(keys[:n])
         self.metrics.inc(LOOKUPS)
         self.metrics.inc(LOOKUP_TOKENS, len(keys) * self.chunk_size)
         return n * self.chunk_size
@@ -302,6 +308,7 @@ class KVCache:
         leading chunks arrived verified."""
         n = self.chain.prefix(where)
         good = 0
+        self.chain.sighted(keys[:n])  # found: a sighting for admission (before the load promotes them)
         if n:
             ok = self.chain.load_chunks(keys[:n], where[:n], token_ids, sink)
             good = self.chain.prefix([t if hit else None for t, hit in zip(where, ok)])

@@ -35,6 +35,7 @@ from kvtier.base.metrics import Metrics
 from kvtier.base.registry import Registry
 from kvtier.base.state import ModelStateSpec
 from kvtier.codecs import Codec, Payload, get_codec
+from kvtier.policy.admission import DEFAULT_SKETCH_CHUNKS, AdmissionSettings
 from kvtier.tiers.metrics import CAPACITY_BYTES, ENTRIES, USED_BYTES
 
 
@@ -195,11 +196,34 @@ class TierConfig:
     it instead)."""
 
     kind: ClassVar[str]
+    #: The admission policy a kind gets when its config names none (kvtier.policy.admission).
+    default_admission: ClassVar[str] = "always"
     codec: str = "raw"
     write: WriteMode = WriteMode.THROUGH
+    #: Which writes this tier accepts: ``always`` or ``second-hit`` (only chunks a request sighted twice: stored
+    #: or hit before; kvtier.policy.admission has the rules for write-back and promotions). Unset: the kind's
+    #: default (memory ``always``; disk, redis and mooncake: see their pages).
+    admission: str | None = None
+    #: A byte-rate cap on this tier's writes from this process (a token bucket over the entries' raw KV
+    #: bytes), e.g. ``200MiB``; unset: no cap. Meant for shared tiers, so one replica cannot eat their bandwidth.
+    admission_max_bytes_per_s: int | None = None
+    #: How many bytes the rate cap lets through at once after a quiet spell (default: one second of the rate).
+    admission_burst_bytes: int | None = None
+    #: Distinct chunks the ``second-hit`` sketch remembers (256 bytes of memory each; counts halve after ten
+    #: times as many sightings).
+    admission_sketch_chunks: int = DEFAULT_SKETCH_CHUNKS
 
     def __post_init__(self) -> None:
         get_codec(self.codec)  # raises ConfigError for an unknown codec
+        if self.admission is None:
+            object.__setattr__(self, "admission", type(self).default_admission)
+        self.admission_settings()  # raises ConfigError for an unknown policy or a bad cap
+
+    def admission_settings(self) -> AdmissionSettings:
+        """This tier's admission options, checked."""
+        assert self.admission is not None
+        return AdmissionSettings(self.admission, self.admission_sketch_chunks, self.admission_max_bytes_per_s,
+                                 self.admission_burst_bytes)
 
     def build(self, ctx: TierContext) -> Tier:
         """The tier this config describes: every tier is built as ``XTier(config, ctx)``."""
