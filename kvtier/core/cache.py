@@ -157,7 +157,8 @@ class KVCache:
         try:
             for cfg, name in zip(self.config.tiers, names):
                 self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
-            admission = [make_admission(cfg.admission_settings(), clock) for cfg in self.config.tiers]
+            admission = [make_admission(cfg.admission_settings(first=t == 0), clock)
+                         for t, cfg in enumerate(self.config.tiers)]
             self.chain = TierChain(self.tiers, [cfg.write for cfg in self.config.tiers], self.metrics, self.events,
                                    self._pipeline, admission)
             self._states = (StateSnapshots(self.model_spec, self.chunk_size, self.chain)

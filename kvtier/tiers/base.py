@@ -196,13 +196,15 @@ class TierConfig:
     it instead)."""
 
     kind: ClassVar[str]
-    #: The admission policy a kind gets when its config names none (kvtier.policy.admission).
+    #: The admission policy a tier of this kind gets below another tier when its config names none (the first
+    #: tier of a cache admits ``always`` unless told otherwise; kvtier.policy.admission).
     default_admission: ClassVar[str] = "always"
     codec: str = "raw"
     write: WriteMode = WriteMode.THROUGH
     #: Which writes this tier accepts: ``always`` or ``second-hit`` (only chunks a request sighted twice: stored
-    #: or hit before; kvtier.policy.admission has the rules for write-back and promotions). Unset: the kind's
-    #: default (memory ``always``; disk, redis and mooncake: see their pages).
+    #: or hit before; kvtier.policy.admission has the rules for write-back and promotions). Unset: ``always`` for
+    #: a cache's first tier; below it, the kind's default (``second-hit`` for disk, ``always`` for memory,
+    #: redis and mooncake: docs/benchmarks/admission.md has the measurements behind them).
     admission: str | None = None
     #: A byte-rate cap on this tier's writes from this process (a token bucket over the entries' raw KV
     #: bytes), e.g. ``200MiB``; unset: no cap. Meant for shared tiers, so one replica cannot eat their bandwidth.
@@ -215,14 +217,12 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         get_codec(self.codec)  # raises ConfigError for an unknown codec
-        if self.admission is None:
-            object.__setattr__(self, "admission", type(self).default_admission)
         self.admission_settings()  # raises ConfigError for an unknown policy or a bad cap
 
-    def admission_settings(self) -> AdmissionSettings:
-        """This tier's admission options, checked."""
-        assert self.admission is not None
-        return AdmissionSettings(self.admission, self.admission_sketch_chunks, self.admission_max_bytes_per_s,
+    def admission_settings(self, first: bool = False) -> AdmissionSettings:
+        """This tier's admission options, checked; ``first``: the tier is its cache's first (fastest) one."""
+        policy = self.admission or ("always" if first else type(self).default_admission)
+        return AdmissionSettings(policy, self.admission_sketch_chunks, self.admission_max_bytes_per_s,
                                  self.admission_burst_bytes)
 
     def build(self, ctx: TierContext) -> Tier:

@@ -95,7 +95,8 @@ def test_write_back_demotes_only_what_was_reused_while_cached_above(tmp_path):
 def test_promotions_into_a_second_hit_tier_are_admitted(tmp_path):
     """A hit in a slower tier is a reuse: the memory tier above a second-hit disk, gated too, still takes it."""
     tiers = (MemoryTierConfig(capacity_bytes=4 * CHUNK_BYTES, prefault=False, admission="second-hit"),
-             DiskTierConfig(path=tmp_path, capacity_bytes=256 * CHUNK_BYTES, o_direct=False, fsync=False))
+             DiskTierConfig(path=tmp_path, capacity_bytes=256 * CHUNK_BYTES, o_direct=False, fsync=False,
+                            admission="always"))
     cache = KVCache(SPEC, "admission-test", CacheConfig(chunk_size=CHUNK, tiers=tiers))
     tokens = prompt(1, chunks=2)
     cache.store(tokens, kv_for(2 * CHUNK, 1))  # the disk (always) takes it, memory refuses a first sighting

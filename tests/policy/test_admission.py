@@ -14,7 +14,7 @@ from kvtier.policy.admission import (
     WriteSource,
     make_admission,
 )
-from kvtier.tiers import MemoryTierConfig
+from kvtier.tiers import DiskTierConfig, MemoryTierConfig
 from tests.conformance.admission_suite import AdmissionConformance, key
 
 
@@ -103,9 +103,13 @@ def test_make_admission_wraps_a_cap_and_settings_are_checked():
             AdmissionSettings(**bad)
 
 
-def test_tier_configs_take_admission_options():
+def test_tier_configs_take_admission_options(tmp_path):
     config = MemoryTierConfig(admission="second-hit", admission_max_bytes_per_s=2**20)
     assert config.admission_settings() == AdmissionSettings("second-hit", max_bytes_per_s=2**20)
-    assert MemoryTierConfig().admission == "always"
+    assert config.admission_settings(first=True).policy == "second-hit"  # named: wherever the tier sits
+    assert MemoryTierConfig().admission_settings().policy == "always"
+    disk = DiskTierConfig(path=tmp_path)
+    assert disk.admission_settings().policy == "second-hit"  # the default below a faster tier
+    assert disk.admission_settings(first=True).policy == "always"  # a cache's first tier admits everything
     with pytest.raises(ConfigError, match="admission policy"):
         MemoryTierConfig(admission="sometimes")

@@ -74,24 +74,27 @@ class _Existing(TierConfig):
         return self.tier
 
 
-def admission_fields(tier: SimTier, kind: str, chunk_tokens: int, chunk_kv_bytes: int) -> dict[str, Any]:
-    """The tier config's admission options for ``tier``, standing for a real tier of ``kind``: its policy (or the
-    kind's default) and its rate cap, converted from the served model's KV bytes to the simulator's."""
+def admission_fields(tier: SimTier, kind: str, chunk_tokens: int, chunk_kv_bytes: int,
+                     first: bool = False) -> dict[str, Any]:
+    """The tier config's admission options for ``tier``, standing for a real tier of ``kind`` (``first``: its
+    cache's first tier): its policy (or what the real tier would default to there) and its rate cap, converted
+    from the served model's KV bytes to the simulator's."""
     scale = SIM_SPEC.bytes_per_token * chunk_tokens / chunk_kv_bytes
 
     def scaled(n: int | None) -> int | None:
         return None if n is None else max(1, math.ceil(n * scale))
 
-    return {"admission": tier.admission or TIER_KINDS[kind].default_admission,
+    default = "always" if first else TIER_KINDS[kind].default_admission
+    return {"admission": tier.admission or default,
             "admission_max_bytes_per_s": scaled(tier.admission_max_bytes_per_s),
             "admission_burst_bytes": scaled(tier.admission_burst_bytes)}
 
 
-def tier_config(tier: SimTier, chunk_tokens: int, chunk_kv_bytes: int) -> MemoryTierConfig:
+def tier_config(tier: SimTier, chunk_tokens: int, chunk_kv_bytes: int, first: bool = False) -> MemoryTierConfig:
     capacity = tier.capacity_chunks(chunk_kv_bytes) * chunk_slot_bytes(chunk_tokens)
     cls = MemoryTierConfig if tier.kind is TierKind.MEMORY else _ModelledDisk
     return cls(capacity_bytes=capacity, policy=tier.policy, write=tier.write, prefault=False,
-               **admission_fields(tier, tier.kind.value, chunk_tokens, chunk_kv_bytes))
+               **admission_fields(tier, tier.kind.value, chunk_tokens, chunk_kv_bytes, first))
 
 
 def build_shared(fleet: FleetConfig, chunk_tokens: int, chunk_kv_bytes: int,
@@ -125,7 +128,8 @@ class Replica:
 
     def __init__(self, fleet: FleetConfig, chunk_tokens: int, chunk_kv_bytes: int, shared: Tier | None,
                  model: str = SIM_MODEL, clock: Callable[[], float] = time.monotonic) -> None:
-        tiers: list[TierConfig] = [tier_config(t, chunk_tokens, chunk_kv_bytes) for t in fleet.tiers]
+        tiers: list[TierConfig] = [tier_config(t, chunk_tokens, chunk_kv_bytes, first=i == 0)
+                                   for i, t in enumerate(fleet.tiers)]
         if shared is not None and fleet.shared is not None:
             tiers.append(_Existing(write=fleet.shared.write, tier=shared,
                                    **admission_fields(fleet.shared, "redis", chunk_tokens, chunk_kv_bytes)))

@@ -22,6 +22,8 @@ class DiskTierConfig(TierConfig):
     is visible (off: a machine crash may lose recent chunks; the checksum turns any damage into misses)."""
 
     kind = "disk"
+    #: Below a faster tier, a disk takes only chunks sighted twice (why: docs/benchmarks/admission.md).
+    default_admission = "second-hit"
     path: Path | None = None
     capacity_bytes: int = 64 << 30
     policy: str = DEFAULT_POLICY
