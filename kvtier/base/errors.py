@@ -31,3 +31,11 @@ class CodecError(BlobError):
 
 class TierError(KVTierError):
     """A tier failed (I/O error, store unreachable, timeout). Callers treat it as a miss or a skipped store."""
+
+
+class PinBudgetExceeded(InvalidArgument):
+    """A pin would take a tier's pinned bytes past its pin budget (``pin_budget_bytes``): nothing was pinned."""
+
+
+class NotSupported(InvalidArgument):
+    """A tier cannot do what a cache-control call asks (a shared store without pins, say): nothing changed."""

@@ -33,6 +33,7 @@ from kvtier.base.metrics import Metrics
 from kvtier.base.state import ModelStateSpec
 from kvtier.core.chain import TierChain
 from kvtier.core.config import CacheConfig
+from kvtier.core.control import CacheControl
 from kvtier.core.events import CacheEvents
 from kvtier.core.jobs import PipelineTuning, StoreJob, source_device
 from kvtier.core.metrics import (
@@ -48,6 +49,7 @@ from kvtier.core.pipeline import Pipeline
 from kvtier.core.snapshots import NoStates, PrefixState, Snapshot, StateSnapshots
 from kvtier.policy.admission import make_admission
 from kvtier.tiers import Tier, TierContext
+from kvtier.tiers.control import Tags, expires_at, tenant_tag
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +127,11 @@ def _tier_names(kinds: Sequence[str]) -> list[str]:
 class KVCache:
     """Tiered prefix KV cache for one model (one namespace apart from per-call tenant salts).
 
-    ``tuning`` sets how the pipeline cuts and overlaps its windows (defaults suit any machine). ``clock`` (seconds)
-    drives the tiers' admission rate caps (a simulator passes its trace's time). ``chain`` is the
-    chain of tiers, which segment caches (segments.py) share. Thread-safe: tiers lock their own state and the
-    cache keeps none besides them.
+    ``tuning`` sets how the pipeline cuts and overlaps its windows (defaults suit any machine). ``chain`` is the
+    chain of tiers, which segment caches (segments.py) share. ``clock`` (seconds, wall-clock time by default) is
+    what store TTLs count on and the tiers expire entries by, and what the tiers' admission rate caps refill by
+    (tests and the simulator inject their own). ``control`` pins, clears and looks up per tier
+    (kvtier.core.control). Thread-safe: tiers lock their own state and the cache keeps none besides them.
     """
 
     def __init__(
@@ -142,7 +145,7 @@ class KVCache:
         adapter: str = "",
         metrics: Metrics | None = None,
         tuning: PipelineTuning | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config if config is not None else CacheConfig()
         self.model_spec = ModelStateSpec.of(spec)
@@ -153,16 +156,20 @@ class KVCache:
         self.events = CacheEvents()  #: chunks stored / removed per tier (kvtier.events)
         self._pipeline = Pipeline(self.spec, self.chunk_size, self.metrics, tuning)  # pure SSM: moves no KV
         names = _tier_names([cfg.kind for cfg in self.config.tiers])
+        self.clock = clock  #: what store TTLs and the tiers' expiries count on (seconds)
+        tenants = {tenant_tag(salt): name for name, salt in self.config.tenant_salts().items()}
         self.tiers: list[Tier] = []
         try:
             for cfg, name in zip(self.config.tiers, names):
-                self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size)))
+                self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size,
+                                                        self.namespace.root.hex()[:16], tenants, clock)))
             admission = [make_admission(cfg.admission_settings(first=t == 0), clock)
                          for t, cfg in enumerate(self.config.tiers)]
             self.chain = TierChain(self.tiers, [cfg.write for cfg in self.config.tiers], self.metrics, self.events,
                                    self._pipeline, admission)
             self._states = (StateSnapshots(self.model_spec, self.chunk_size, self.chain)
                             if self.model_spec.states else NoStates())
+            self.control = CacheControl(self)  #: pins, clears, per-tier lookup and usage (kvtier.core.control)
         except BaseException:
             self.close()
             raise
@@ -182,10 +189,14 @@ class KVCache:
         self.metrics.inc(LOOKUP_TOKENS, len(keys) * self.chunk_size)
         return n * self.chunk_size
 
-    def store(self, tokens: Tokens, kv: torch.Tensor | KVSource, *, salt: bytes = b"") -> int:
+    def store(self, tokens: Tokens, kv: torch.Tensor | KVSource, *, salt: bytes = b"",
+              ttl_s: float | None = None) -> int:
         """Store the full chunks of ``tokens`` whose KV ``kv`` holds (canonical tensor or KVSource).
 
-        Returns the number of tokens newly written to at least one tier. Never raises for tier failures.
+        The new entries are owned by the tenant ``salt`` names (its share and clears: kvtier.core.control) and,
+        with ``ttl_s``, expire that many seconds from now (misses from then on, reclaimed; a tier that cannot
+        expire entries is not written). Returns the number of tokens newly written to at least one tier. Never
+        raises for tier failures; InvalidArgument for a negative or non-finite ``ttl_s``.
         """
         with self.metrics.timer(STORE_SECONDS):
             self._require_attention()
@@ -198,17 +209,20 @@ class KVCache:
                 source: KVSource = TensorSource(kv)
             else:
                 source = kv
-            return sum(self.store_keyed(keys, token_ids, source)) * self.chunk_size
+            return sum(self.store_keyed(keys, token_ids, source, salt=salt, ttl_s=ttl_s)) * self.chunk_size
 
-    def store_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource) -> list[bool]:
+    def store_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource, *, salt: bytes = b"",
+                    ttl_s: float | None = None) -> list[bool]:
         """``store`` under keys the caller derived itself (an engine's own chained page hashes mapped into this
         namespace), chunk ``i`` being tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of ``source`` and of
         ``token_ids`` (recorded in, and checked on every read of, its blob). True per chunk newly written to at
-        least one tier. Never raises for tier failures."""
+        least one tier. ``salt``: the tenant the keys were derived for (the entries' owner); ``ttl_s`` as for
+        ``store``. Never raises for tier failures."""
+        tags = Tags(tenant_tag(salt), expires_at(ttl_s, self.clock()))
         device = source_device(source)
         if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
             torch.cuda.current_stream(device).synchronize()
-        written = self.chain.store_chunks(StoreJob(keys, token_ids, source))
+        written = self.chain.store_chunks(StoreJob(keys, token_ids, source, tags))
         self.chain.order_chain(keys)
         return written
 
@@ -247,14 +261,16 @@ class KVCache:
                 tensor, sink = out, TensorSink(out)
             else:
                 tensor, sink = None, out
-            good = self._load_prefix(keys, where, token_ids, sink)
+            good = self._load_prefix(keys, where, token_ids, sink, salt)
         return tensor, good * self.chunk_size
 
-    def retrieve_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, sink: KVSink) -> int:
+    def retrieve_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, sink: KVSink, *,
+                       salt: bytes = b"") -> int:
         """``retrieve`` under keys the caller derived itself (see ``store_keyed``) into ``sink``: returns how many
-        leading chunks of ``keys`` arrived verified. Never raises for tier failures."""
+        leading chunks of ``keys`` arrived verified; ``salt``: the tenant the keys were derived for (the owner of
+        what a hit promotes). Never raises for tier failures."""
         with self.metrics.timer(RETRIEVE_SECONDS):
-            return self._load_prefix(keys, self.chain.locate(keys), token_ids, sink)
+            return self._load_prefix(keys, self.chain.locate(keys), token_ids, sink, salt)
 
     def locate(self, keys: Sequence[ChunkHash]) -> list[int | None]:
         """For each key, the index of the fastest tier holding it (None where no tier does; a prefix ends at the
@@ -304,14 +320,14 @@ class KVCache:
             raise ConfigError("this model has no attention layers: use store_states / retrieve_states")
 
     def _load_prefix(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray,
-                     sink: KVSink) -> int:
+                     sink: KVSink, salt: bytes = b"") -> int:
         """Load the located prefix of ``keys`` into ``sink``, count hits per tier and the misses; return how many
-        leading chunks arrived verified."""
+        leading chunks arrived verified. Promoted chunks the slower tier records no owner for are ``salt``'s."""
         n = self.chain.prefix(where)
         good = 0
         self.chain.sighted(keys[:n])  # found: a sighting for admission (before the load promotes them)
         if n:
-            ok = self.chain.load_chunks(keys[:n], where[:n], token_ids, sink)
+            ok = self.chain.load_chunks(keys[:n], where[:n], token_ids, sink, tenant_tag(salt))
             good = self.chain.prefix([t if hit else None for t, hit in zip(where, ok)])
             for t, tier in enumerate(self.tiers):
                 hits = sum(1 for i in range(good) if where[i] == t)

@@ -46,6 +46,7 @@ from kvtier.core.metrics import ADMISSION_REFUSED, DEMOTIONS, PROMOTIONS, STORED
 from kvtier.core.pipeline import Pipeline
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, WriteSource, is_always
 from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, WriteMode
+from kvtier.tiers.control import Controlled, EvictionTags, Tags, put_tagged
 from kvtier.tiers.metrics import CORRUPT_CHUNKS, READ_BYTES, TIER_ERRORS
 
 log = logging.getLogger(__name__)
@@ -140,11 +141,13 @@ class TierChain:
         return result.done
 
     def load_chunks(self, keys: Sequence[ChunkHash], where: Sequence[int | None], token_ids: np.ndarray,
-                    sink: object) -> list[bool]:
-        """Load the located chunks into ``sink`` (a KVSink), promoting hits from slower tiers; True per chunk that
-        arrived verified. Corrupt chunks are counted and deleted once the load is done. A sink's error reaches
-        the caller once every window has ended; nothing of that load is counted or deleted then."""
-        result = self.pipeline.load(LoadJob(self.tiers, keys, where, token_ids, sink, self))
+                    sink: object, owner: str = "") -> list[bool]:
+        """Load the located chunks into ``sink`` (a KVSink), promoting hits from slower tiers (owned by ``owner``,
+        a tenant tag, where the tier they came from records no owner); True per chunk that arrived verified.
+        Corrupt chunks are counted and deleted once the load is done. A sink's error reaches the caller once every
+        window has ended; nothing of that load is counted or deleted then."""
+        promoter = self if not owner else _OwnedPromotions(self, owner)
+        result = self.pipeline.load(LoadJob(self.tiers, keys, where, token_ids, sink, promoter))
         self._discard([(c.tier, c.key, c.error) for c in result.corrupt], EntryKind.CHUNK)
         for failure in result.failures:
             self._count(failure)
@@ -223,15 +226,34 @@ class TierChain:
             return [False] * len(keys)
 
     # -- moving between tiers --------------------------------------------------------------------------------
-    def promote(self, found_in: int, entries: Sequence[Entry], kind: EntryKind = EntryKind.CHUNK) -> None:
+    def promote(self, found_in: int, entries: Sequence[Entry], kind: EntryKind = EntryKind.CHUNK,
+                owner: str = "") -> None:
         """Copy ``entries``, found in tier ``found_in`` (so no faster tier held them), into every faster tier. The
-        tensors may view the slower tier's memory: valid only during the call, which copies them."""
+        tensors may view the slower tier's memory: valid only during the call, which copies them. Each entry
+        keeps its owner and expiry (kvtier/tiers/control.py) where the slower tier records them; else it is owned by
+        ``owner``. Each faster tier's admission policy is asked first (as promotions)."""
+        groups = self._by_tags(self.tiers[found_in], entries, Tags(owner) if owner else None)
         for t, tier in enumerate(self.tiers[:found_in]):
-            admitted = self.admitted(t, [e.key for e in entries], [e.tensor.nbytes for e in entries],
-                                     WriteSource.PROMOTE, entries)
-            done = self._put(tier, admitted, "promote", kind) if admitted else []
+            done = 0
+            for tags, group in groups.items():
+                admitted = self.admitted(t, [e.key for e in group], [e.tensor.nbytes for e in group],
+                                         WriteSource.PROMOTE, group)
+                done += len(self._put(tier, admitted, "promote", kind, tags)) if admitted else 0
             if done:
-                self.metrics.inc(PROMOTIONS, len(done), tier=tier.name)
+                self.metrics.inc(PROMOTIONS, done, tier=tier.name)
+
+    def _by_tags(self, tier: Tier, entries: Sequence[Entry], fallback: Tags | None) -> dict[Tags | None, list[Entry]]:
+        """``entries`` grouped by the tags ``tier`` has for them (``fallback`` where it has none)."""
+        tags: list[Tags | None] = [None] * len(entries)
+        if isinstance(tier, Controlled):
+            try:
+                tags = tier.tags_of([e.key for e in entries])
+            except KVTierError as exc:
+                self.failed(tier, "promote", exc)
+        groups: dict[Tags | None, list[Entry]] = {}
+        for entry, tag in zip(entries, tags):
+            groups.setdefault(tag if tag is not None else fallback, []).append(entry)
+        return groups
 
     def _demote(self, key: ChunkHash, blob: memoryview, t: int) -> None:
         """Write-back: re-encode an entry the tier above ``t`` is evicting into tier ``t``. Runs as that tier's
@@ -245,7 +267,9 @@ class TierChain:
             return
         if not self.admitted(t, [key], [tensor.nbytes], WriteSource.DEMOTE, [True]):
             return
-        if self._put(target, [Entry(key, header.tokens(blob), tensor)], "demote", None):
+        upper = self.tiers[t - 1]
+        tags = upper.evicting_tags() if isinstance(upper, EvictionTags) else None  # its owner and expiry go along
+        if self._put(target, [Entry(key, header.tokens(blob), tensor)], "demote", None, tags):
             self.metrics.inc(DEMOTIONS, tier=target.name)
 
     # -- admission -----------------------------------------------------------------------------------------
@@ -276,12 +300,13 @@ class TierChain:
             return []
         return [i for i, p in enumerate(present) if not p]
 
-    def _put(self, tier: Tier, entries: Sequence[Entry], op: str, kind: EntryKind | None) -> list[int]:
-        """Encode ``entries`` for ``tier`` (its codec, sealed where it verifies) and put them; the indices it
-        stored, reported as entering it. A failure is counted under ``op`` and stores nothing."""
+    def _put(self, tier: Tier, entries: Sequence[Entry], op: str, kind: EntryKind | None,
+             tags: Tags | None = None) -> list[int]:
+        """Encode ``entries`` for ``tier`` (its codec, sealed where it verifies) and put them with ``tags``; the
+        indices it stored, reported as entering it. A failure is counted under ``op`` and stores nothing."""
         try:
-            stored = tier.put([(e.key, encode_blob(e.key, e.tokens, tier.codec, e.tensor, seal=tier.verifies))
-                               for e in entries])
+            stored = put_tagged(tier, [(e.key, encode_blob(e.key, e.tokens, tier.codec, e.tensor,
+                                                           seal=tier.verifies)) for e in entries], tags)
         except KVTierError as exc:
             self.failed(tier, op, exc)
             return []
@@ -311,3 +336,13 @@ class TierChain:
         self.metrics.inc(TIER_ERRORS, tier=tier.name, op=op)
         log.warning("tier %s failed on %s: %s", tier.name, op, exc)
 
+
+
+class _OwnedPromotions:
+    """The Promoter of a load whose caller knows the entries' owner (the tenant it derived the keys for)."""
+
+    def __init__(self, chain: TierChain, owner: str) -> None:
+        self.chain, self.owner = chain, owner
+
+    def promote(self, found_in: int, entries: Sequence[Entry]) -> None:
+        self.chain.promote(found_in, entries, owner=self.owner)

@@ -29,7 +29,7 @@ import os
 import re
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +129,15 @@ def tier_config(spec: Mapping[str, Any] | TierConfig) -> TierConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """``chunk_size``: tokens per chunk (the unit of hashing, storage and hits); ``tiers``: fastest first;
-    ``state_snapshots``: where models with SSM layers store state snapshots (kvtier.base.state.SnapshotPolicy)."""
+    ``state_snapshots``: where models with SSM layers store state snapshots (kvtier.base.state.SnapshotPolicy);
+    ``tenants``: tenant name -> its cache salt in hex (what ``store(salt=...)`` is given), for the tenants that
+    metrics and stats name and tier ``tenant_shares`` override (every other tenant is ``other``; ``default`` is
+    the empty salt)."""
 
     chunk_size: int = 256
     tiers: tuple[TierConfig, ...] = (MemoryTierConfig(),)
     state_snapshots: SnapshotPolicy = SnapshotPolicy()
+    tenants: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
@@ -143,6 +147,23 @@ class CacheConfig:
             raise ConfigError("at least one tier is needed")
         object.__setattr__(self, "tiers", tiers)
         object.__setattr__(self, "state_snapshots", SnapshotPolicy.parse(self.state_snapshots))
+        self.tenant_salts()  # raises ConfigError for a malformed entry
+
+    def tenant_salts(self) -> dict[str, bytes]:
+        """``tenants`` as name -> salt bytes; ConfigError for a name or salt that cannot be used."""
+        if not isinstance(self.tenants, Mapping):
+            raise ConfigError("tenants must map tenant names to cache salts in hex")
+        out: dict[str, bytes] = {}
+        for name, salt in self.tenants.items():
+            if not isinstance(name, str) or not name or name in ("default", "other"):
+                raise ConfigError(f"tenant name {name!r} must be a non-empty string other than default/other")
+            try:
+                out[name] = bytes.fromhex(str(salt))
+            except ValueError:
+                raise ConfigError(f"tenants[{name}]: {salt!r} is not a salt in hex") from None
+            if not out[name]:
+                raise ConfigError(f"tenants[{name}]: the empty salt is the default tenant")
+        return out
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> CacheConfig:
@@ -183,5 +204,5 @@ class CacheConfig:
         if not overrides:
             return base
         merged = {"chunk_size": base.chunk_size, "tiers": list(base.tiers),
-                  "state_snapshots": base.state_snapshots, **overrides}
+                  "state_snapshots": base.state_snapshots, "tenants": base.tenants, **overrides}
         return cls.from_dict(merged)

@@ -14,6 +14,7 @@ import torch
 from kvtier.base.errors import BlobError, ConfigError, KVTierError
 from kvtier.base.keys import ChunkHash
 from kvtier.tiers import Tier
+from kvtier.tiers.control import DEFAULT_TAGS, Tags
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,13 @@ class LoadResult:
 @dataclass(frozen=True)
 class StoreJob:
     """Chunks to store: chunk ``i`` is ``keys[i]``, tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of
-    ``token_ids`` and of ``source`` (a KVSource)."""
+    ``token_ids`` and of ``source`` (a KVSource); ``tags``: their owner and expiry, recorded by the tiers that
+    keep them (kvtier/tiers/control.py)."""
 
     keys: Sequence[ChunkHash]
     token_ids: np.ndarray
     source: object
+    tags: Tags = DEFAULT_TAGS
 
 
 @dataclass(frozen=True)

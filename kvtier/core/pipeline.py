@@ -70,6 +70,7 @@ from kvtier.core.jobs import (
     source_device,
 )
 from kvtier.tiers import LargeLoadWindows, Tier
+from kvtier.tiers.control import Tags, put_tagged
 from kvtier.tiers.metrics import READ_BYTES
 
 
@@ -278,13 +279,13 @@ class Pipeline:
         if len(windows) == 1 or (_codec_copies_only(tier) and not on_gpu):  # nothing to overlap
             try:
                 for window in windows:
-                    done.extend(i for i, s in zip(window, tier.put(encode(window))) if s)
+                    done.extend(i for i, s in zip(window, put_tagged(tier, encode(window), job.tags)) if s)
             except KVTierError as exc:
                 return PutResult(done, Failure(tier, "put", exc))
             return PutResult(done)
-        return self._put_ahead(tier, windows, encode, ahead)
+        return self._put_ahead(tier, windows, encode, ahead, job.tags)
 
-    def _put_ahead(self, tier: Tier, windows: Sequence[Sequence[int]], encode, ahead: int) -> PutResult:
+    def _put_ahead(self, tier: Tier, windows: Sequence[Sequence[int]], encode, ahead: int, tags: Tags) -> PutResult:
         """Windows encoded on the pool, up to ``ahead`` beyond the one this thread puts, in order."""
         pool = self._executor()
         pending: deque[tuple[Sequence[int], Future]] = deque()
@@ -292,7 +293,7 @@ class Pipeline:
 
         def put_oldest() -> None:
             window, future = pending.popleft()
-            done.extend(i for i, s in zip(window, tier.put(future.result())) if s)
+            done.extend(i for i, s in zip(window, put_tagged(tier, future.result(), tags)) if s)
 
         try:
             for window in windows:

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 
 from kvtier.base.errors import ConfigError
@@ -187,6 +188,14 @@ class TierContext:
     #: The cache's tensor-parallel rank and size: a tier private to one process (disk) keeps ranks apart.
     tp_rank: int = 0
     tp_size: int = 1
+    #: A short tag of the cache's namespace (the model, without tenant salt): a shared store keeps it in its keys
+    #: so one model's entries can be cleared (kvtier/tiers/control.py). Empty: the tier's own default.
+    namespace: str = ""
+    #: Owner tag (``control.tenant_tag``) -> tenant name, for the tenants configured by name (metrics labels and
+    #: share overrides); every other tenant is ``other`` in metrics.
+    tenants: Mapping[str, str] = field(default_factory=dict)
+    #: The clock entries expire by (seconds; wall-clock time, so a disk tier's expiries survive a restart).
+    clock: Callable[[], float] = time.time
 
 
 @dataclass(frozen=True)

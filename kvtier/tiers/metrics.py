@@ -22,3 +22,10 @@ BREAKER_REJECTED = declare_counter("kvtier_breaker_rejected_total",
                                    ("op", "tier"))
 BREAKER_OPEN = declare_gauge("kvtier_breaker_open", "1 while the circuit breaker of a tier's server is open, else 0.",
                              ("node", "tier"))
+PINNED_BYTES = declare_gauge("kvtier_tier_pinned_bytes", "Bytes of entries pinned in a tier (cache control).",
+                             ("tier",))
+TENANT_BYTES = declare_gauge("kvtier_tenant_bytes",
+                             "Bytes a tier holds per tenant: configured tenants by name, default, the rest as other.",
+                             ("tenant", "tier"))
+EXPIRED = declare_counter("kvtier_expired_total", "Entries reclaimed because their retention time passed, by tier.",
+                          ("tier",))

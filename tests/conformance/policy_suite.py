@@ -103,6 +103,36 @@ class PolicyConformance:
     def test_victims_are_held_and_never_pinned(self, ops):
         drive(self.make(), ops, pinned=frozenset({0, 1, 2, 3}))
 
+    def test_pins_made_through_a_tier_are_never_evicted(self):
+        """Cache-control pins (kvtier/tiers/control.py) reach the policy as ``evictable`` refusals: under this
+        policy, in a real memory tier, a pinned chunk outlives a flood (with re-reads, so frequency policies
+        see hot entries) that evicts everything else."""
+        from kvtier.tiers import MemoryTier, MemoryTierConfig
+        from tests.conformance.tier_suite import BLOB_BYTES, BytesPayload, blob, tier_context
+        from tests.conformance.tier_suite import key as chunk_key
+
+        def put(ids: Iterable[int]) -> None:
+            tier.put([(chunk_key(i), BytesPayload(blob(i, seal=False))) for i in ids])
+
+        config = MemoryTierConfig(capacity_bytes=8 * BLOB_BYTES + 100, policy=self.name, prefault=False,
+                                  pin_budget_bytes=3 * BLOB_BYTES + 100)
+        tier = MemoryTier(config, tier_context("memory"))
+        try:
+            put(range(8))
+            assert tier.pin([chunk_key(i) for i in (0, 3, 5)]) > 0
+            for i in range(100, 160):
+                put([i])
+                with tier.get([chunk_key(i), chunk_key(i)]):  # hot: read twice
+                    pass
+            assert tier.contains([chunk_key(i) for i in (0, 3, 5)]) == [True] * 3
+            assert tier.contains([chunk_key(i) for i in (1, 2, 4, 6, 7)]) == [False] * 5
+            tier.unpin([chunk_key(i) for i in (0, 3, 5)])
+            for i in range(200, 260):
+                put([i])
+            assert tier.contains([chunk_key(i) for i in (0, 3, 5)]) == [False] * 3
+        finally:
+            tier.close()
+
     def test_all_pinned_means_no_victim(self):
         policy = self.make()
         for i in range(8):

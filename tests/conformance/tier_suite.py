@@ -29,9 +29,22 @@ SHAPE = (2, 2, TOKENS, 2, 32)  # 4 KiB of float32 payload per chunk
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)  # the KV spec of SHAPE
 
 
-def tier_context(name: str) -> TierContext:
-    """What a KVCache hands the tiers it builds, for tests that build a tier themselves."""
-    return TierContext(SPEC, Metrics(), name)
+def tier_context(name: str, clock: Callable[[], float] | None = None, **fields) -> TierContext:
+    """What a KVCache hands the tiers it builds, for tests that build a tier themselves (``clock``: the clock
+    entries expire by; ``fields``: other TierContext fields, e.g. ``tenants``)."""
+    if clock is not None:
+        fields["clock"] = clock
+    return TierContext(SPEC, Metrics(), name, **fields)
+
+
+class FakeClock:
+    """An injectable clock (seconds) that moves only when a test moves it."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def key(i: int) -> ChunkHash:
@@ -261,3 +274,4 @@ class RemovalListenerConformance:
         tier.set_removal_listener(None)
         tier.delete([kept])
         assert gone == [*evicted, deleted]
+

@@ -10,9 +10,11 @@ from kvtier.tiers import DiskTier, DiskTierConfig
 from tests.conformance.tier_suite import blob, key, tier_context
 
 
-def disk_tier(path: str | os.PathLike[str], capacity_bytes: int, **options) -> DiskTier:
-    """A disk tier named ``disk`` on ``path``, built as a KVCache builds it; ``options`` are DiskTierConfig's."""
-    return DiskTier(DiskTierConfig(path=Path(path), capacity_bytes=capacity_bytes, **options), tier_context("disk"))
+def disk_tier(path: str | os.PathLike[str], capacity_bytes: int, clock=None, **options) -> DiskTier:
+    """A disk tier named ``disk`` on ``path``, built as a KVCache builds it; ``options`` are DiskTierConfig's,
+    ``clock`` the one its entries expire by."""
+    return DiskTier(DiskTierConfig(path=Path(path), capacity_bytes=capacity_bytes, **options),
+                    tier_context("disk", clock))
 
 
 def put(tier: DiskTier, ids) -> list[bool]:

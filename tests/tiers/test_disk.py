@@ -12,11 +12,18 @@ from kvtier.base.errors import ConfigError
 from kvtier.codecs import BytesPayload
 from kvtier.core.config import CacheConfig
 from kvtier.tiers import DiskTier, DiskTierConfig
-from tests.conformance.tier_suite import BLOB_BYTES, EvictingTierConformance, RemovalListenerConformance, blob, key
+from tests.conformance.control_suite import ControlConformance
+from tests.conformance.tier_suite import (
+    BLOB_BYTES,
+    EvictingTierConformance,
+    RemovalListenerConformance,
+    blob,
+    key,
+)
 from tests.tiers.disk_helpers import disk_tier, put, read
 
 
-class TestDiskTierConformance(EvictingTierConformance, RemovalListenerConformance):
+class TestDiskTierConformance(EvictingTierConformance, RemovalListenerConformance, ControlConformance):
     @pytest.fixture(autouse=True)
     def _root(self, tmp_path):
         self.root = tmp_path
@@ -25,6 +32,10 @@ class TestDiskTierConformance(EvictingTierConformance, RemovalListenerConformanc
     def make_tier(self, capacity_bytes: int) -> DiskTier:
         self.n += 1  # one directory per tier: a directory belongs to one tier at a time
         return disk_tier(self.root / f"t{self.n}", capacity_bytes, fsync=False)
+
+    def make_controlled(self, capacity_bytes: int, clock, **config) -> DiskTier:
+        self.n += 1
+        return disk_tier(self.root / f"t{self.n}", capacity_bytes, clock, fsync=False, **config)
 
 
 def hold_writers(tier: DiskTier) -> threading.Event:

@@ -5,6 +5,7 @@ import weakref
 import pytest
 
 from kvtier.tiers import MemoryTier, MemoryTierConfig
+from tests.conformance.control_suite import ControlConformance
 from tests.conformance.tier_suite import (
     EvictingTierConformance,
     EvictionListenerConformance,
@@ -17,9 +18,14 @@ def memory_tier(capacity_bytes: int, **config) -> MemoryTier:
     return MemoryTier(MemoryTierConfig(capacity_bytes=capacity_bytes, **config), tier_context("memory"))
 
 
-class TestMemoryTierConformance(EvictingTierConformance, EvictionListenerConformance, RemovalListenerConformance):
+class TestMemoryTierConformance(EvictingTierConformance, EvictionListenerConformance, RemovalListenerConformance,
+                                ControlConformance):
     def make_tier(self, capacity_bytes: int) -> MemoryTier:
         return memory_tier(capacity_bytes)
+
+    def make_controlled(self, capacity_bytes: int, clock, **config) -> MemoryTier:
+        return MemoryTier(MemoryTierConfig(capacity_bytes=capacity_bytes, prefault=False, **config),
+                          tier_context("memory", clock))
 
 
 def test_views_point_into_one_preallocated_buffer():

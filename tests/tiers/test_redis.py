@@ -31,6 +31,11 @@ def make_cache(url: str, *, model: str = "m@1", chunk_size: int = CHUNK, spec: K
     return KVCache(spec, model, config)
 
 
+def redis_key(cache: KVCache, tokens: list[int], i: int, prefix: str = "kvtier:") -> str:
+    """The Redis key of chunk ``i`` of ``tokens`` in ``cache``: prefix, codec, namespace tag, hash tag."""
+    return f"{prefix}raw:{cache.namespace.root.hex()[:16]}:{{{cache.keys(tokens)[i].hex()}}}"
+
+
 def prompt(n_chunks: int, seed: int = 0, chunk_size: int = CHUNK) -> tuple[list[int], torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 50_000, (n_chunks * chunk_size,), generator=gen).tolist()
@@ -70,12 +75,13 @@ class TestRedisTierConformanceSplitValues(TestRedisTierConformance):
 
 
 # -- keys and namespaces ---------------------------------------------------------------------------------------
-def test_keys_are_prefix_codec_and_chunk_hash(redis_server):
+def test_keys_are_prefix_codec_namespace_and_chunk_hash(redis_server):
     redis_server.flush()
     with make_cache(redis_server.url, key_prefix="team-a:") as cache:
         tokens, kv = prompt(2)
         cache.store(tokens, kv)
-        expected = sorted(f"team-a:raw:{{{h.hex()}}}" for h in cache.keys(tokens))
+        namespace = cache.namespace.root.hex()[:16]  # the model's namespace tag: clear finds a model's keys by it
+        expected = sorted(f"team-a:raw:{namespace}:{{{h.hex()}}}" for h in cache.keys(tokens))
     assert sorted(redis_server.cli("KEYS", "*").split()) == expected
 
 
@@ -134,7 +140,7 @@ def test_planted_or_damaged_value_is_a_miss(redis_server, kind):
     tokens, kv = prompt(3)
     with make_cache(redis_server.url) as cache:
         cache.store(tokens, kv)
-        head = f"kvtier:raw:{{{cache.keys(tokens)[1].hex()}}}"
+        head = redis_key(cache, tokens, 1)
         redis_server.set_bytes(head, _planted(cache, tokens, kv, kind))
         out, n = cache.retrieve(tokens)
         assert n == CHUNK  # the prefix ends at the bad chunk
@@ -154,7 +160,7 @@ def test_value_larger_than_this_replica_accepts_is_a_miss_left_in_place(redis_se
     redis_server.flush()
     tokens, kv = prompt(1)
     with make_cache(redis_server.url, max_value_bytes=1 << 20) as cache:
-        head = f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}"
+        head = redis_key(cache, tokens, 0)
         redis_server.set_bytes(head, struct.pack("<4sHH8sQII", b"KVTS", 1, 0, b"n" * 8, 16 << 20, 4096, 4096)
                                + b"x" * 4096)
         assert cache.retrieve(tokens)[1] == 0
@@ -171,7 +177,7 @@ def test_value_of_another_type_is_a_miss(redis_server):
     redis_server.flush()
     tokens, kv = prompt(2)
     with make_cache(redis_server.url) as cache:
-        redis_server.cli("HSET", f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}", "f", "v")
+        redis_server.cli("HSET", redis_key(cache, tokens, 0), "f", "v")
         assert cache.lookup(tokens) == CHUNK  # lookup only sees that the key exists ...
         assert cache.retrieve(tokens)[1] == 0  # ... retrieve reads it: a miss
         assert cache.metrics.total("kvtier_corrupt_chunks_total") == 1
@@ -220,7 +226,7 @@ def test_missing_part_is_a_miss_and_is_cleaned_up(redis_server):
     tokens, kv = prompt(2)
     with make_cache(redis_server.url, max_part_bytes=4096) as cache:
         cache.store(tokens, kv)
-        head = f"kvtier:raw:{{{cache.keys(tokens)[1].hex()}}}"
+        head = redis_key(cache, tokens, 1)
         part = [k for k in redis_server.cli("KEYS", "*").split() if k.startswith(head + ":")]
         redis_server.cli("DEL", *part)  # as if evicted
         assert cache.retrieve(tokens)[1] == CHUNK
@@ -286,7 +292,7 @@ def test_ttl_set_on_write_and_refreshed_on_read(redis_server):
     tokens, kv = prompt(1)
     with make_cache(redis_server.url, ttl_s=100, max_part_bytes=4096) as cache:
         cache.store(tokens, kv)
-        head = f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}"
+        head = redis_key(cache, tokens, 0)
         part = next(k for k in redis_server.cli("KEYS", "*").split() if k != head)
         assert 90_000 < int(redis_server.cli("PTTL", head)) <= 100_000
         assert int(redis_server.cli("PTTL", part)) > 100_000  # parts outlive their head
@@ -300,7 +306,7 @@ def test_no_ttl_by_default(redis_server):
     tokens, kv = prompt(1)
     with make_cache(redis_server.url) as cache:
         cache.store(tokens, kv)
-        assert redis_server.cli("PTTL", f"kvtier:raw:{{{cache.keys(tokens)[0].hex()}}}") == "-1"
+        assert redis_server.cli("PTTL", redis_key(cache, tokens, 0)) == "-1"
 
 
 # -- configuration ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from kvtier.codecs import BytesPayload
 from kvtier.tiers import RedisTier, RedisTierConfig
 from kvtier.tiers.redis.split import MAX_PARTS, MIN_PART_BYTES, SplitHeader
 from tests.conformance.tier_suite import key, tier_context
-from tests.tiers.test_redis import CHUNK, make_cache, prompt
+from tests.tiers.test_redis import CHUNK, make_cache, prompt, redis_key
 
 
 def head_declaring(total: int, part_len: int, n_parts: int | None = None) -> bytes:
@@ -43,7 +43,7 @@ def test_a_planted_head_is_refused_before_any_part_is_asked_for_and_deleted(redi
     tokens, kv = prompt(3)
     with make_cache(redis_server.url, timeout_s=0.5) as cache:
         cache.store(tokens, kv)
-        head = f"kvtier:raw:{{{cache.keys(tokens)[1].hex()}}}"
+        head = redis_key(cache, tokens, 1)
         redis_server.cli("DEL", head)
         redis_server.set_bytes(head, head_declaring(*declared))
         gets = commands(redis_server, "get")
@@ -81,7 +81,7 @@ def test_a_head_at_the_bounds_costs_at_most_its_parts_and_is_deleted_when_they_a
     tokens, kv = prompt(2)
     with make_cache(redis_server.url, timeout_s=0.5) as cache:
         cache.store(tokens, kv)
-        head = f"kvtier:raw:{{{cache.keys(tokens)[1].hex()}}}"
+        head = redis_key(cache, tokens, 1)
         redis_server.set_bytes(head, head_declaring(MAX_PARTS * MIN_PART_BYTES, MIN_PART_BYTES))
         gets = commands(redis_server, "get")
         assert cache.retrieve(tokens)[1] == CHUNK

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from kvtier.base.errors import ConfigError
 from kvtier.policy import DEFAULT_POLICY, make_policy
-from kvtier.tiers.base import TierConfig
+from kvtier.tiers.control import ControlledTierConfig
 
 
 @dataclass(frozen=True)
-class DiskTierConfig(TierConfig):
+class DiskTierConfig(ControlledTierConfig):
     """The local-disk tier (see tier.py).
 
     ``path``: root directory (chunks go to ``<path>/<codec>/``, or ``<path>/rank<r>/<codec>/`` for tensor
@@ -19,7 +19,8 @@ class DiskTierConfig(TierConfig):
     ``capacity_bytes``: hard limit on stored blob bytes; ``policy``: eviction policy; ``write_queue_depth``:
     stores queued for the writers before new ones are dropped; ``write_threads`` / ``read_threads``: parallel
     file writes / reads; ``o_direct``: bypass the page cache; ``fsync``: make each chunk durable before it
-    is visible (off: a machine crash may lose recent chunks; the checksum turns any damage into misses)."""
+    is visible (off: a machine crash may lose recent chunks; the checksum turns any damage into misses).
+    Pin budget and tenant shares: ControlledTierConfig."""
 
     kind = "disk"
     #: Below a faster tier, a disk takes only chunks sighted twice (why: docs/benchmarks/admission.md).

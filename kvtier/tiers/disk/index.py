@@ -33,7 +33,9 @@ from kvtier.base.keys import ChunkHash
 from kvtier.base.metrics import Metrics
 from kvtier.policy import EvictionPolicy
 from kvtier.tiers.base import RemovalListener, TierStats
-from kvtier.tiers.metrics import EVICTIONS
+from kvtier.tiers.control import DEFAULT_TAGS, Tags, TierUsage
+from kvtier.tiers.ledger import Ledger
+from kvtier.tiers.metrics import EVICTIONS, EXPIRED
 
 #: Apart from each other, the mtimes of one batch: files of one request keep their order on any filesystem
 #: whose timestamps have microseconds (ext4, xfs, btrfs, tmpfs: nanoseconds).
@@ -56,6 +58,7 @@ class Declined(enum.Enum):
     TOO_LARGE = "too_large"
     QUEUE_FULL = "queue_full"
     FULL_OF_PINNED = "full_of_pinned"
+    OVER_QUOTA = "over_quota"
 
 
 class Pending:
@@ -77,7 +80,13 @@ class Entry:
 
 
 class DiskIndex:
-    """Thread-safe. ``used`` counts stored and pending bytes and never exceeds ``capacity``."""
+    """Thread-safe. ``used`` counts stored and pending bytes and never exceeds ``capacity``.
+
+    Cache control (kvtier/tiers/control.py) lives in ``ledger``: owners and expiries are recorded at
+    reservation (a pending entry counts against its owner's share), entries pinned there are never evicted,
+    and an expired entry is dropped (its file unlinked) when ``contains`` or ``pin`` finds it, or by the
+    sweep that ``reserve`` and ``contains`` advance.
+    """
 
     def __init__(
         self,
@@ -90,6 +99,7 @@ class DiskIndex:
         submit_touch: Callable[[ChunkHash, int], None],
         metrics: Metrics,
         name: str,
+        ledger: Ledger,
     ) -> None:
         self.capacity = capacity
         self._policy = policy
@@ -102,12 +112,15 @@ class DiskIndex:
         self.closed = False  #: no more file operations are submitted
         self._metrics, self._name = metrics, name
         self.on_drop: RemovalListener | None = None  #: told of every key that leaves the index
+        self.ledger = ledger
 
     # -- queries -------------------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkHash]) -> list[bool]:
         entries = self._entries
         with self._lock:
-            return [(e := entries.get(key)) is not None and e.pending is None for key in keys]
+            self._sweep()
+            return [(e := entries.get(key)) is not None and e.pending is None and not self._expire(key)
+                    for key in keys]
 
     def pin(self, keys: Sequence[ChunkHash]) -> list[tuple[int, ChunkHash, Entry]]:
         """Pin the visible entries among ``keys``: ``(position, key, entry)``; pass the entries to ``unpin``."""
@@ -117,7 +130,7 @@ class DiskIndex:
                 return out
             for i, key in enumerate(keys):
                 entry = self._entries.get(key)
-                if entry is not None and entry.pending is None:
+                if entry is not None and entry.pending is None and not self._expire(key):
                     entry.pins += 1
                     out.append((i, key, entry))
             for _, key, _ in reversed(out):  # deepest chunk first
@@ -149,12 +162,14 @@ class DiskIndex:
             return list(self._entries)
 
     # -- stores --------------------------------------------------------------------------------------------
-    def reserve(self, items: Sequence[tuple[ChunkHash, int]]) -> list[Pending | Declined]:
-        """Room for each new store of a batch in chain order, evicting in policy order, and its write
-        submitted; else why not. The batch is then reported to the policy deepest chunk first."""
+    def reserve(self, items: Sequence[tuple[ChunkHash, int]], tags: Tags = DEFAULT_TAGS) -> list[Pending | Declined]:
+        """Room for each new store of a batch in chain order, evicting in policy order (the owner's own entries
+        first where ``tags.tenant`` is past its share), and its write submitted; else why not. The batch is then
+        reported to the policy deepest chunk first."""
         stamps = stamps_ns(len(items))
         with self._lock:
-            out = [self._reserve_one(key, nbytes, stamp) for (key, nbytes), stamp in zip(items, stamps)]
+            self._sweep()
+            out = [self._reserve_one(key, nbytes, stamp, tags) for (key, nbytes), stamp in zip(items, stamps)]
             for (key, _), job in zip(reversed(items), reversed(out)):
                 if isinstance(job, Pending):
                     self._policy.on_insert(key)
@@ -162,7 +177,7 @@ class DiskIndex:
                     self._policy.on_access(key)  # (unless a later store of the batch evicted it meanwhile)
         return out
 
-    def _reserve_one(self, key: ChunkHash, nbytes: int, stamp_ns: int) -> Pending | Declined:
+    def _reserve_one(self, key: ChunkHash, nbytes: int, stamp_ns: int, tags: Tags) -> Pending | Declined:
         entry = self._entries.get(key)
         if entry is not None:
             return Declined.PRESENT
@@ -172,14 +187,18 @@ class DiskIndex:
             return Declined.TOO_LARGE
         if self.queued >= self._depth:
             return Declined.QUEUE_FULL
+        owned = self.ledger.owned_by(tags.tenant)
+        while self.ledger.over_share(tags.tenant, nbytes):
+            if not self._evict(lambda k: owned(k) and self._evictable(k)):
+                return Declined.OVER_QUOTA
         while self.used + nbytes > self.capacity:
-            victim = self._policy.victim(self._evictable)
-            if victim is None:
+            over = self.ledger.over_filter()  # tenants past their share give room first
+            if not (over is not None and self._evict(lambda k: over(k) and self._evictable(k))) \
+                    and not self._evict(self._evictable):
                 return Declined.FULL_OF_PINNED
-            self._drop(victim, unlink=True)
-            self._metrics.inc(EVICTIONS, tier=self._name)
         job = Pending(key, nbytes, stamp_ns)
         self._entries[key] = Entry(nbytes, job)
+        self.ledger.add(key, nbytes, tags)
         self.used += nbytes
         self.queued += 1
         self._submit_write(job)
@@ -187,7 +206,30 @@ class DiskIndex:
 
     def _evictable(self, key: ChunkHash) -> bool:
         entry = self._entries[key]
-        return entry.pins == 0 and entry.pending is None
+        return entry.pins == 0 and entry.pending is None and not self.ledger.pinned(key)
+
+    def _evict(self, evictable: Callable[[ChunkHash], bool]) -> bool:
+        """Evict the policy's victim among ``evictable`` keys; False if there is none. Caller holds the lock."""
+        victim = self._policy.victim(evictable)
+        if victim is None:
+            return False
+        self._drop(victim, unlink=True)
+        self._metrics.inc(EVICTIONS, tier=self._name)
+        return True
+
+    def _expire(self, key: ChunkHash) -> bool:
+        """Drop ``key`` if it is visible and its retention time passed; True if it did. Caller holds the lock."""
+        entry = self._entries.get(key)
+        if entry is None or entry.pending is not None or not self.ledger.expired(key):
+            return False
+        self._drop(key, unlink=True)
+        self._metrics.inc(EXPIRED, tier=self._name)
+        return True
+
+    def _sweep(self) -> None:
+        """One step of the sweep of expired entries. Caller holds the lock."""
+        for key in self.ledger.due():
+            self._expire(key)
 
     def publish(self, job: Pending) -> bool:
         """The job's file is complete: make it visible. False if it was deleted meanwhile (remove the file)."""
@@ -237,6 +279,7 @@ class DiskIndex:
             for key, nbytes in found:
                 if key not in self._entries:
                     self._entries[key] = Entry(nbytes)
+                    self.ledger.add(key, nbytes)
                     self.used += nbytes
                     self._policy.on_insert(key)
             while self.used > self.capacity and (victim := self._policy.victim(self._evictable)) is not None:
@@ -247,9 +290,53 @@ class DiskIndex:
         with self._lock:
             self.closed = True
 
+    # -- cache control (kvtier/tiers/control.py) ----------------------------------------------------------
+    def tags_of(self, keys: Sequence[ChunkHash]) -> list[Tags | None]:
+        with self._lock:
+            return [self.ledger.tags(key) for key in keys]
+
+    def control_pin(self, keys: Sequence[ChunkHash]) -> int:
+        """Pin the visible, unexpired ``keys`` against eviction (PinBudgetExceeded: none pinned)."""
+        with self._lock:
+            held = [k for k in keys if (e := self._entries.get(k)) is not None and e.pending is None
+                    and not self._expire(k)]
+            return self.ledger.pin(held)
+
+    def pinned(self, keys: Sequence[ChunkHash]) -> list[bool]:
+        with self._lock:
+            return [self.ledger.pinned(key) for key in keys]
+
+    def control_unpin(self, keys: Sequence[ChunkHash]) -> int:
+        with self._lock:
+            return self.ledger.unpin(keys)
+
+    def clear(self, tenant: str | None) -> int:
+        """Delete every entry (or ``tenant``'s), pending ones included: the number removed."""
+        with self._lock:
+            doomed = self.ledger.keys_of(tenant)
+        self.remove(doomed)
+        return len(doomed)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return self.ledger.usage(len(self._entries), self.used)
+
+    def gauges(self) -> list[tuple[str, dict[str, str], float]]:
+        with self._lock:
+            return list(self.ledger.gauges())
+
+    def export_control(self, *, pins: bool = True, tags: bool = True) -> dict[str, object]:
+        with self._lock:
+            return self.ledger.export(pins=pins, tags=tags)
+
+    def restore_control(self, data: dict[str, object]) -> None:
+        with self._lock:
+            self.ledger.restore(data)
+
     def _drop(self, key: ChunkHash, *, unlink: bool) -> None:
         entry = self._entries.pop(key)
         self.used -= entry.nbytes
+        self.ledger.drop(key)
         self._policy.on_remove(key)  # pending entries too: the policy knows them from their reservation
         if unlink and not self.closed:
             self._submit_unlink(key)

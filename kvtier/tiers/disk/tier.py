@@ -44,7 +44,9 @@ from kvtier.base.metrics import declare_counter, declare_gauge, declare_histogra
 from kvtier.codecs import Payload, get_codec
 from kvtier.policy import make_policy
 from kvtier.tiers.base import RemovalListener, TierContext, TierStats, stats_gauges
+from kvtier.tiers.control import DEFAULT_TAGS, Feature, Tags
 from kvtier.tiers.disk.config import DiskTierConfig
+from kvtier.tiers.disk.control import DiskControl
 from kvtier.tiers.disk.files import (
     AlignedBufferPool,
     ChunkPaths,
@@ -57,6 +59,7 @@ from kvtier.tiers.disk.files import (
     write_atomic,
 )
 from kvtier.tiers.disk.index import Declined, DiskIndex, Pending, stamps_ns
+from kvtier.tiers.ledger import Ledger
 from kvtier.tiers.metrics import SKIPPED_STORES, WRITTEN_BYTES
 
 log = logging.getLogger(__name__)
@@ -79,12 +82,13 @@ READ_POOL_RETAIN = 256 << 20
 STAGING_POOL_RETAIN = 128 << 20
 
 
-class DiskTier:
+class DiskTier(DiskControl):
     """The Tier protocol over one directory of chunk files; ``Flushable`` (stores are written in the
     background), ``ChainOrdered``, a ``RemovalReporter`` and ``Listable`` (both count queued stores as held:
-    see index.py)."""
+    see index.py), and ``Controlled`` (control.py: pins, owners and expiries survive a restart)."""
 
     verifies = True
+    supports = frozenset(Feature)
     #: a get fans its reads out to the readers: fewer, larger windows spare a long load thread hand-offs
     #: (kvtier.core.pipeline)
     large_load_windows = True
@@ -96,6 +100,7 @@ class DiskTier:
         self.name = name = ctx.name
         self.codec = get_codec(config.codec)
         self.paths = ChunkPaths(root, self.codec.name)
+        self.control_dir = self.paths.dir  #: where pins.json and tags.json go (control.py)
         self._metrics = ctx.metrics
         self._read_direct = self._write_direct = config.o_direct
         self._fsync = config.fsync
@@ -113,7 +118,7 @@ class DiskTier:
             submit_write=lambda job: self._writer(job.key).submit(self._write, job),
             submit_unlink=lambda key: self._writer(key).submit(self._unlink, self.paths.path(key)),
             submit_touch=lambda key, stamp: self._writer(key).submit(self._restamp, self.paths.path(key), stamp),
-            metrics=self._metrics, name=name,
+            metrics=self._metrics, name=name, ledger=Ledger(config, config.capacity_bytes, ctx),
         )
         self._reindex()
         self._metrics.add_gauges(self._gauges)
@@ -148,7 +153,11 @@ class DiskTier:
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
         """Queue the stores; True where the key is stored or now queued (visible once its file is complete)."""
-        jobs = self._index.reserve([(key, payload.nbytes) for key, payload in items])
+        return self.put_tagged(items, DEFAULT_TAGS)
+
+    def put_tagged(self, items: Sequence[tuple[ChunkHash, Payload]], tags: Tags) -> list[bool]:
+        """``put``, the new entries owned and expiring as ``tags`` say (kvtier/tiers/control.py)."""
+        jobs = self._index.reserve([(key, payload.nbytes) for key, payload in items], tags)
         done: list[bool] = []
         try:
             for job, (_, payload) in zip(jobs, items):
@@ -186,6 +195,7 @@ class DiskTier:
         """Finish queued writes, stop the threads and release the directory."""
         if self._index.closed:
             return
+        self.save_control()
         self._index.close()
         for writer in self._writers:
             writer.shutdown(wait=True)
@@ -334,6 +344,7 @@ class DiskTier:
             log.warning("disk tier %s: cannot scan %s: %s", self.name, self.paths.dir, exc)
             return
         self._index.load(found)
+        self.load_control()
         for kind, n in removed.items():
             if n:
                 self._metrics.inc(LEFTOVERS_REMOVED, n, tier=self.name, kind=kind)
@@ -361,4 +372,5 @@ class DiskTier:
 
     def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         yield from stats_gauges(self)
+        yield from self._index.gauges()
         yield WRITE_QUEUE.name, {"tier": self.name}, self._index.queued

@@ -222,6 +222,11 @@ class MooncakeClient:
         # checksum; a reader racing the removal gets bytes that fail verification, i.e. a miss
         return self._run(self._store.batch_remove, list(keys), True, deadline=deadline)
 
+    def remove_matching(self, regex: str, deadline: float) -> int:
+        """Remove every key matching ``regex`` (Mooncake's ``remove_by_regex``, forced past read leases): the
+        number removed, negative for an error code."""
+        return self._run(self._store.remove_by_regex, regex, True, deadline=deadline)
+
     def register(self, ptr: int, nbytes: int, keep: object, deadline: float) -> int:
         """Register memory for zero-copy transfers; ``keep`` (the memory's owner) stays alive until a late
         registration has been undone."""

@@ -59,6 +59,7 @@ from kvtier.tiers.mooncake.buffers import Lease, RegisteredBuffers
 from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
 from kvtier.tiers.mooncake.client import MASTER_DOWN, Code, MooncakeClient
 from kvtier.tiers.mooncake.config import MooncakeTierConfig
+from kvtier.tiers.mooncake.control import MooncakeControl
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,10 @@ GAUGE_STATS_MAX_AGE_S = 5.0
 _POOL_GAUGES = {"master_allocated_bytes": 0, "master_total_capacity_bytes": 1, "master_key_count": 2}
 
 
-class MooncakeTier:
+class MooncakeTier(MooncakeControl):
+    """The Tier protocol over a Mooncake Store pool (see the module docstring); ``Controlled`` for clears only
+    (control.py says what Mooncake cannot do)."""
+
     verifies = True
 
     def __init__(self, config: MooncakeTierConfig, ctx: TierContext) -> None:
@@ -92,7 +96,8 @@ class MooncakeTier:
         self.config = config
         self.codec = get_codec(config.codec)
         self._metrics = ctx.metrics
-        self._prefix = f"{config.key_prefix}{self.codec.name}:"
+        self._root = f"{config.key_prefix}{self.codec.name}:"  #: every key of this prefix and codec (clear all)
+        self._prefix = self._root + (f"{ctx.namespace}:" if ctx.namespace else "")  #: this model's keys
         self._probe_key = f"{config.key_prefix}probe"
         self._calls = DeadlineCalls(WORKERS, ctx.name)
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s,

@@ -19,8 +19,9 @@ class RedisTierConfig(RemoteTierConfig):
     client certificate and key for ``rediss://``. ``ttl_s``: expire entries this long after their last
     write (and, with ``refresh_ttl``, their last read); None keeps them until the server evicts them.
     ``max_part_bytes``: values larger than this are split into parts (split.py), so a value is stored only
-    within ``max_value_bytes`` and at most split.MAX_PARTS parts. Key prefix, deadlines and circuit breaker:
-    RemoteTierConfig.
+    within ``max_value_bytes`` and at most split.MAX_PARTS parts. ``pin_budget_bytes``: the most bytes pins may
+    hold, every replica's pins together (None: a quarter of the server's maxmemory; pins and what Redis still
+    evicts: control.py). Key prefix, deadlines and circuit breaker: RemoteTierConfig.
     """
 
     kind = "redis"
@@ -40,6 +41,7 @@ class RedisTierConfig(RemoteTierConfig):
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    pin_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -50,5 +52,7 @@ class RedisTierConfig(RemoteTierConfig):
         if not MIN_PART_BYTES <= self.max_part_bytes <= REDIS_MAX_BULK - HEADER_BYTES:
             largest = REDIS_MAX_BULK - HEADER_BYTES
             raise ConfigError(f"redis max_part_bytes must lie in [{MIN_PART_BYTES}, {largest}]")
+        if self.pin_budget_bytes is not None and self.pin_budget_bytes < 0:
+            raise ConfigError("redis pin_budget_bytes must not be negative")
         if self.ttl_s is not None and self.ttl_s < 0:
             raise ConfigError("redis ttl_s must not be negative")

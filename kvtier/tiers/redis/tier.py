@@ -1,10 +1,11 @@
 """Shared tier on Redis or Valkey: one prefix cache for many engine replicas.
 
 Keys
-    ``<key_prefix><codec>:{<chunk hash hex>}``, e.g. ``kvtier:raw:{3fa2...}``. The chunk hash already covers the
-    model, KV spec, chunk size, TP rank, adapter and tenant salt, so replicas of one model share entries and
-    nothing else does; the codec in the key keeps two codecs from reading each other's entries. The braces are
-    a Redis Cluster hash tag: a value's parts live in its head's slot, so they travel on one connection.
+    ``<key_prefix><codec>:<namespace>:{<chunk hash hex>}``, e.g. ``kvtier:raw:9c1e...:{3fa2...}``. The chunk hash
+    already covers the model, KV spec, chunk size, TP rank, adapter and tenant salt, so replicas of one model share
+    entries and nothing else does; the codec in the key keeps two codecs from reading each other's entries, and the
+    namespace tag lets one model's entries be cleared (control.py, which also has pins, expiry and tenants). The
+    braces are a Redis Cluster hash tag: a value's parts live in its head's slot, so they travel on one connection.
 
 Values
     The sealed, checksummed blob (blob.py). KVCache verifies every read against the chunk key and token ids,
@@ -49,10 +50,12 @@ from kvtier.base.metrics import declare_counter
 from kvtier.codecs import Payload, get_codec
 from kvtier.net.buffers import TransferBufferPool
 from kvtier.tiers.base import TierContext, TierStats
+from kvtier.tiers.control import DEFAULT_TAGS, Tags
 from kvtier.tiers.metrics import CORRUPT_CHUNKS, SKIPPED_STORES, WRITTEN_BYTES
 from kvtier.tiers.redis.batches import Batch, is_redirect
 from kvtier.tiers.redis.client import Endpoint
 from kvtier.tiers.redis.config import MiB, RedisTierConfig
+from kvtier.tiers.redis.control import RedisControl
 from kvtier.tiers.redis.resp import RespError
 from kvtier.tiers.redis.servers import Servers
 from kvtier.tiers.redis.split import (
@@ -114,8 +117,9 @@ def _stages(todo: list[int], sizes: list[int], capacity: int) -> Iterator[list[i
         yield group
 
 
-class RedisTier:
-    """The Tier protocol over a Redis/Valkey server or cluster (see the module docstring); a ``SharedStore``."""
+class RedisTier(RedisControl):
+    """The Tier protocol over a Redis/Valkey server or cluster (see the module docstring); a ``SharedStore`` and
+    ``Controlled`` (control.py)."""
 
     verifies = True
 
@@ -125,6 +129,7 @@ class RedisTier:
         self.codec = get_codec(config.codec)
         self._metrics = ctx.metrics
         self._prefix = f"{config.key_prefix}{self.codec.name}:".encode()
+        self._control_init(ctx.clock, ctx.namespace)
         self._ttl_ms = int(config.ttl_s * 1000) if config.ttl_s else 0
         # parts outlive their head a little, so a head never points at parts that already expired
         self._part_ttl_ms = self._ttl_ms + max(60_000, self._ttl_ms // 10) if self._ttl_ms else 0
@@ -173,7 +178,14 @@ class RedisTier:
                 self._buffers.release(buf)
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
+        return self.put_tagged(items, DEFAULT_TAGS)
+
+    def put_tagged(self, items: Sequence[tuple[ChunkHash, Payload]], tags: Tags) -> list[bool]:
+        """``put``; with ``tags.expires_at`` the keys expire then (SET PX), a salted owner's heads join its set."""
         out = [False] * len(items)
+        ttl_ms = self._store_ttl_ms(tags.expires_at)
+        if ttl_ms == 0:  # already expired
+            return out
         sizes = [payload.nbytes for _, payload in items]
         todo = [i for i, n in enumerate(sizes) if n <= self.max_value_bytes]
         if len(todo) < len(items):
@@ -186,9 +198,10 @@ class RedisTier:
         stage = self._buffers.acquire(min(total, max(STAGE_BYTES, max(sizes))))
         try:
             for group in _stages(todo, sizes, stage.nbytes):  # one round trip per stage
-                self._put_stage([(i, *items[i]) for i in group], stage, out, deadline)
+                self._put_stage([(i, *items[i]) for i in group], stage, out, deadline, ttl_ms)
         finally:
             self._buffers.release(stage)
+        self._index_tenant(tags.tenant, [self._key(items[i][0]) for i in todo if out[i]], deadline)
         return out
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
@@ -225,7 +238,7 @@ class RedisTier:
 
     # -- keys and commands ---------------------------------------------------------------------------------
     def _key(self, key: ChunkHash) -> bytes:
-        return b"%s{%s}" % (self._prefix, key.hex().encode())
+        return b"%s{%s}" % (self._space, key.hex().encode())
 
     def _get_cmd(self, key: bytes, ttl_ms: int) -> tuple[bytes, ...]:
         if ttl_ms and self.config.refresh_ttl:
@@ -294,12 +307,12 @@ class RedisTier:
 
     # -- put -----------------------------------------------------------------------------------------------
     def _put_stage(self, items: list[tuple[int, ChunkHash, Payload]], stage: np.ndarray, out: list[bool],
-                   deadline: float) -> None:
+                   deadline: float, ttl_ms: int | None = None) -> None:
         """Write, send and confirm one stage of values (they fit in ``stage`` together, or are one value).
 
         Cleanup (unlinking the parts of values that cannot be used) is sent only once every reply is in, so it
         never races the writes it cleans up after."""
-        batches, staged = self._pack_stage(items, stage)
+        batches, staged = self._pack_stage(items, stage, ttl_ms)
         cleanup: dict[str, Batch] = {}
         for batch in self._servers.run(batches, "put", deadline):
             self._confirm(batch, staged, out, cleanup)
@@ -310,9 +323,13 @@ class RedisTier:
         if cleanup:
             self._servers.run(cleanup, "put", deadline)
 
-    def _pack_stage(self, items: list[tuple[int, ChunkHash, Payload]],
-                    stage: np.ndarray) -> tuple[dict[str, Batch], dict[int, _Staged]]:
-        """Copy each value into ``stage`` and queue its SETs: a split value's parts first, its head last."""
+    def _pack_stage(self, items: list[tuple[int, ChunkHash, Payload]], stage: np.ndarray,
+                    ttl_ms: int | None) -> tuple[dict[str, Batch], dict[int, _Staged]]:
+        """Copy each value into ``stage`` and queue its SETs: a split value's parts first, its head last. They
+        expire in ``ttl_ms`` (parts a little later), or as the tier's ``ttl_s`` says for None."""
+        head_ttl, part_ttl = self._ttl_args, self._part_ttl_args
+        if ttl_ms is not None:
+            head_ttl, part_ttl = (b"PX", b"%d" % ttl_ms), (b"PX", b"%d" % (ttl_ms + max(60_000, ttl_ms // 10)))
         part_len = self.config.max_part_bytes
         view = memoryview(stage)
         offset = 0
@@ -327,13 +344,13 @@ class RedisTier:
             batch = self._servers.batch(batches, head)
             if n <= part_len:
                 staged[i] = _Staged(head, n, [])
-                batch.add(_Write(Role.HEAD, i), b"SET", head, value, b"NX", *self._ttl_args)
+                batch.add(_Write(Role.HEAD, i), b"SET", head, value, b"NX", *head_ttl)
                 continue
             header = SplitHeader.new(n, part_len)
             staged[i] = _Staged(head, n, header.part_keys(head))
             for p, part_key in enumerate(staged[i].part_keys, start=1):
-                batch.add(_Write(Role.PART, i), b"SET", part_key, value[header.part_range(p)], *self._part_ttl_args)
-            batch.add(_Write(Role.HEAD, i), b"SET", head, (header.pack(), value[:part_len]), b"NX", *self._ttl_args)
+                batch.add(_Write(Role.PART, i), b"SET", part_key, value[header.part_range(p)], *part_ttl)
+            batch.add(_Write(Role.HEAD, i), b"SET", head, (header.pack(), value[:part_len]), b"NX", *head_ttl)
         return batches, staged
 
     def _confirm(self, batch: Batch, staged: dict[int, _Staged], out: list[bool], cleanup: dict[str, Batch]) -> None:

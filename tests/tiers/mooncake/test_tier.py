@@ -36,11 +36,12 @@ def chunk_blob(keys, tokens: list[int], kv: torch.Tensor, i: int, codec: str = "
 
 
 # -- keys and namespaces ---------------------------------------------------------------------------------------
-def test_keys_are_prefix_codec_and_chunk_hash(master):
+def test_keys_are_prefix_codec_namespace_and_chunk_hash(master):
     tokens, kv = prompt(2)
     with make_cache(master, key_prefix="team-a:") as cache:
         assert cache.store(tokens, kv) == len(tokens)
-        assert master.keys() == sorted(f"team-a:raw:{key.hex()}" for key in cache.keys(tokens))
+        namespace = cache.namespace.root.hex()[:16]  # the model's namespace tag: a clear removes a model's keys
+        assert master.keys() == sorted(f"team-a:raw:{namespace}:{key.hex()}" for key in cache.keys(tokens))
 
 
 def test_models_and_tenants_never_read_each_other(master):
