@@ -121,7 +121,7 @@ async def _generate(backend: Backend, request: Request, route: Route):
         # /health and other clients' streams go on meanwhile.
         prepared = await asyncio.to_thread(_prepare, backend, raw, route)
         job = Job(prepared.prompt_ids, prepared.max_tokens, salt, backend.stop_ids, asyncio.get_running_loop(),
-                  prepared.sampling, segments=prepared.segments)
+                  prepared.sampling, segments=prepared.segments, ttl_s=prepared.request.cache_ttl_s)
         text = TextStream(backend.tokenizer, prepared.stops, skip_ids=backend.stop_ids)
         backend.engine.submit(job)  # last: a request is queued only once nothing about it can fail
     except RequestError as exc:

@@ -172,3 +172,25 @@ def test_openapi_describes_every_admin_route(client, live):
     assert sorted(schemas["ClearBody"]["properties"]["scope"]["enum"]) == ["all", "model", "tenant"]
     pin = doc["paths"]["/admin/v1/pin"]["post"]
     assert pin["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/PinBody")
+
+
+@pytest.mark.parametrize("ttl", [b"-1", b'"3600"', b"1e999", b"null"])
+def test_a_bad_cache_ttl_is_a_400_that_stores_nothing(client, ttl):
+    prompt = PROMPT + " rivers"
+    raw = b'{"model": "tiny", "max_tokens": 2, "prompt": "%s", "cache_ttl_s": %s}' % (prompt.encode(), ttl)
+    r = client.post("/v1/completions", content=raw, headers={**as_(ALICE), "Content-Type": "application/json"})
+    if ttl == b"null":  # no retention time: allowed
+        assert r.status_code == 200, r.text
+        assert cached(client, ALICE, prompt) > 0
+        client.post("/admin/v1/clear", json={}, headers=as_(ALICE))
+        return
+    assert r.status_code == 400, r.text
+    assert cached(client, ALICE, prompt) == 0
+
+
+def test_a_cache_ttl_stores_with_a_retention_time(client):
+    prompt = PROMPT + " music"
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "cache_ttl_s": 3600},
+                    headers=as_(ALICE))
+    assert r.status_code == 200, r.text
+    assert cached(client, ALICE, prompt) > 0
