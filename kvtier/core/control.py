@@ -57,6 +57,12 @@ class CacheControl:
         """The names of the cache's tiers, fastest first (what ``tiers=`` and the results use)."""
         return [tier.name for tier in self._cache.tiers]
 
+    def features(self) -> dict[str, list[str]]:
+        """Per tier name, what it can do: some of ``pin``, ``ttl``, ``tenants`` (owners: shares, clear by tenant)
+        and ``clear`` (kvtier.tiers.control.Feature); empty for a tier without cache control."""
+        return {tier.name: sorted(f.value for f in tier.supports) if isinstance(tier, Controlled) else []
+                for tier in self._cache.tiers}
+
     # -- pins ----------------------------------------------------------------------------------------------
     def pin(self, tokens: Tokens, *, salt: bytes = b"", tiers: Sequence[str] | None = None) -> dict[str, int]:
         """Pin the cached prefix of ``tokens`` (tenant ``salt``) in each of ``tiers`` (by name; None: every tier

@@ -50,6 +50,10 @@ class Ledger:
         self.pinned_bytes = 0
         self._heap: list[tuple[float, int, ChunkHash]] = []
         self._seq = itertools.count()
+        unknown = set(self._shares) - set(self._names.values()) - {DEFAULT_TENANT}
+        if unknown:
+            log.warning("tier %s: tenant_shares names %s that the cache's tenants do not: those shares apply to "
+                        "no one", ctx.name, sorted(unknown))
         if config.pin_budget_bytes is not None or config.tenant_share < 1 or config.tenant_shares:
             log.info("tier %s: pin budget %d bytes, tenant share %s of %d bytes, overrides %s", ctx.name,
                      self.pin_budget, config.tenant_share, capacity, dict(config.tenant_shares))

@@ -123,6 +123,15 @@ class ControlConformance:
         assert 0 < usage.tenant_bytes["other"] - 3 * BLOB_BYTES <= 4 * BLOB_BYTES + 50
         assert tier.tags_of([key(0), key(139), key(7)]) == [Tags("b"), Tags("a"), None]
 
+    def test_one_batch_stays_within_its_share_and_keeps_its_root(self, controlled):
+        if not self.enforces_shares:
+            pytest.skip("the server evicts: no shares")
+        tier = controlled(16 * BLOB_BYTES + 100, tenant_share=0.25)
+        self._need(tier, Feature.TENANTS)
+        self._store(tier, list(range(10)), Tags("a"))  # one request's chain, root first
+        assert tier.contains([key(i) for i in range(4)]) == [True] * 4
+        assert tier.usage().tenant_bytes["other"] <= 4 * BLOB_BYTES + 100
+
     def test_clear_one_tenant_leaves_the_others(self, controlled):
         tier = controlled()
         self._need(tier, Feature.TENANTS)

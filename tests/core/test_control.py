@@ -206,6 +206,7 @@ def test_stats_name_configured_tenants_and_lump_the_rest():
         assert set(usage.tenant_bytes) == {"alice", "other", "default"}
         assert usage.tenant_bytes["other"] == 2 * usage.tenant_bytes["alice"] == 2 * usage.tenant_bytes["default"]
         assert usage.entries == 8 and usage.pin_budget_bytes == usage.capacity_bytes // 4
+        assert cache.control.features() == {"memory": ["clear", "pin", "tenants", "ttl"]}
 
 
 def test_a_chunk_demoted_to_a_write_back_tier_keeps_its_owner_and_expiry(tmp_path):
@@ -226,3 +227,24 @@ def test_a_chunk_demoted_to_a_write_back_tier_keeps_its_owner_and_expiry(tmp_pat
         store(cache, 3)  # evicts bob's first prompt into the disk tier
         cache.tiers[1].flush()
         assert cache.control.clear(tenant=BOB) == {"memory": 2, "disk": 2}  # demoted, still bob's
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tenants": {"acme": "zz"}}, "not a salt in hex"),
+    ({"tenants": {"other": "ab"}}, "other than default/other"),
+    ({"tenants": {"acme": ""}}, "empty salt is the default tenant"),
+    ({"tiers": [{"kind": "memory", "tenant_share": 1.5}]}, "fraction in"),
+    ({"tiers": [{"kind": "disk", "path": "/tmp/x", "tenant_shares": {"acme": 0}}]}, "fraction in"),
+    ({"tiers": [{"kind": "memory", "pin_budget_bytes": -1}]}, "must not be negative"),
+])
+def test_bad_control_config_is_a_config_error(values, message):
+    from kvtier import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        CacheConfig.from_dict(values)
+
+
+def test_a_share_for_a_tenant_the_cache_does_not_name_is_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.ledger"):
+        make_cache(memory(tenant_shares={"acme": 0.5})).close()
+    assert "acme" in caplog.text

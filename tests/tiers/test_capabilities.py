@@ -8,6 +8,7 @@ import torch
 from kvtier import CacheConfig, ConfigError, InvalidArgument, KVCache, KVSpec
 from kvtier.base.keys import token_array
 from kvtier.tiers import DiskTierConfig, EvictionReporter, Flushable, MemoryTier, MemoryTierConfig, WriteMode
+from kvtier.tiers.control import Controlled, EvictionTags, Feature
 from tests.conformance.tier_suite import tier_context
 from tests.tiers.disk_helpers import disk_tier
 
@@ -21,6 +22,9 @@ def test_capabilities_are_named_protocols(tmp_path):
     try:
         assert isinstance(memory, EvictionReporter) and not isinstance(memory, Flushable)
         assert isinstance(disk, Flushable) and not isinstance(disk, EvictionReporter)
+        assert isinstance(memory, Controlled) and isinstance(disk, Controlled)
+        assert memory.supports == disk.supports == frozenset(Feature)
+        assert isinstance(memory, EvictionTags) and not isinstance(disk, EvictionTags)
     finally:
         memory.close()
         disk.close()

@@ -116,14 +116,18 @@ def test_clear_by_namespace_tenant_and_all(redis_server):
         assert int(redis_server.cli("DBSIZE")) == 0
 
 
-def test_clear_walks_a_large_key_space_with_scan(redis_server):
+def test_clears_walk_the_key_space_in_many_scan_steps(redis_server, monkeypatch):
+    import kvtier.tiers.redis.control as redis_control
+
+    monkeypatch.setattr(redis_control, "SCAN_COUNT", 7)  # many cursor steps, as a large key space takes
     redis_server.flush()
     with make_cache(redis_server.url) as cache:
         for seed in range(30):
             tokens, kv = prompt(3, seed=seed)
             cache.store(tokens, kv, salt=b"t")
-        redis_server.cli("DEBUG", "SET-ACTIVE-EXPIRE", "1")
+            cache.store(tokens, kv)
         assert cache.control.clear(tenant=b"t") == {"redis": 90}
+        assert cache.control.clear() == {"redis": 90}
         assert int(redis_server.cli("DBSIZE")) == 0
 
 

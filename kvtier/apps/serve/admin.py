@@ -7,8 +7,8 @@ them). What each answers:
   for the caller's tenant (a tenant key) or the named one (admin; ``default`` without a name);
 * ``pin`` / ``unpin``: ``{"tiers": {tier: tokens pinned | bytes released}}``;
 * ``clear``: ``{"scope", "removed": {tier: entries removed, or null where the tier cannot}}``;
-* ``stats``: per tier its usage (entries, bytes, capacity, pins, bytes per tenant) and admission (policy,
-  refusals by reason).
+* ``stats``: per tier its usage (entries, bytes, capacity, pins, bytes per tenant), what it can do (``features``:
+  pin, ttl, tenants, clear) and admission (policy, refusals by reason).
 
 Every pin, unpin and clear is logged (logger ``kvtier.apps.serve.admin``) with the caller and the outcome, besides
 the library's own log of it. Cache work runs on a worker thread, never on the event loop. Errors are OpenAI's
@@ -134,7 +134,8 @@ class _Admin:
                        for r in Refusal}
             admission[tier.name] = {"policy": settings.policy, "max_bytes_per_s": settings.max_bytes_per_s,
                                     "refused": refused}
-        return {"model": self.backend.name, "tiers": usage, "admission": admission}
+        return {"model": self.backend.name, "tiers": usage, "features": cache.control.features(),
+                "admission": admission}
 
     # -- internals -----------------------------------------------------------------------------------------
     def _pins(self, op: str, caller: Caller, body: PinBody) -> dict[str, Any]:

@@ -13,7 +13,7 @@ The buffer is private to the process, so blobs here are stored unsealed and read
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvtier.base.keys import ChunkHash
@@ -111,16 +111,17 @@ class MemoryTier:
         pending: list[tuple[int, int, int, object]] = []  # (item index, offset, nbytes, slab)
         with self._lock:
             self._sweep()
+        reserved = 0  # bytes of the pending slots, which the owner's share counts
         for i in reversed(range(len(items))):
             key, payload = items[i]
-            reserved = sum(p[2] for p in pending)
             slot = self._reserve(key, payload.nbytes, tags, reserved, last_try=not pending)
             if slot is None:  # full of pending slots: publish them (they become evictable) and try again
                 self._commit(items, pending, done, tags)
-                pending = []
+                pending, reserved = [], 0
                 slot = self._reserve(key, payload.nbytes, tags, 0, last_try=True)
             if isinstance(slot, tuple):
                 pending.append((i, *slot))
+                reserved += slot[1]
             else:
                 done[i] = bool(slot)
         self._commit(items, pending, done, tags)
@@ -236,7 +237,7 @@ class MemoryTier:
     def _evictable(self, key: ChunkHash) -> bool:
         return self._entries[key].pins == 0 and not self._ledger.pinned(key)
 
-    def _evict(self, evictable) -> bool:
+    def _evict(self, evictable: Callable[[ChunkHash], bool]) -> bool:
         """Evict the policy's victim among ``evictable`` keys; False if there is none. Caller holds the lock."""
         victim = self._policy.victim(evictable)
         if victim is None:
@@ -321,7 +322,7 @@ class MemoryTier:
         with self._lock:
             return self._ledger.usage(len(self._entries), self._alloc.used)
 
-    def _gauges(self):
+    def _gauges(self) -> Iterator[tuple[str, dict[str, str], float]]:
         yield from stats_gauges(self)
         with self._lock:
             yield from list(self._ledger.gauges())

@@ -5,9 +5,11 @@
   and keys of the layout before namespaces) with the regex of ``<key_prefix><codec>:``. Removal is forced past
   read leases, as ``delete`` is; a reader racing it gets a miss.
 * **Pins: not supported.** Mooncake's hard pin (``ReplicateConfig.with_hard_pin``) and soft pin
-  (``soft_pin_ttl_ms``) are options of a *put*: the installed store API has no call that pins an object already
-  stored, so pinning a prefix would mean reading and re-writing it. A pin naming this tier is refused
-  (NotSupported); pins with no tier named skip it.
+  (``soft_pin_ttl_ms``, ``soft_pin_action``) are options of a *put* or *upsert*: the installed store API has no
+  call that pins an object already stored, so pinning a prefix would mean reading every chunk back and
+  re-writing it (``batch_upsert_from`` with ``with_hard_pin``), and the pool keeps no pin set a budget could be
+  checked against. That is not done: a pin naming this tier is refused (NotSupported); pins with no tier named
+  skip it.
 * **Expiry: not supported.** Mooncake keeps objects until its own eviction removes them (a soft pin's TTL is how
   long eviction spares an object, not when it goes): a store with a TTL skips this tier.
 * **Tenants: not supported.** Keys carry no tenant, and the master has no per-owner accounting kvtier could use.

@@ -118,6 +118,7 @@ def test_pin_unpin_and_stats(client, live):
     stats = client.get("/admin/v1/stats", headers=as_(ADMIN)).json()
     assert stats["tiers"]["memory"]["pinned_bytes"] > 0
     assert stats["admission"]["memory"]["policy"] == "always"
+    assert "pin" in stats["features"]["memory"]
     released = client.post("/admin/v1/unpin", json={"text": PROMPT}, headers=as_(ADMIN)).json()["tiers"]
     assert released["memory"] > 0
     assert client.get("/admin/v1/stats", headers=as_(ADMIN)).json()["tiers"]["memory"]["pinned_bytes"] == 0
@@ -176,7 +177,7 @@ def test_openapi_describes_every_admin_route(client, live):
 
 @pytest.mark.parametrize("ttl", [b"-1", b'"3600"', b"1e999", b"null"])
 def test_a_bad_cache_ttl_is_a_400_that_stores_nothing(client, ttl):
-    prompt = PROMPT + " rivers"
+    prompt = "rivers music weather " + PROMPT
     raw = b'{"model": "tiny", "max_tokens": 2, "prompt": "%s", "cache_ttl_s": %s}' % (prompt.encode(), ttl)
     r = client.post("/v1/completions", content=raw, headers={**as_(ALICE), "Content-Type": "application/json"})
     if ttl == b"null":  # no retention time: allowed
@@ -189,7 +190,7 @@ def test_a_bad_cache_ttl_is_a_400_that_stores_nothing(client, ttl):
 
 
 def test_a_cache_ttl_stores_with_a_retention_time(client):
-    prompt = PROMPT + " music"
+    prompt = "music science cities " + PROMPT
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "cache_ttl_s": 3600},
                     headers=as_(ALICE))
     assert r.status_code == 200, r.text
