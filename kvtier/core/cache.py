@@ -1,7 +1,8 @@
 """KVCache: the chain of tiers behind three calls, lookup / store / retrieve.
 
 * ``lookup(tokens)`` -> how many leading tokens are cached (a multiple of the chunk size), with the chunks
-  allowed to sit in different tiers. No side effects (eviction order untouched).
+  allowed to sit in different tiers. Eviction order is untouched; the chunks found count as a sighting for the
+  tiers' admission policies (kvtier.policy.admission), as a retrieve's do.
 * ``store(tokens, kv)`` writes the full chunks of ``kv`` that tiers lack: to the first tier and to every tier
   in write-through mode; write-back tiers receive chunks when the tier above evicts them (the rules of the
   chain of tiers, chain.py).
@@ -180,7 +181,8 @@ class KVCache:
         return self.namespace.with_salt(salt).chunk_hashes(tokens)
 
     def lookup(self, tokens: Tokens, *, salt: bytes = b"") -> int:
-        """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size)."""
+        """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size). The chunks
+        found are a sighting for admission (a reuse); nothing else changes."""
         with self.metrics.timer(LOOKUP_SECONDS):
             keys = self.keys(tokens, salt=salt)
             n = self._states.usable(keys, self._kv_prefix(keys))
