@@ -4,7 +4,8 @@ Routes, bodies and who may call what: kvtier.web.admin (its ``ROUTES``; ``GET /a
 them). What each answers:
 
 * ``lookup``: ``{"model", "prompt_tokens", "cached_tokens", "tiers": {tier: leading tokens that tier holds}}``
-  for the caller's tenant (a tenant key) or the named one (admin; ``default`` without a name);
+  for the caller's tenant (a tenant key) or the named one (admin; ``default`` without a name). It changes
+  nothing: no eviction order, no admission sighting, no lookup metrics;
 * ``pin`` / ``unpin``: ``{"tiers": {tier: tokens pinned | bytes released}}``;
 * ``clear``: ``{"scope", "removed": {tier: entries removed, or null where the tier cannot}}``;
 * ``stats``: per tier its usage (entries, bytes, capacity, pins, bytes per tenant), what it can do (``features``:
@@ -99,7 +100,10 @@ class _Admin:
         cache = self.cache
         salt = self._salt(caller, body.tenant)
         ids = self._prompt(body)
-        return {"model": self.backend.name, "prompt_tokens": len(ids), "cached_tokens": cache.lookup(ids, salt=salt),
+        # locate, not KVCache.lookup: an operator's look is no request (no sighting for admission, no lookup
+        # metrics); it counts the KV chunks held, not state snapshots of SSM layers.
+        held = cache.chain.prefix(cache.locate(cache.keys(ids, salt=salt))) * cache.chunk_size
+        return {"model": self.backend.name, "prompt_tokens": len(ids), "cached_tokens": held,
                 "tiers": cache.control.lookup_tiers(ids, salt=salt)}
 
     def pin(self, caller: Caller, body: PinBody) -> dict[str, Any]:

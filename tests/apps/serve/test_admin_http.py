@@ -76,9 +76,16 @@ def test_auth_matrix(client, method, path, body):
     assert call(as_(ADMIN)).status_code == 200
 
 
+def lookups_counted(client: httpx.Client) -> str:
+    return "\n".join(line for line in client.get("/metrics").text.splitlines()
+                     if line.startswith(("kvtier_lookups_total", "kvtier_lookup_tokens_total")))
+
+
 def test_lookup_after_a_request_is_per_tenant_and_per_tier(client):
     complete(client, ALICE)
+    before = lookups_counted(client)
     answer = lookup(client, ALICE).json()
+    assert lookups_counted(client) == before  # an operator's look is no request: no lookup metrics
     assert answer["cached_tokens"] > 0 and answer["tiers"]["memory"] == answer["cached_tokens"]
     assert answer["prompt_tokens"] >= answer["cached_tokens"] and answer["model"] == "tiny"
     assert cached(client, BOB) == 0  # bob's salt names other keys
