@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "bench": "kvtier.apps.bench.cli",
     "route": "kvtier.apps.route.cli",
     "sim": "kvtier.apps.sim.cli",
+    "cache": "kvtier.apps.cache.cli",
     "calibrate": "kvtier.apps.calibrate.cli",
     "vllm": "kvtier.integrations.vllm.cli",
 }

@@ -1,7 +1,8 @@
 """KVCache: the chain of tiers behind three calls, lookup / store / retrieve.
 
 * ``lookup(tokens)`` -> how many leading tokens are cached (a multiple of the chunk size), with the chunks
-  allowed to sit in different tiers. No side effects (eviction order untouched).
+  allowed to sit in different tiers. Eviction order is untouched; the chunks found count as a sighting for the
+  tiers' admission policies (kvtier.policy.admission), as a retrieve's do.
 * ``store(tokens, kv)`` writes the full chunks of ``kv`` that tiers lack: to the first tier and to every tier
   in write-through mode; write-back tiers receive chunks when the tier above evicts them (the rules of the
   chain of tiers, chain.py).
@@ -47,6 +48,7 @@ from kvtier.core.metrics import (
 )
 from kvtier.core.pipeline import Pipeline
 from kvtier.core.snapshots import NoStates, PrefixState, Snapshot, StateSnapshots
+from kvtier.policy.admission import make_admission
 from kvtier.tiers import Tier, TierContext
 from kvtier.tiers.control import Tags, expires_at, tenant_tag
 
@@ -128,9 +130,9 @@ class KVCache:
 
     ``tuning`` sets how the pipeline cuts and overlaps its windows (defaults suit any machine). ``chain`` is the
     chain of tiers, which segment caches (segments.py) share. ``clock`` (seconds, wall-clock time by default) is
-    what store TTLs count on and the tiers expire entries by (tests inject their own). ``control`` pins, clears
-    and looks up per tier (kvtier.core.control). Thread-safe: tiers lock their own state and the cache keeps none
-    besides them.
+    what store TTLs count on and the tiers expire entries by, and what the tiers' admission rate caps refill by
+    (tests and the simulator inject their own). ``control`` pins, clears and looks up per tier
+    (kvtier.core.control). Thread-safe: tiers lock their own state and the cache keeps none besides them.
     """
 
     def __init__(
@@ -162,8 +164,10 @@ class KVCache:
             for cfg, name in zip(self.config.tiers, names):
                 self.tiers.append(cfg.build(TierContext(spec, self.metrics, name, tp_rank, tp_size,
                                                         self.namespace.root.hex()[:16], tenants, clock)))
+            admission = [make_admission(cfg.admission_settings(first=t == 0), clock)
+                         for t, cfg in enumerate(self.config.tiers)]
             self.chain = TierChain(self.tiers, [cfg.write for cfg in self.config.tiers], self.metrics, self.events,
-                                   self._pipeline)
+                                   self._pipeline, admission)
             self._states = (StateSnapshots(self.model_spec, self.chunk_size, self.chain)
                             if self.model_spec.states else NoStates())
             self.control = CacheControl(self)  #: pins, clears, per-tier lookup and usage (kvtier.core.control)
@@ -177,10 +181,12 @@ class KVCache:
         return self.namespace.with_salt(salt).chunk_hashes(tokens)
 
     def lookup(self, tokens: Tokens, *, salt: bytes = b"") -> int:
-        """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size)."""
+        """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size). The chunks
+        found are a sighting for admission (a reuse); nothing else changes."""
         with self.metrics.timer(LOOKUP_SECONDS):
             keys = self.keys(tokens, salt=salt)
             n = self._states.usable(keys, self._kv_prefix(keys))
+            self.chain.sighted(keys[:n])
         self.metrics.inc(LOOKUPS)
         self.metrics.inc(LOOKUP_TOKENS, len(keys) * self.chunk_size)
         return n * self.chunk_size
@@ -321,6 +327,7 @@ class KVCache:
         leading chunks arrived verified. Promoted chunks the slower tier records no owner for are ``salt``'s."""
         n = self.chain.prefix(where)
         good = 0
+        self.chain.sighted(keys[:n])  # found: a sighting for admission (before the load promotes them)
         if n:
             ok = self.chain.load_chunks(keys[:n], where[:n], token_ids, sink, tenant_tag(salt))
             good = self.chain.prefix([t if hit else None for t, hit in zip(where, ok)])

@@ -8,6 +8,10 @@ entries in the same tiers, through this one object. Its rules, the same for ever
 * **Write**: a store goes to the first tier and to every ``WriteMode.THROUGH`` tier (``writers``); a
   ``WriteMode.BACK`` tier receives entries only when the tier above evicts them (demotion), re-encoded with its
   own codec. Only what a tier lacks is written to it.
+* **Admission**: each tier has an admission policy (kvtier.policy.admission): a write the tier's policy refuses
+  is not made, and counted in ``kvtier_admission_refused_total``. The chain reports every sighting to every
+  policy: all the keys a store offers (once per store, before any tier is asked) and the keys a request found
+  (``sighted``, from lookup and retrieve); a promotion and a demotion are asked as such (``WriteSource``).
 * **Read**: every entry read is verified (token ids always, checksum where the tier seals); one that fails is
   a miss, counted in ``kvtier_corrupt_chunks_total`` and deleted from that tier. A verified hit in a slower tier
   is promoted (copied) into every faster tier.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -37,13 +42,15 @@ from kvtier.codecs import codec_by_id
 from kvtier.codecs.blob import encode_blob, parse_blob
 from kvtier.core.events import CacheEvents, EntryKind
 from kvtier.core.jobs import Entry, Failure, LoadJob, StoreJob
-from kvtier.core.metrics import DEMOTIONS, PROMOTIONS, STORED_TOKENS
+from kvtier.core.metrics import ADMISSION_REFUSED, DEMOTIONS, PROMOTIONS, STORED_TOKENS
 from kvtier.core.pipeline import Pipeline
+from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, WriteSource, is_always
 from kvtier.tiers import ChainOrdered, EvictionReporter, Tier, WriteMode
 from kvtier.tiers.control import Controlled, EvictionTags, Tags, put_tagged
 from kvtier.tiers.metrics import CORRUPT_CHUNKS, READ_BYTES, TIER_ERRORS
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Verifies one blob read from a tier and copies the entry out of it: ``(tier, key, blob, tokens) -> tensor``,
 #: BlobError where it does not verify. The blob is valid only during the call.
@@ -51,15 +58,20 @@ Decode = Callable[[Tier, ChunkHash, memoryview, np.ndarray], torch.Tensor]
 
 
 class TierChain:
-    """``tiers`` fastest first with their write modes (``modes[0]`` is ignored: the first tier takes every write).
+    """``tiers`` fastest first with their write modes (``modes[0]`` is ignored: the first tier takes every write)
+    and admission policies (``admission``, one per tier; default: every tier admits everything).
 
     Wires each write-back tier to the eviction listener of the tier above it (ConfigError if that tier reports
     no evictions) and the removal listeners of every tier to ``events``. Thread-safe as far as the tiers are.
     """
 
     def __init__(self, tiers: Sequence[Tier], modes: Sequence[WriteMode], metrics: Metrics, events: CacheEvents,
-                 pipeline: Pipeline) -> None:
+                 pipeline: Pipeline, admission: Sequence[AdmissionPolicy] | None = None) -> None:
         self.tiers = list(tiers)
+        self.admission = list(admission) if admission is not None else [AlwaysAdmit() for _ in self.tiers]
+        if len(self.admission) != len(self.tiers):
+            raise ConfigError(f"{len(self.admission)} admission policies for {len(self.tiers)} tiers")
+        self._gated = [p for p in self.admission if not is_always(p)]  # the policies that want sightings
         self.metrics = metrics
         self.events = events
         self.pipeline = pipeline
@@ -106,14 +118,18 @@ class TierChain:
     # -- chunks of a prefix (through the pipeline, window by window) ---------------------------------------
     def store_chunks(self, job: StoreJob) -> list[bool]:
         """Write the chunks of ``job`` each writer lacks; True per chunk newly written to at least one tier."""
+        self.sighted(job.keys)
         written = [False] * len(job.keys)
         for t in self.writers:
-            for i in self._store_chunks_into(self.tiers[t], job):
+            for i in self._store_chunks_into(t, job):
                 written[i] = True
         return written
 
-    def _store_chunks_into(self, tier: Tier, job: StoreJob) -> list[int]:
+    def _store_chunks_into(self, t: int, job: StoreJob) -> list[int]:
+        tier = self.tiers[t]
         missing = self._missing(tier, job.keys, "put")
+        missing = self.admitted(t, [job.keys[i] for i in missing], [self.pipeline.chunk_bytes] * len(missing),
+                                WriteSource.STORE, missing)
         if not missing:
             return []
         result = self.pipeline.encode_and_put(tier, missing, job)
@@ -151,9 +167,12 @@ class TierChain:
     def store(self, entries: Sequence[Entry], kind: EntryKind) -> list[tuple[Tier, list[int]]]:
         """Write ``entries`` into each writer that lacks them: per writer, the indices it newly stored."""
         out = []
+        self.sighted([e.key for e in entries])
         for t in self.writers:
             tier = self.tiers[t]
             missing = self._missing(tier, [e.key for e in entries], "put")
+            missing = self.admitted(t, [entries[i].key for i in missing], [entries[i].tensor.nbytes for i in missing],
+                                    WriteSource.STORE, missing)
             done = self._put(tier, [entries[i] for i in missing], "put", kind) if missing else []
             out.append((tier, [missing[i] for i in done]))
         return out
@@ -212,10 +231,14 @@ class TierChain:
         """Copy ``entries``, found in tier ``found_in`` (so no faster tier held them), into every faster tier. The
         tensors may view the slower tier's memory: valid only during the call, which copies them. Each entry
         keeps its owner and expiry (kvtier/tiers/control.py) where the slower tier records them; else it is owned by
-        ``owner``."""
+        ``owner``. Each faster tier's admission policy is asked first (as promotions)."""
         groups = self._by_tags(self.tiers[found_in], entries, Tags(owner) if owner else None)
-        for tier in self.tiers[:found_in]:
-            done = sum(len(self._put(tier, group, "promote", kind, tags)) for tags, group in groups.items())
+        for t, tier in enumerate(self.tiers[:found_in]):
+            done = 0
+            for tags, group in groups.items():
+                admitted = self.admitted(t, [e.key for e in group], [e.tensor.nbytes for e in group],
+                                         WriteSource.PROMOTE, group)
+                done += len(self._put(tier, admitted, "promote", kind, tags)) if admitted else 0
             if done:
                 self.metrics.inc(PROMOTIONS, done, tier=tier.name)
 
@@ -242,10 +265,30 @@ class TierChain:
         except KVTierError as exc:
             self.failed(target, "demote", exc)
             return
+        if not self.admitted(t, [key], [tensor.nbytes], WriteSource.DEMOTE, [True]):
+            return
         upper = self.tiers[t - 1]
         tags = upper.evicting_tags() if isinstance(upper, EvictionTags) else None  # its owner and expiry go along
         if self._put(target, [Entry(key, header.tokens(blob), tensor)], "demote", None, tags):
             self.metrics.inc(DEMOTIONS, tier=target.name)
+
+    # -- admission -----------------------------------------------------------------------------------------
+    def sighted(self, keys: Sequence[ChunkHash]) -> None:
+        """A request sighted ``keys`` (offered them for a store, or found them): tell the admission policies."""
+        if keys:
+            for policy in self._gated:
+                policy.seen(keys)
+
+    def admitted(self, t: int, keys: Sequence[ChunkHash], nbytes: Sequence[int], source: WriteSource,
+                 items: Sequence[T]) -> list[T]:
+        """The ``items`` (one per key) whose write into tier ``t`` its admission policy admits; refusals counted."""
+        policy = self.admission[t]
+        if not keys or is_always(policy):
+            return list(items)
+        verdicts = policy.admit(keys, nbytes, source)
+        for refusal in set(verdicts) - {None}:
+            self.metrics.inc(ADMISSION_REFUSED, verdicts.count(refusal), tier=self.tiers[t].name, reason=refusal.value)
+        return [item for item, refusal in zip(items, verdicts) if refusal is None]
 
     # -- writing, deleting, counting -----------------------------------------------------------------------
     def _missing(self, tier: Tier, keys: Sequence[ChunkHash], op: str) -> list[int]:

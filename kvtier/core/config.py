@@ -76,7 +76,7 @@ def _coerce(owner: str, name: str, hint: Any, value: Any) -> Any:
                 raise ValueError(value)
             return text in ("1", "true", "yes", "on")
         if hint is int:
-            return parse_size(value) if name.endswith("_bytes") else int(value)
+            return parse_size(value) if name.endswith(("_bytes", "_bytes_per_s")) else int(value)
         if hint is float:
             return float(value)
         if hint is Path:

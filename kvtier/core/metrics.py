@@ -14,6 +14,10 @@ PROMOTIONS = declare_counter("kvtier_promotions_total",
 DEMOTIONS = declare_counter("kvtier_demotions_total",
                             "Chunks written to a slower tier when a faster one evicted them, by the slower tier.",
                             ("tier",))
+ADMISSION_REFUSED = declare_counter(
+    "kvtier_admission_refused_total",
+    "Entries a tier's admission policy kept out, by tier and reason (unseen: second-hit had not sighted them "
+    "twice; rate: over the tier's byte-rate cap).", ("reason", "tier"))
 LOOKUP_SECONDS = declare_histogram("kvtier_lookup_seconds", "Latency of lookup().")
 RETRIEVE_SECONDS = declare_histogram("kvtier_retrieve_seconds", "Latency of retrieve().")
 STORE_SECONDS = declare_histogram("kvtier_store_seconds", "Latency of store().")

@@ -86,6 +86,7 @@ class Pipeline:
         self.max_per_window = max(self.per_window, tuning.max_window_bytes // chunk_bytes)
         self.per_device_window = max(1, tuning.device_window_bytes // chunk_bytes)
         self.chunk_size = chunk_size
+        self.chunk_bytes = chunk_bytes  #: raw KV bytes of one chunk (at least 1)
         self.metrics = metrics
         self._chunk = (spec.chunk_shape(chunk_size), spec.dtype) if spec is not None else None
         self._scratch = threading.local()  # per worker: one decoded chunk for sinks without a destination

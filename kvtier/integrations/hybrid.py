@@ -208,13 +208,14 @@ class StatefulPrefixCachedLM(PrefixCachedLM):
             kwargs["logits_to_keep"] = 1
         return self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, **kwargs).logits
 
-    def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats) -> None:
+    def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats,
+               ttl_s: float | None = None) -> None:
         if self.cache is None:
             return
         start = time.perf_counter()
         past = prefill.past
-        if self.layout.attention:
-            self.cache.store(prompt, _LayoutSource(self.layout, past), salt=salt)
+        if self.layout.attention:  # the KV expires after ttl_s; snapshots keep no retention time
+            self.cache.store(prompt, _LayoutSource(self.layout, past), salt=salt, ttl_s=ttl_s)
         snapshots = getattr(past, "snapshots", {})
         if snapshots:
             self.cache.store_states(prompt, snapshots, salt=salt)

@@ -163,23 +163,24 @@ class PrefixCachedLM:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
                  stop_ids: Sequence[int] = (), sampling: SamplingParams = GREEDY,
-                 segments: Sequence[Span] = ()) -> GenerationStats:
+                 segments: Sequence[Span] = (), ttl_s: float | None = None) -> GenerationStats:
         stats = GenerationStats()
         for _ in self.stream(prompt_ids, max_new_tokens, salt=salt, stop_ids=stop_ids, stats=stats,
-                             sampling=sampling, segments=segments):
+                             sampling=sampling, segments=segments, ttl_s=ttl_s):
             pass
         return stats
 
     @torch.inference_mode()
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, *, salt: bytes = b"",
                stop_ids: Sequence[int] = (), stats: GenerationStats | None = None,
-               sampling: SamplingParams = GREEDY, segments: Sequence[Span] = ()) -> Iterator[int]:
+               sampling: SamplingParams = GREEDY, segments: Sequence[Span] = (),
+               ttl_s: float | None = None) -> Iterator[int]:
         """Yield generated token ids one by one; ``stats`` (if given) is filled in as generation proceeds.
 
         Generation stops after ``max_new_tokens`` or after yielding a token in ``stop_ids``. Tokens are chosen
         by ``sampling`` (greedy by default); the prompt's KV stored in the cache is the same either way.
         ``segments`` are the prompt's reusable passages as token spans; only a blending subclass (BlendedLM)
-        uses them.
+        uses them. ``ttl_s``: the stored prompt KV expires that many seconds later (``KVCache.store``).
         """
         sampler = Sampler(sampling)
         stats = stats if stats is not None else GenerationStats()
@@ -193,7 +194,7 @@ class PrefixCachedLM:
             stats.output_ids.append(token)
             yield token
             if step == 0:
-                self._store(prompt, prefill, salt, stats)
+                self._store(prompt, prefill, salt, stats, ttl_s)
             if token in stop_ids or step + 1 == max_new_tokens:
                 break
             logits = self._decode(token, len(prompt) + step, past)
@@ -244,11 +245,12 @@ class PrefixCachedLM:
             return DynamicCache(config=self.model.config), 0
         return to_dynamic_cache(kv[:, :, :n].to(self.device), self.model), n
 
-    def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats) -> None:
+    def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats,
+               ttl_s: float | None = None) -> None:
         if self.cache is None:
             return
         start = time.perf_counter()
-        self.cache.store(prompt[: prefill.exact_tokens], DynamicCacheSource(prefill.past), salt=salt)
+        self.cache.store(prompt[: prefill.exact_tokens], DynamicCacheSource(prefill.past), salt=salt, ttl_s=ttl_s)
         stats.store_s = time.perf_counter() - start
 
 

@@ -36,6 +36,7 @@ from kvtier.base.metrics import Metrics
 from kvtier.base.registry import Registry
 from kvtier.base.state import ModelStateSpec
 from kvtier.codecs import Codec, Payload, get_codec
+from kvtier.policy.admission import DEFAULT_SKETCH_CHUNKS, AdmissionSettings
 from kvtier.tiers.metrics import CAPACITY_BYTES, ENTRIES, USED_BYTES
 
 
@@ -204,11 +205,34 @@ class TierConfig:
     it instead)."""
 
     kind: ClassVar[str]
+    #: The admission policy a tier of this kind gets below another tier when its config names none (the first
+    #: tier of a cache admits ``always`` unless told otherwise; kvtier.policy.admission).
+    default_admission: ClassVar[str] = "always"
     codec: str = "raw"
     write: WriteMode = WriteMode.THROUGH
+    #: Which writes this tier accepts: ``always`` or ``second-hit`` (only chunks a request sighted twice: stored
+    #: or hit before; kvtier.policy.admission has the rules for write-back and promotions). Unset: ``always`` for
+    #: a cache's first tier; below it, the kind's default (``second-hit`` for disk, ``always`` for memory,
+    #: redis and mooncake: docs/benchmarks/admission.md has the measurements behind them).
+    admission: str | None = None
+    #: A byte-rate cap on this tier's writes from this process (a token bucket over the entries' raw KV
+    #: bytes), e.g. ``200MiB``; unset: no cap. Meant for shared tiers, so one replica cannot eat their bandwidth.
+    admission_max_bytes_per_s: int | None = None
+    #: How many bytes the rate cap lets through at once after a quiet spell (default: one second of the rate).
+    admission_burst_bytes: int | None = None
+    #: Distinct chunks the ``second-hit`` sketch remembers (256 bytes of memory each; counts halve after ten
+    #: times as many sightings).
+    admission_sketch_chunks: int = DEFAULT_SKETCH_CHUNKS
 
     def __post_init__(self) -> None:
         get_codec(self.codec)  # raises ConfigError for an unknown codec
+        self.admission_settings()  # raises ConfigError for an unknown policy or a bad cap
+
+    def admission_settings(self, first: bool = False) -> AdmissionSettings:
+        """This tier's admission options, checked; ``first``: the tier is its cache's first (fastest) one."""
+        policy = self.admission or ("always" if first else type(self).default_admission)
+        return AdmissionSettings(policy, self.admission_sketch_chunks, self.admission_max_bytes_per_s,
+                                 self.admission_burst_bytes)
 
     def build(self, ctx: TierContext) -> Tier:
         """The tier this config describes: every tier is built as ``XTier(config, ctx)``."""

@@ -85,7 +85,8 @@ def used_cache(tmp_path: Path) -> KVCache:
     """A memory tier over a write-back disk tier, after stores, evictions, demotions, hits and promotions."""
     chunk_bytes = SPEC.bytes_per_token * 16 + 320
     tiers = (MemoryTierConfig(capacity_bytes=3 * chunk_bytes),
-             DiskTierConfig(path=tmp_path, capacity_bytes=1 << 20, o_direct=False, fsync=False, write=WriteMode.BACK))
+             DiskTierConfig(path=tmp_path, capacity_bytes=1 << 20, o_direct=False, fsync=False, write=WriteMode.BACK,
+                            admission="always"))
     cache = KVCache(SPEC, "m@1", CacheConfig(chunk_size=16, tiers=tiers))
     prompts = [list(range(i * 100, i * 100 + 48)) for i in range(3)]
     for tokens in prompts:

@@ -43,8 +43,8 @@ def store(cache: KVCache, i: int, **kwargs) -> int:
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_pinned_prefix_survives_a_flood_that_evicts_everything_else(policy, tmp_path):
-    tiers = (memory(8, policy=policy), DiskTierConfig(path=tmp_path, capacity_bytes=12 * CHUNK_BYTES, fsync=False,
-                                                      policy=policy))
+    tiers = (memory(8, policy=policy), DiskTierConfig(path=tmp_path, admission="always",
+                                                      capacity_bytes=12 * CHUNK_BYTES, fsync=False, policy=policy))
     with make_cache(*tiers) as cache:
         store(cache, 0)
         cache.tiers[1].flush()
@@ -62,7 +62,7 @@ def test_a_pinned_prefix_survives_a_flood_that_evicts_everything_else(policy, tm
 
 
 def test_pins_survive_a_restart_of_the_disk_tier(tmp_path):
-    tiers = (memory(4), DiskTierConfig(path=tmp_path, capacity_bytes=8 * CHUNK_BYTES, fsync=False))
+    tiers = (memory(4), DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=8 * CHUNK_BYTES, fsync=False))
     with make_cache(*tiers) as cache:
         store(cache, 0, salt=ALICE)
         cache.tiers[1].flush()
@@ -79,7 +79,7 @@ def test_pins_survive_a_restart_of_the_disk_tier(tmp_path):
 
 def test_a_ttl_expires_entries_in_every_tier_and_they_are_reclaimed(tmp_path):
     clock = FakeClock()
-    tiers = (memory(), DiskTierConfig(path=tmp_path, capacity_bytes=16 * CHUNK_BYTES, fsync=False))
+    tiers = (memory(), DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=16 * CHUNK_BYTES, fsync=False))
     with make_cache(*tiers, clock=clock) as cache:
         assert store(cache, 0, ttl_s=5) == 2 * CHUNK
         store(cache, 1)
@@ -94,7 +94,7 @@ def test_a_ttl_expires_entries_in_every_tier_and_they_are_reclaimed(tmp_path):
 
 def test_a_ttl_survives_a_restart_of_the_disk_tier(tmp_path):
     clock = FakeClock()
-    tiers = (DiskTierConfig(path=tmp_path, capacity_bytes=16 * CHUNK_BYTES, fsync=False),)
+    tiers = (DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=16 * CHUNK_BYTES, fsync=False),)
     with make_cache(*tiers, clock=clock) as cache:
         store(cache, 0, ttl_s=60)
     with make_cache(*tiers, clock=clock) as cache:
@@ -128,7 +128,7 @@ def test_one_tenants_flood_does_not_evict_another_beyond_its_share():
 
 
 def test_clear_by_tenant_leaves_the_others_and_all_clears_everything(tmp_path, caplog):
-    tiers = (memory(), DiskTierConfig(path=tmp_path, capacity_bytes=16 * CHUNK_BYTES, fsync=False))
+    tiers = (memory(), DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=16 * CHUNK_BYTES, fsync=False))
     with make_cache(*tiers) as cache:
         store(cache, 0, salt=ALICE)
         store(cache, 1, salt=BOB)
@@ -149,7 +149,7 @@ def test_clear_by_tenant_leaves_the_others_and_all_clears_everything(tmp_path, c
 
 
 def test_a_hit_promoted_from_disk_keeps_its_owner(tmp_path):
-    tiers = (memory(4), DiskTierConfig(path=tmp_path, capacity_bytes=32 * CHUNK_BYTES, fsync=False))
+    tiers = (memory(4), DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=32 * CHUNK_BYTES, fsync=False))
     with make_cache(*tiers) as cache:
         store(cache, 0, salt=ALICE)
         for i in range(1, 5):
@@ -163,7 +163,8 @@ def test_a_hit_promoted_from_disk_keeps_its_owner(tmp_path):
 
 def test_a_pin_past_the_budget_changes_nothing_in_any_tier(tmp_path):
     tiers = (memory(16, pin_budget_bytes=4 * CHUNK_BYTES),
-             DiskTierConfig(path=tmp_path, capacity_bytes=16 * CHUNK_BYTES, fsync=False, pin_budget_bytes=CHUNK_BYTES))
+             DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=16 * CHUNK_BYTES, fsync=False,
+                            pin_budget_bytes=CHUNK_BYTES))
     with make_cache(*tiers) as cache:
         store(cache, 0)
         cache.tiers[1].flush()
@@ -212,7 +213,7 @@ def test_a_chunk_demoted_to_a_write_back_tier_keeps_its_owner_and_expiry(tmp_pat
     from kvtier.tiers import WriteMode
 
     clock = FakeClock()
-    tiers = (memory(4), DiskTierConfig(path=tmp_path, capacity_bytes=32 * CHUNK_BYTES, fsync=False,
+    tiers = (memory(4), DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=32 * CHUNK_BYTES, fsync=False,
                                        write=WriteMode.BACK))
     with make_cache(*tiers, clock=clock) as cache:
         store(cache, 0, salt=ALICE, ttl_s=60)

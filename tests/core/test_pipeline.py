@@ -42,7 +42,7 @@ def data(seed: int = 0) -> tuple[list[int], torch.Tensor]:
 @pytest.mark.parametrize("codec", ["raw", "lossless", "int8"])
 def test_many_windows_from_disk_give_what_each_chunk_decodes_to(tmp_path, codec: str) -> None:
     tiers = (MemoryTierConfig(capacity_bytes=8 << 20, prefault=False),
-             DiskTierConfig(path=tmp_path, codec=codec, fsync=False))
+             DiskTierConfig(path=tmp_path, codec=codec, fsync=False, admission="always"))
     tokens, kv = data()
     with KVCache(SPEC, model="m", config=CacheConfig(chunk_size=CHUNK, tiers=tiers), tuning=ONE_CHUNK) as cache:
         assert cache.store(tokens, kv) == len(tokens)

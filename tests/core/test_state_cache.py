@@ -194,7 +194,8 @@ def test_lossless_tier_restores_bit_exact_state():
 
 def test_snapshots_are_promoted_like_chunks(tmp_path):
     fast = MemoryTierConfig(capacity_bytes=8 << 20, prefault=False)
-    disk = DiskTierConfig(path=tmp_path, capacity_bytes=32 << 20, fsync=False, write=WriteMode.THROUGH)
+    disk = DiskTierConfig(path=tmp_path, capacity_bytes=32 << 20, fsync=False, write=WriteMode.THROUGH,
+                          admission="always")
     toks = tokens(64)
     with make(HYBRID, fast, disk) as first:
         fill(first, toks, [4])

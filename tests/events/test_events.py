@@ -58,7 +58,7 @@ def test_stores_report_chain_positions_parents_and_tokens():
 def test_write_back_eviction_reports_the_move_and_disk_reports_its_own_evictions(tmp_path):
     cache = cache_with(MemoryTierConfig(capacity_bytes=2 * CHUNK_BYTES, prefault=False),
                        DiskTierConfig(path=tmp_path, capacity_bytes=3 * CHUNK_BYTES, write=WriteMode.BACK,
-                                      o_direct=False, fsync=False))
+                                      o_direct=False, fsync=False, admission="always"))
     seen = recorder(cache)
     for n in range(7):  # seven one-chunk prompts through a 2-chunk memory tier and a 3-chunk disk
         cache.store(list(range(n * 100, n * 100 + CHUNK)), kv_for(CHUNK + n))
@@ -144,7 +144,7 @@ def test_subscriber_follows_stores_evictions_gaps_and_a_restart(tmp_path):
         counts: dict[str, int] = {}
         cache = cache_with(MemoryTierConfig(capacity_bytes=6 * CHUNK_BYTES, prefault=False),
                            DiskTierConfig(path=tmp_path, capacity_bytes=64 * CHUNK_BYTES, o_direct=False,
-                                          fsync=False))
+                                          fsync=False, admission="always"))
         cache.store(list(range(3 * CHUNK)), kv_for(3 * CHUNK))  # before anyone listens: only in the snapshot
         cache.tiers[1].flush()
         pub = start(cache)
@@ -169,7 +169,8 @@ def test_subscriber_follows_stores_evictions_gaps_and_a_restart(tmp_path):
             cache.close()
             # the replica restarts on the same disk: warm, with a new epoch; the router's index follows
             cache = cache_with(MemoryTierConfig(capacity_bytes=6 * CHUNK_BYTES, prefault=False),
-                               DiskTierConfig(path=tmp_path, capacity_bytes=64 * CHUNK_BYTES, o_direct=False))
+                               DiskTierConfig(path=tmp_path, capacity_bytes=64 * CHUNK_BYTES, o_direct=False,
+                                              admission="always"))
             pub = start(cache)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -214,7 +214,7 @@ def test_mla_pages_are_shared_by_every_rank(tmp_path):
 
 
 def test_memory_tier_in_front_of_disk_promotes_hits(tmp_path):
-    chain = {"tiers": [MEMORY["tiers"][0], disk(tmp_path)["tiers"][0]]}
+    chain = {"tiers": [MEMORY["tiers"][0], disk(tmp_path, admission="always")["tiers"][0]]}
     keys = page_keys(tokens(3), 4)
     pool = HostPool("layer_first")
     pool.fill(9)
@@ -270,7 +270,8 @@ def hybrid(tmp_path=None, *, memory: bool = True):
     pool.fill(14)
     tiers = [{"kind": "memory", "capacity_bytes": "8MiB"}] if memory else []
     if tmp_path is not None:
-        tiers.append({"kind": "disk", "path": str(tmp_path), "capacity_bytes": "8MiB", "fsync": False})
+        tiers.append({"kind": "disk", "path": str(tmp_path), "capacity_bytes": "8MiB", "fsync": False,
+                      "admission": "always"})
     store = backend(pool, {"tiers": tiers})
     store.register_mem_host_pool_v2(pool, PoolName.KV)
     store.register_mem_host_pool_v2(mamba, PoolName.MAMBA)

@@ -52,7 +52,8 @@ def engine(workdir: Path):
 
 def kvtier_tiers(workdir: Path) -> str:
     """Memory first, then a disk directory (written through) that a later engine process reads."""
-    disk = {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB"}
+    disk = {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB",
+            "admission": "always"}  # a later engine reads what the first stored once
     return json.dumps({"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}, disk]})
 
 

@@ -52,7 +52,8 @@ def run_engine(workdir: Path, name: str, kvtier: dict | None, steps: list[str], 
 
 
 def tiers(workdir: Path, **extra) -> dict:
-    disk = {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB"}
+    disk = {"kind": "disk", "path": str(workdir / "disk-tier"), "capacity_bytes": "256MiB",
+            "admission": "always"}  # a later engine reads what the first stored once
     return {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}, disk], **extra}
 
 

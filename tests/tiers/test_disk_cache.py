@@ -30,7 +30,8 @@ def cache(path, *, memory_chunks: int | None = None, write: WriteMode = WriteMod
     tiers = []
     if memory_chunks is not None:
         tiers.append(MemoryTierConfig(capacity_bytes=memory_chunks * (CHUNK_BYTES + 256), prefault=False))
-    tiers.append(DiskTierConfig(path=path, capacity_bytes=64 << 20, write=write, fsync=False))
+    tiers.append(DiskTierConfig(path=path, capacity_bytes=64 << 20, write=write, fsync=False,
+                               admission="always"))  # these tests are about the write paths, not admission
     return KVCache(SPEC, MODEL, CacheConfig(chunk_size=CHUNK, tiers=tuple(tiers)))
 
 

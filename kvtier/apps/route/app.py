@@ -10,6 +10,7 @@
   is a counted 500 with OpenAI's error envelope, never an uncounted crash.
 * ``GET /v1/models``: the first replica that is up answers. ``GET /health``: 200 while a replica is up (503
   otherwise), with each replica's state and load. ``GET /metrics``: Prometheus text.
+* ``/admin/v1/...``: the admin API, fanned out to every replica and merged (kvtier.apps.route.admin).
 
 Every answer from a replica carries ``x-kvtier-replica`` naming it. ``server_config`` serves the app with the
 router's HTTP limits: heads too large or with too many headers are a 431, heads and bodies that do not arrive
@@ -30,6 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from kvtier.apps.route.admin import admin_routes
 from kvtier.apps.route.admission import Overloaded
 from kvtier.apps.route.metrics import CANCELLED, REJECTED, REQUESTS
 from kvtier.apps.route.requests import parse_request
@@ -77,7 +79,7 @@ def create_app(router: Router) -> Starlette:
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"])]
+              Route("/metrics", metrics, methods=["GET"]), *admin_routes(router)]
     return Starlette(routes=routes, lifespan=lifespan)
 
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and the
+admin API under /admin/v1 (kvtier.apps.serve.admin).
 
 Every failure a client can cause is a 4xx with OpenAI's error envelope; a full queue is a 429 with
 ``Retry-After`` (answered at once, never by waiting). Responses carry ``usage.prompt_tokens_details.
@@ -24,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvtier.apps.serve.admin import add_admin_routes
 from kvtier.apps.serve.backend import Backend, tenant_salt
 from kvtier.apps.serve.engine import Event, EventKind, Job, Overloaded
 from kvtier.apps.serve.metrics import (
@@ -89,6 +91,7 @@ def create_app(backend: Backend) -> FastAPI:
     async def chat(request: Request):
         return await _generate(backend, request, CHAT)
 
+    add_admin_routes(app, backend, backend.config.admin_key)
     return app
 
 
@@ -118,7 +121,7 @@ async def _generate(backend: Backend, request: Request, route: Route):
         # /health and other clients' streams go on meanwhile.
         prepared = await asyncio.to_thread(_prepare, backend, raw, route)
         job = Job(prepared.prompt_ids, prepared.max_tokens, salt, backend.stop_ids, asyncio.get_running_loop(),
-                  prepared.sampling, segments=prepared.segments)
+                  prepared.sampling, segments=prepared.segments, ttl_s=prepared.request.cache_ttl_s)
         text = TextStream(backend.tokenizer, prepared.stops, skip_ids=backend.stop_ids)
         backend.engine.submit(job)  # last: a request is queued only once nothing about it can fail
     except RequestError as exc:

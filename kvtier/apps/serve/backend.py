@@ -32,7 +32,8 @@ class ServerConfig:
 
     ``blend`` (needs a cache) turns on reuse of cached segments; ``blend_separator`` splits text prompts.
     ``http``: what one client may cost the HTTP server before a request reaches the app (see
-    kvtier.web.http_limits; ``app.server_config`` enforces it).
+    kvtier.web.http_limits; ``app.server_config`` enforces it). ``admin_key``: the key of the admin API
+    (kvtier.web.admin; None: no admin, tenant keys may still look up and clear their own entries).
     """
 
     model_path: Path | None = None
@@ -45,6 +46,7 @@ class ServerConfig:
     blend: BlendConfig | None = None
     blend_separator: str | None = None
     http: HttpLimits = HttpLimits()
+    admin_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.blend is not None and self.cache is None:

@@ -4,6 +4,7 @@
     kvtier serve --model ./my-llama --config kvtier.yaml --port 9000
     kvtier serve --no-cache --port 8001            # the same server without kvtier, for comparisons
     kvtier serve --blend                           # also reuse cached passages wherever they sit (RAG)
+    kvtier serve --admin-key-file /etc/kvtier/admin.key   # the admin API (/admin/v1/...; kvtier cache)
 
 The cache is configured like the library (``--config`` YAML, else ``KVTIER_CONFIG``, else ``KVTIER_*``
 variables); ``--chunk-size`` and ``--memory-bytes`` override single fields.
@@ -19,6 +20,7 @@ import sys
 from kvtier.base.errors import ConfigError
 from kvtier.core.config import CacheConfig, parse_size
 from kvtier.integrations.blend.config import BlendConfig
+from kvtier.web.admin import admin_key_from
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
 from kvtier.web.startup import freeze_startup_objects
 
@@ -47,6 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--admin-key-file", help="file whose first line is the admin API's key (default: "
+                   "$KVTIER_ADMIN_KEY; neither: no admin, tenant keys still look up and clear their own entries)")
     e = p.add_argument_group("cache events (for kvtier route; see /kvtier/info)")
     e.add_argument("--events-port", type=int, default=0, help="ZMQ PUB port of the event stream (default: any free)")
     e.add_argument("--events-control-port", type=int, default=0, help="ZMQ port answering snapshot requests")
@@ -113,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
                               cache=cache_config(args), max_queue=args.max_queue,
                               default_max_tokens=args.max_tokens, dtype=args.dtype, blend=blend_config(args),
                               blend_separator=args.blend_separator, max_body_bytes=parse_size(args.max_body),
-                              http=http_limits(args))
+                              http=http_limits(args), admin_key=admin_key_from(args.admin_key_file))
         backend = Backend.from_config(config)
-    except ConfigError as exc:
+    except (ConfigError, OSError, ValueError) as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
     tiers = ", ".join(t.kind for t in config.cache.tiers) if config.cache else "off"

@@ -60,6 +60,7 @@ class Job:
     finish: str | None = None  #: set by the consumer: "stop" or "length"; None if generation failed
     error: str = ""
     segments: tuple[Span, ...] = ()  #: token spans of reusable passages (used when the server blends)
+    ttl_s: float | None = None  #: the stored prompt KV's retention time (the request's ``cache_ttl_s``)
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -120,7 +121,8 @@ class Engine:
         self.metrics.observe(QUEUE_SECONDS, job.started_at - job.queued_at)
         try:
             for token in self.lm.stream(job.prompt_ids, job.max_tokens, salt=job.salt, stop_ids=job.stop_ids,
-                                        stats=job.stats, sampling=job.sampling, segments=job.segments):
+                                        stats=job.stats, sampling=job.sampling, segments=job.segments,
+                                        ttl_s=job.ttl_s):
                 job.emit(Event(EventKind.TOKEN, token=token))
                 if job.cancelled.is_set():
                     break

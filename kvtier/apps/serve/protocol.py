@@ -4,7 +4,8 @@ Decoding is greedy unless a request asks for sampling: ``temperature`` (0 to 2; 
 ``top_p``, ``top_k`` (vLLM's extension; -1 or 0 means no limit), ``seed`` and the presence and frequency
 penalties become the request's SamplingParams. ``n`` must be 1: one answer per request. Out-of-range values
 are refused with a 400 that says why, rather than silently clamped. Unknown fields are refused too, so a typo
-never passes unnoticed.
+never passes unnoticed. kvtier's own field, ``cache_ttl_s`` (seconds, not negative), gives the prompt's cached KV a
+retention time (``KVCache.store(ttl_s=)``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class _Common(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     user: str | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    #: kvtier's extension: the stored prompt KV expires this many seconds later (a miss from then on)
+    cache_ttl_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
     def check_sampling(self) -> None:
         """Refuse what no sampling setting can serve: more than one answer per request."""

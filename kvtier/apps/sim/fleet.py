@@ -19,9 +19,11 @@ YAML (every key optional)::
         codec_ratio: 1.9        # the tier's codec: chunks are this many times smaller than raw KV
         policy: lru
         write: back             # through (default) | back
+        admission: second-hit   # always | second-hit (default: the real tier kind's default)
     shared:                     # one more tier every replica sees, after its own (Redis/Valkey, a pool)
       chunks: 100000
       policy: lru
+      admission_max_bytes_per_s: 2GiB  # a byte-rate cap per replica, in the served model's KV bytes
 
 How tiers are simulated. Every tier is kvtier's real ``MemoryTier`` (buffer, allocator, eviction policy,
 pins) sized to hold exactly its capacity in chunks of a tiny KV spec, inside a real ``KVCache``. A ``disk``
@@ -29,6 +31,11 @@ tier is such a memory tier as well: what the simulator needs from a disk is its 
 eviction order, which live in the same index code; files, fsyncs and the write queue (which drops stores
 when full) are not simulated, so a simulated disk never loses a store. The shared tier is one tier object
 placed at the end of every replica's chain, as a Redis/Valkey store would be.
+
+Admission runs kvtier's own policies (kvtier.policy.admission) in each replica's chain, so a replica's
+``second-hit`` sketch and rate cap see only its own requests, as in a real fleet. A rate cap is given in the
+served model's KV bytes (``kv_bytes_per_token``) and converted to the simulator's tiny chunks; its clock is the
+trace's arrival time.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from kvtier.base.errors import ConfigError
 from kvtier.core.config import build_dataclass, read_yaml_mapping
 from kvtier.fleet.scoring import Routing, RoutingConfig
 from kvtier.policy import DEFAULT_POLICY, POLICIES
+from kvtier.policy.admission import AdmissionSettings
 from kvtier.tiers import WriteMode
 
 
@@ -53,7 +61,9 @@ class TierKind(enum.Enum):
 
 @dataclass(frozen=True)
 class SimTier:
-    """One simulated tier. Capacity in ``chunks``, or in ``capacity_bytes`` of KV compressed ``codec_ratio``-fold."""
+    """One simulated tier. Capacity in ``chunks``, or in ``capacity_bytes`` of KV compressed ``codec_ratio``-fold;
+    ``admission`` None takes the default of the real tier it stands for (memory, disk; redis for the shared tier);
+    ``admission_max_bytes_per_s`` and ``admission_burst_bytes`` are in the served model's raw KV bytes."""
 
     kind: TierKind = TierKind.MEMORY
     chunks: int | None = None
@@ -61,8 +71,13 @@ class SimTier:
     codec_ratio: float = 1.0
     policy: str = DEFAULT_POLICY
     write: WriteMode = WriteMode.THROUGH
+    admission: str | None = None
+    admission_max_bytes_per_s: int | None = None
+    admission_burst_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        AdmissionSettings(self.admission or "always", max_bytes_per_s=self.admission_max_bytes_per_s,
+                          burst_bytes=self.admission_burst_bytes)  # ConfigError for a bad one
         if (self.chunks is None) == (self.capacity_bytes is None):
             raise ConfigError("a simulated tier needs exactly one of chunks or capacity_bytes")
         if self.chunks is not None and self.chunks < 0:

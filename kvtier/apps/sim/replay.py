@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.apps.sim.fleet import FleetConfig
-from kvtier.apps.sim.replica import SIM_MODEL, SIM_SPEC, Replica, build_shared
+from kvtier.apps.sim.replica import SIM_MODEL, SIM_SPEC, Replica, build_shared, written_chunks
 from kvtier.apps.sim.trace import TraceRequest
 from kvtier.base.keys import Namespace
+from kvtier.base.metrics import Metrics
 from kvtier.fleet.scoring import ReplicaView, RouteRequest
 
 
@@ -61,6 +62,10 @@ class SimResult:
     chunks: int = 0
     hit_chunks: int = 0
     hit_chunks_by_tier: dict[str, int] = field(default_factory=dict)
+    #: chunks written into each tier (stores, promotions, demotions), all replicas together
+    written_chunks_by_tier: dict[str, int] = field(default_factory=dict)
+    #: writes each tier's admission policy refused, all replicas together
+    refused_chunks_by_tier: dict[str, int] = field(default_factory=dict)
     input_tokens: int = 0
     saved_tokens: int = 0
     replicas: list[ReplicaStats] = field(default_factory=list)
@@ -81,6 +86,8 @@ class SimResult:
             "chunk_hit_ratio": self.chunk_hit_ratio, "token_hit_ratio": self.token_hit_ratio,
             "hit_ratio_by_tier": {t: n / self.chunks if self.chunks else 0.0
                                   for t, n in self.hit_chunks_by_tier.items()},
+            "written_chunks_by_tier": self.written_chunks_by_tier,
+            "refused_chunks_by_tier": self.refused_chunks_by_tier,
             "input_tokens": self.input_tokens, "saved_tokens": self.saved_tokens,
             "prefill_tokens": self.input_tokens - self.saved_tokens,
             "queue_wait_mean_s": sum(waits) / len(waits) if waits else 0.0,
@@ -106,8 +113,11 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
     """
     t0 = time.perf_counter()
     chunk_kv_bytes = fleet.kv_bytes_per_token * (requests[0].tokens_per_chunk if requests else chunk_tokens)
-    shared = build_shared(fleet, chunk_tokens, chunk_kv_bytes)
-    replicas = [Replica(fleet, chunk_tokens, chunk_kv_bytes, shared, model) for _ in range(fleet.replicas)]
+    shared_metrics = Metrics()
+    shared = build_shared(fleet, chunk_tokens, chunk_kv_bytes, shared_metrics)
+    now = [0.0]  # the trace's time: the clock of the tiers' admission rate caps
+    replicas = [Replica(fleet, chunk_tokens, chunk_kv_bytes, shared, model, clock=lambda: now[0])
+                for _ in range(fleet.replicas)]
     labels = replicas[0].labels
     router = fleet.routing.build()
     load = LoadModel(fleet.replicas, fleet.prefill_tokens_per_s, fleet.decode_tokens_per_s)
@@ -116,6 +126,7 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
                        replicas=[ReplicaStats() for _ in replicas])
     try:
         for n, request in enumerate(requests, 1):
+            now[0] = request.arrival_s
             tokens = request.prompt.tokens()
             keys = namespace.chunk_hashes(tokens)
             index = 0
@@ -129,11 +140,26 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             result.replicas[index].wait_s.append(load.admit(index, request.arrival_s, computed, request.output_tokens))
             if progress is not None and (n % 64 == 0 or n == len(requests)):
                 progress(n)
+        _count_writes(result, replicas, shared_metrics, chunk_tokens, labels)
     finally:
         for replica in replicas:
             replica.close()
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def _count_writes(result: SimResult, replicas: Sequence[Replica], shared_metrics: Metrics, chunk_tokens: int,
+                  labels: list[str]) -> None:
+    written = dict.fromkeys(labels, 0)
+    refused = dict.fromkeys(labels, 0)
+    for replica in replicas:
+        for name, n in replica.written_chunks().items():
+            written[name] += n
+        for name, n in replica.refused_chunks().items():
+            refused[name] += n
+    if "shared" in written:
+        written["shared"] = written_chunks(shared_metrics, "shared", chunk_tokens)
+    result.written_chunks_by_tier, result.refused_chunks_by_tier = written, refused
 
 
 def _count(result: SimResult, request: TraceRequest, index: int, chunks: int, hits: list[int],

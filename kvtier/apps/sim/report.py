@@ -18,12 +18,14 @@ def _ratio(value: float | None) -> str:
 
 
 def study_table(study: Study, title: str):
-    """One row per replay: hit ratios overall and per tier, against LRU and Belady, and the load spread."""
+    """One row per replay: hit ratios overall and per tier, chunks written per tier below the first (stores,
+    promotions and demotions; what admission saves), against LRU and Belady, and the load spread."""
     from rich.table import Table
 
     tiers = list(dict.fromkeys(t for p in study.points for t in p.result.hit_chunks_by_tier))
     table = Table(title=title, caption=f"ideal (infinite cache): {study.ideal:.3f} of {study.chunks:,} chunks")
-    for col in ("capacity", "policy", "chunk hit", "token hit", *(f"{t} hit" for t in tiers), "vs LRU",
+    for col in ("capacity", "policy", "chunk hit", "token hit", *(f"{t} hit" for t in tiers),
+                *(f"{t} writes" for t in tiers[1:]), "vs LRU",
                 "Belady", "gap closed", "prefill max/mean", "wait p99 (s)"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for point in study.points:
@@ -32,7 +34,8 @@ def study_table(study: Study, title: str):
         prefill = [r.prefill_tokens for r in res.replicas]
         spread = max(prefill) / (sum(prefill) / len(prefill)) if prefill and sum(prefill) else None
         table.add_row(f"{point.capacity:,}", point.policy, _pct(res.chunk_hit_ratio), _pct(res.token_hit_ratio),
-                      *(_pct(doc["hit_ratio_by_tier"].get(t)) for t in tiers), _ratio(study.vs_lru(point)),
+                      *(_pct(doc["hit_ratio_by_tier"].get(t)) for t in tiers),
+                      *(f"{res.written_chunks_by_tier.get(t, 0):,}" for t in tiers[1:]), _ratio(study.vs_lru(point)),
                       _pct(point.belady), _pct(study.gap_closed(point)), _ratio(spread),
                       f"{doc['queue_wait_p99_s']:.2f}")
     return table

@@ -146,8 +146,9 @@ class BlendedLM(PrefixCachedLM):
         self.metrics.inc(BLENDED_TOKENS, stats.blended_tokens)
         self.metrics.inc(RECOMPUTED_TOKENS, result.recomputed)
 
-    def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats) -> None:
-        super()._store(prompt, prefill, salt, stats)
+    def _store(self, prompt: list[int], prefill: Prefill, salt: bytes, stats: GenerationStats,
+               ttl_s: float | None = None) -> None:
+        super()._store(prompt, prefill, salt, stats, ttl_s)  # segments keep no retention time
         if not isinstance(prefill, BlendPrefill) or not prefill.missing:
             return
         start = time.perf_counter()

@@ -23,6 +23,8 @@ class DiskTierConfig(ControlledTierConfig):
     Pin budget and tenant shares: ControlledTierConfig."""
 
     kind = "disk"
+    #: Below a faster tier, a disk takes only chunks sighted twice (why: docs/benchmarks/admission.md).
+    default_admission = "second-hit"
     path: Path | None = None
     capacity_bytes: int = 64 << 30
     policy: str = DEFAULT_POLICY

@@ -40,7 +40,7 @@ def fleet(tmp_path_factory) -> Fleet:
     model = build_tiny_model(base / "model")
     disk = base / "disk.yaml"
     disk.write_text(f"tiers:\n  - kind: memory\n  - kind: disk\n    path: {base / 'cache'}\n"
-                    "    capacity_bytes: 64MiB\n    fsync: false\n")
+                    "    capacity_bytes: 64MiB\n    fsync: false\n    admission: always\n")
     replicas = [ReplicaProcess(model, base, "--config", str(disk)), ReplicaProcess(model, base),
                 ReplicaProcess(model, base)]
     try:

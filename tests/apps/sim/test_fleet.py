@@ -21,7 +21,8 @@ def test_the_documented_example_parses(tmp_path):
     memory, disk = fleet.tiers
     assert memory == SimTier(chunks=2500, policy="arc-lfu")
     assert disk.kind is TierKind.DISK and disk.capacity_bytes == 2 * 2**40 and disk.write is WriteMode.BACK
-    assert fleet.shared == SimTier(chunks=100_000, policy="lru")
+    assert disk.admission == "second-hit"
+    assert fleet.shared == SimTier(chunks=100_000, policy="lru", admission_max_bytes_per_s=2 * 2**30)
 
 
 def test_defaults():

@@ -128,3 +128,22 @@ def test_saved_and_computed_tokens_add_up(requests):
     assert result.input_tokens == sum(r.input_tokens for r in requests)
     assert sum(r.saved_tokens + r.prefill_tokens for r in result.replicas) == result.input_tokens
     assert 0 < result.token_hit_ratio < 1
+
+
+def test_the_simulator_runs_the_tiers_admission_policies(requests, chains):
+    """second-hit writes only chunks sighted twice; a cap writes less; the counts add up to the offers."""
+    def run(**admission) -> tuple:
+        disk = SimTier(kind=TierKind.DISK, chunks=300, **admission)
+        res = replay(requests, one_cache(30, "lru", disk), BLOCK_TOKENS)
+        return res, res.written_chunks_by_tier["disk"], res.refused_chunks_by_tier["disk"]
+
+    always, wrote_all, refused_none = run(admission="always")
+    assert refused_none == 0 and wrote_all > 0
+    second, wrote_second, refused_second = run(admission="second-hit")
+    assert wrote_second < wrote_all and refused_second > 0
+    assert wrote_second <= sum(n - 1 for n in collections.Counter(k for c in chains for k in c).values() if n > 1)
+    assert run()[1] == wrote_second  # a disk below memory defaults to second-hit, as the real tier does
+    rate = 512 * 131_072 * 2  # two chunks' worth of the served model's KV per second of the trace
+    capped, wrote_capped, refused_capped = run(admission="always", admission_max_bytes_per_s=rate)
+    assert wrote_capped < wrote_all and refused_capped > 0
+    assert always.written_chunks_by_tier["memory"] > 0
