@@ -1,0 +1,198 @@
+"""The router's follower of vLLM's KV events against a real ZMQ publisher process speaking vLLM's wire format
+(tests/apps/route/vllm_publisher.py): stores become the router's keys of the blocks' tokens per medium, lost
+batches are replayed, a restart starts over, malformed messages and events are counted drops.
+
+The wire format itself is checked against vLLM's own classes in tests/integrations/test_vllm_fleet_events.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq.asyncio
+
+from kvtier.apps.route.vllm_events import VllmEventSubscriber, VllmSubscriberConfig
+from kvtier.fleet.index import FleetIndex
+from kvtier.fleet.vllm_index import VllmReplicaIndex, vllm_namespace
+
+BLOCK = 4
+MEDIA = ("GPU", "CPU", "STORAGE")
+SCRIPT = Path(__file__).with_name("vllm_publisher.py")
+
+
+class Publisher:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        _, pub, replay = self.proc.stdout.readline().split()
+        self.endpoint, self.replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+        self.replay_requests = 0
+
+    def send(self, **command) -> None:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        self.replay_requests = int(self.proc.stdout.readline().split()[1])
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+def stored(hashes, parent, tokens, medium="GPU", size=BLOCK) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": size, "lora_id": None, "medium": medium, "lora_name": None}
+
+
+def removed(hashes, medium="GPU") -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+class Follower:
+    """A FleetIndex fed by a VllmEventSubscriber on its own event loop thread-free: driven by ``until``."""
+
+    def __init__(self, publisher: Publisher, replay: bool = True) -> None:
+        self.index = FleetIndex(max_total_keys=1000, replicas=1)
+        self.counts: dict[str, int] = {}
+        self.sink = VllmReplicaIndex(self.index.holdings("r"), BLOCK, MEDIA, count=self._count)
+        self.ctx = zmq.asyncio.Context()
+        self.subscriber = VllmEventSubscriber(self.ctx, publisher.endpoint, publisher.replay if replay else None,
+                                              "kv@", self.sink, VllmSubscriberConfig(replay_timeout_s=1.0),
+                                              self._count)
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def cached(self, tokens: list[int]) -> dict[str, int]:
+        return self.index.cached("r", vllm_namespace(BLOCK).chunk_hashes(tokens))
+
+
+async def until(check, what: str, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not check():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def publisher():
+    pub = Publisher()
+    yield pub
+    pub.close()
+
+
+def run(follower: Follower, scenario) -> None:
+    async def main():
+        task = asyncio.ensure_future(follower.subscriber.run())
+        try:
+            await asyncio.sleep(0.3)  # the SUB socket connects (ZMQ's slow joiner)
+            await scenario()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            follower.ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def test_stores_are_indexed_per_medium_from_token_ids_and_removals_undo_them(publisher):
+    follower = Follower(publisher)
+    prompt = list(range(100, 112))  # 3 blocks
+
+    async def scenario():
+        publisher.send(op="batch", events=[stored([11, 12], None, prompt[:8]), stored([13], 12, prompt[8:12])])
+        await until(lambda: follower.cached(prompt) == {"GPU": 3}, "three GPU blocks")
+        # a kvtier chunk of 2 blocks (block_size 8) in the CPU medium, by its own hash, then moved without tokens
+        publisher.send(op="batch", events=[stored([7777], None, prompt[:8], "CPU", 8),
+                                           removed([12]), stored([7777], None, [], "STORAGE", 8)])
+        await until(lambda: follower.cached(prompt) == {"GPU": 2, "CPU": 1}, "GPU, CPU, GPU")
+        assert follower.index.chunks("r") == {"GPU": 2, "CPU": 2, "STORAGE": 2}
+        publisher.send(op="batch", events=[{"type": "AllBlocksCleared"}])
+        await until(lambda: follower.cached(prompt) == {"CPU": 2}, "the device cache cleared")
+        # an orphan (unknown parent), a LoRA block and a medium the replica was not configured with
+        publisher.send(op="batch", events=[stored([21], 999, prompt[:4]), {**stored([22], None, prompt[:4]),
+                                           "lora_name": "a"}, stored([23], None, [7, 7, 7, 7], "NVME")])
+        await until(lambda: follower.counts.get("batch", 0) >= 4, "the fourth batch")
+
+    run(follower, scenario)
+    assert follower.counts["orphan"] == 1 and follower.counts["unindexed"] == 1
+    assert follower.index.dropped("r") == 1  # the NVME store
+    assert follower.cached([7, 7, 7, 7]) == {}
+
+
+def test_malformed_messages_and_events_are_counted_drops(publisher):
+    follower = Follower(publisher)
+    prompt = list(range(4))
+
+    async def scenario():
+        seq0 = (0).to_bytes(8, "big").hex()
+        publisher.send(op="raw", frames=["6b76406a756e6b"])  # one frame
+        publisher.send(op="raw", frames=["6b7640", "0001", b"x".hex()])  # a short seq
+        publisher.send(op="raw", frames=["6b7640", seq0, b"\xc1not msgpack".hex()])
+        publisher.send(op="raw", frames=["6b7640", seq0, msgspec.msgpack.encode({"ts": 1}).hex()])
+        publisher.send(op="batch", events=[{"type": "Evil", "x": 1}, {"type": "BlockStored", "block_hashes": "no"},
+                                           stored([1], None, prompt)])
+        await until(lambda: follower.cached(prompt) == {"GPU": 1}, "the good event of the batch")
+
+    run(follower, scenario)
+    assert follower.counts["malformed"] == 4 and follower.counts["bad_event"] == 2
+
+
+def test_a_lost_batch_is_replayed_and_a_restart_starts_over(publisher):
+    follower = Follower(publisher)
+    a, b = list(range(10, 14)), list(range(20, 24))
+
+    async def scenario():
+        publisher.send(op="batch", events=[stored([1], None, a)])
+        await until(lambda: follower.cached(a) == {"GPU": 1}, "the first batch")
+        before = publisher.replay_requests
+        publisher.send(op="batch", events=[stored([2], None, b)], publish=False)  # lost on the way
+        publisher.send(op="batch", events=[removed([1])])
+        await until(lambda: follower.cached(a) == {} and follower.cached(b) == {"GPU": 1}, "the replayed batch")
+        publisher.send(op="noop")
+        assert publisher.replay_requests > before and follower.counts["gap"] >= 1
+        assert follower.subscriber.next_seq == 3
+        publisher.send(op="restart")  # a new process: seq 0 again, nothing of the old one holds
+        publisher.send(op="batch", events=[stored([5], None, a)])
+        await until(lambda: follower.counts.get("restart", 0) == 1 and follower.cached(a) == {"GPU": 1},
+                    "the restart")
+        assert follower.cached(b) == {}
+
+    run(follower, scenario)
+
+
+def test_without_replay_a_gap_resets_what_was_known(publisher):
+    follower = Follower(publisher, replay=False)
+    a, b = list(range(10, 14)), list(range(20, 24))
+
+    async def scenario():
+        publisher.send(op="batch", events=[stored([1], None, a)])
+        await until(lambda: follower.cached(a) == {"GPU": 1}, "the first batch")
+        publisher.send(op="batch", events=[removed([1])], publish=False)
+        publisher.send(op="batch", events=[stored([2], None, b)])
+        await until(lambda: follower.cached(b) == {"GPU": 1}, "the batch after the gap")
+        assert follower.cached(a) == {}  # its removal was lost: forgotten rather than believed
+
+    run(follower, scenario)
+    assert follower.counts["reset"] == 1
+
+
+def test_the_index_of_a_replica_is_bounded_oldest_blocks_forgotten(publisher):
+    follower = Follower(publisher)
+    follower.sink.max_keys = 10
+
+    async def scenario():
+        for i in range(30):
+            publisher.send(op="batch", events=[stored([1000 + i], None, [i] * BLOCK)])
+        await until(lambda: follower.counts.get("batch", 0) == 30, "every batch")
+
+    run(follower, scenario)
+    assert follower.sink.blocks() == 10 and follower.index.chunks("r")["GPU"] == 10
+    assert follower.cached([29] * BLOCK) == {"GPU": 1} and follower.cached([0] * BLOCK) == {}
