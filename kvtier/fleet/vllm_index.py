@@ -31,7 +31,7 @@ its keys leave the media that held them (the router stops believing what it can 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +44,8 @@ from kvtier.fleet.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, 
 
 #: vLLM's own name for its device cache (``vllm.distributed.kv_events.MEDIUM_GPU``; on CPU builds too).
 DEVICE_MEDIUM = "GPU"
+#: The medium of the kvtier connector's shared stores (kvtier.integrations.vllm.events).
+SHARED_MEDIUM = "SHARED"
 _SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.uint8)
 
 
@@ -62,12 +64,15 @@ class VllmReplicaIndex:
     """Feeds one vLLM replica's ``ReplicaHoldings`` from its decoded event batches (``apply``)."""
 
     def __init__(self, holdings: ReplicaHoldings, block_size: int, media: Sequence[str],
-                 device_media: Sequence[str] = (DEVICE_MEDIUM,),
+                 device_media: Sequence[str] = (DEVICE_MEDIUM,), shared: Mapping[str, str] | None = None,
                  count: Callable[[str], None] = lambda what: None) -> None:
         """``media``: the replica's media, fastest first (events naming others are dropped by the holdings);
+        ``shared``: medium -> store id, for media that are a store other replicas read too (the fleet's
+        ``SharedStores``: a block any replica stored there counts for all replicas naming the same id);
         ``count(what)`` is told of each block not indexed (the reasons above) and each evicted."""
         self.holdings, self.namespace = holdings, vllm_namespace(block_size)
         self.block_size, self.media, self.device_media = block_size, tuple(media), tuple(device_media)
+        self.shared = dict(shared or {})
         self.max_keys = holdings.max_keys
         self.counts: dict[str, int] = {}
         self._counted = count
@@ -83,7 +88,9 @@ class VllmReplicaIndex:
         """Forget everything: the replica's state is unknown (start, restart, a gap replay could not fill)."""
         self._blocks.clear()
         self._mapped = 0
-        self.holdings.reset(PreparedSnapshot(list(self.media), {m: set() for m in self.media}, {}, 0))
+        local = {m: set() for m in self.media if m not in self.shared}
+        shared = {m: (self.shared[m], []) for m in self.media if m in self.shared}
+        self.holdings.reset(PreparedSnapshot(list(self.media), local, shared, 0))
 
     def apply(self, batch: VllmBatch) -> None:
         out: list[WireEvent] = []

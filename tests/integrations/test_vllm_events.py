@@ -66,7 +66,7 @@ def test_segment_and_snapshot_stores_are_not_reported_as_blocks():
     removed = ChunkEvent(ChunkEventKind.REMOVED, "memory", key)
     out = to_vllm([*stored, chunk, demoted, removed], CHUNK)
     assert [type(e) for e in out] == [BlockStored, BlockStored, BlockRemoved]
-    assert [e.medium for e in out] == ["STORAGE", "REDIS", "CPU"]  # the default media (EventMedia)
+    assert [e.medium for e in out] == ["DISK", "REDIS", "CPU"]  # the default media (EventMedia)
 
 
 def test_media_are_configurable_per_tier_and_never_shared_between_tiers():
@@ -78,7 +78,7 @@ def test_media_are_configurable_per_tier_and_never_shared_between_tiers():
     media = EventMedia({"disk": "NVME"}, frozenset({"redis"}))
     out = to_vllm([ChunkEvent(ChunkEventKind.REMOVED, tier, key) for tier in ("memory", "disk", "redis")], CHUNK,
                   media)
-    assert [(e.medium, e.locality) for e in out] == [("CPU", "LOCAL"), ("NVME", "LOCAL"), ("REDIS", "REMOTE")]
+    assert [(e.medium, e.locality) for e in out] == [("CPU", "LOCAL"), ("NVME", "LOCAL"), ("SHARED", "REMOTE")]
     with pytest.raises(ConfigError):
         EventMedia({"disk": "CPU"}).check(["memory", "disk"])  # a removal from one would remove from both
     with pytest.raises(ConfigError):

@@ -46,7 +46,7 @@ def test_the_definitions_use_vllms_tags_and_field_names():
 
 def test_the_connectors_forwarded_chunks_index_as_the_prompts_blocks():
     """A chain of kvtier chunks (4 blocks each) as the connector publishes it, through vLLM's encoder: the router
-    finds the prompt's blocks in the CPU medium, and a move to STORAGE without tokens by the chunks' hashes."""
+    finds the prompt's blocks in the CPU medium, and a move to DISK without tokens by the chunks' hashes."""
     from kvtier.core.events import ChunkEvent, ChunkEventKind, EntryKind
     from kvtier.integrations.vllm.events import to_vllm
 
@@ -60,9 +60,9 @@ def test_the_connectors_forwarded_chunks_index_as_the_prompts_blocks():
     out = to_vllm([*stores, moved], chunk)
     payload = msgspec.msgpack.encode(vllm.KVEventBatch(ts=0.0, events=out))
     index = FleetIndex(replicas=1)
-    sink = VllmReplicaIndex(index.holdings("r"), block, ("GPU", "CPU", "STORAGE"))
+    sink = VllmReplicaIndex(index.holdings("r"), block, ("GPU", "CPU", "DISK"))
     sink.reset()
     sink.apply(vllm_wire.decode_batch(payload))
     assert index.cached("r", vllm_namespace(block).chunk_hashes(prompt)) == {"CPU": 3 * chunk // block}
-    assert index.chunks("r") == {"GPU": 0, "CPU": 12, "STORAGE": 4}
+    assert index.chunks("r") == {"GPU": 0, "CPU": 12, "DISK": 4}
     assert sink.counts == {"stored": 3}

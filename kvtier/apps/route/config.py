@@ -14,10 +14,10 @@ from kvtier.web.http_limits import HttpLimits
 #: disk or a shared store is cheap next to prefill, but not free, so RAM wins a tie with disk.
 DEFAULT_TIER_WEIGHTS = (("memory", 1.0), ("disk", 0.9), ("redis", 0.8), ("recent", 1.0),
                         # vLLM replicas' media (VllmEvents): GPU and CPU as llm-d weights them by default
-                        ("GPU", 1.0), ("CPU", 0.8), ("STORAGE", 0.7), ("REDIS", 0.6), ("MOONCAKE", 0.6))
-#: A vLLM replica's media, fastest first: vLLM's device cache, then kvtier's tiers under the connector's
-#: default media names (kvtier.integrations.vllm.events.DEFAULT_MEDIA).
-DEFAULT_VLLM_MEDIA = ("GPU", "CPU", "STORAGE", "REDIS", "MOONCAKE")
+                        ("GPU", 1.0), ("CPU", 0.8), ("DISK", 0.7), ("STORAGE", 0.7), ("SHARED", 0.6))
+#: A vLLM replica's media, fastest first: vLLM's device cache, kvtier's tiers under the connector's default
+#: media (memory CPU, disk DISK, shared stores SHARED) and vLLM's own offloading's (CPU, STORAGE).
+DEFAULT_VLLM_MEDIA = ("GPU", "CPU", "DISK", "STORAGE", "SHARED")
 #: One decoding request costs its replica about this many prefill tokens (kvtier serve decodes one request at
 #: a time, so a stream ahead of a request delays it by its whole decode).
 DEFAULT_DECODE_STREAM_TOKENS = 128.0
@@ -106,14 +106,16 @@ class VllmEvents:
     socket, ``replay`` its replay socket (None: gaps and restarts are not replayed, the replica's index is
     reset instead), ``topic`` its topic (a prefix filter, as ZMQ subscribes), ``block_size`` its ``--block-size``
     (the router's keys for it are blocks of that size: kvtier.fleet.vllm_index), ``media`` the media it reports,
-    fastest first (events naming others are dropped and counted). vLLM's sockets have no authentication: keep
-    them on loopback or a firewalled network."""
+    fastest first (events naming others are dropped and counted), ``shared`` the id of the store behind its
+    ``SHARED`` medium (replicas naming the same id share what any of them stored there; None: the medium is the
+    replica's own). vLLM's sockets have no authentication: keep them on loopback or a firewalled network."""
 
     endpoint: str
     replay: str | None = None
     topic: str = ""
     block_size: int = 16
     media: tuple[str, ...] = DEFAULT_VLLM_MEDIA
+    shared: str | None = None
 
     def __post_init__(self) -> None:
         for where in (self.endpoint, self.replay):
@@ -139,13 +141,14 @@ class ReplicaEntry:
 
 
 def parse_replica(text: str) -> ReplicaEntry:
-    """``URL`` or ``URL,events=tcp://H:P[,replay=tcp://H:P][,topic=T][,block-size=N][,media=GPU:CPU]``."""
+    """``URL`` or ``URL,events=tcp://H:P[,replay=tcp://H:P][,topic=T][,block-size=N][,media=GPU:CPU][,shared=ID]``."""
     url, *options = text.split(",")
     values: dict[str, str] = {}
     for option in options:
         key, sep, value = option.partition("=")
-        if not sep or key.strip() not in ("events", "replay", "topic", "block-size", "media"):
-            raise ConfigError(f"replica option {option!r}: expected events=, replay=, topic=, block-size=, media=")
+        if not sep or key.strip() not in ("events", "replay", "topic", "block-size", "media", "shared"):
+            raise ConfigError(f"replica option {option!r}: expected events=, replay=, topic=, block-size=, media=, "
+                              "shared=")
         values[key.strip()] = value.strip()
     if not values:
         return ReplicaEntry(url.rstrip("/"))
@@ -157,7 +160,7 @@ def parse_replica(text: str) -> ReplicaEntry:
         raise ConfigError(f"replica {url!r}: block-size must be an integer") from None
     media = tuple(m for m in values.get("media", ":".join(DEFAULT_VLLM_MEDIA)).split(":") if m)
     return ReplicaEntry(url.rstrip("/"), VllmEvents(values["events"], values.get("replay"), values.get("topic", ""),
-                                               block_size, media))
+                                               block_size, media, values.get("shared") or None))
 
 
 @dataclass(frozen=True)

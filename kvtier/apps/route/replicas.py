@@ -38,7 +38,7 @@ from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
 from kvtier.events.wire import Batch, Snapshot, WireError, namespace_from_json
 from kvtier.fleet.index import FleetIndex, PreparedSnapshot
 from kvtier.fleet.scoring import ReplicaView
-from kvtier.fleet.vllm_index import VllmReplicaIndex, vllm_namespace
+from kvtier.fleet.vllm_index import SHARED_MEDIUM, VllmReplicaIndex, vllm_namespace
 
 if TYPE_CHECKING:
     from starlette.responses import Response
@@ -229,7 +229,9 @@ class Replica:
             log.error("replica %s: vLLM event subscription stopped: %r", self.name, self._events.exception())
         events = self.entry.vllm_events
         assert events is not None
-        self.vllm_index = VllmReplicaIndex(index.holdings(self.name), events.block_size, events.media, count=count)
+        shared = {SHARED_MEDIUM: events.shared} if events.shared is not None else None
+        self.vllm_index = VllmReplicaIndex(index.holdings(self.name), events.block_size, events.media,
+                                           shared=shared, count=count)
         subscriber = VllmEventSubscriber(ctx, events.endpoint, events.replay, events.topic, self.vllm_index,
                                          count=count)
         self._events = asyncio.ensure_future(subscriber.run())

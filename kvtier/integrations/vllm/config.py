@@ -17,8 +17,8 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
   whatever had not arrived verified is reported as load errors and recomputed by vLLM.
 * ``lookup_timeout_s``: a request's first lookup not answered this long after the request arrived is a miss.
 * ``event_media``: ``{tier name: medium}``, the medium each tier's events carry in vLLM's KV events (when
-  ``--kv-events-config`` enables them) over the defaults (``memory`` -> ``CPU``, ``disk`` -> ``STORAGE``, any
-  other tier its name in capitals: kvtier.integrations.vllm.events).
+  ``--kv-events-config`` enables them) over the defaults (``memory`` -> ``CPU``, ``disk`` -> ``DISK``, a shared
+  store -> ``SHARED``, any other tier its name in capitals: kvtier.integrations.vllm.events).
 """
 
 from __future__ import annotations

@@ -11,13 +11,16 @@ Dynamo, ``vllm serve --kv-events-config``) see what kvtier's tiers hold.
 * Scheduler side: ``update_connector_output`` hands them to ``SchedulerEvents``; vLLM's scheduler takes them
   (``take_events``) and publishes them with its own KV events (ZMQ, when ``--kv-events-config`` enables it).
 
-Media. Routers weight what they index by medium: llm-d's precise prefix scorer lower-cases it and looks it up in
-``kvCacheBackendConfigs`` (``gpu`` 1.0 and ``cpu`` 0.8 by default), and vLLM's own offloading reports ``CPU`` and
-``STORAGE`` (``vllm.distributed.kv_events.MEDIUM_*``). So by default the memory tier is ``CPU`` (what llm-d
-already weights, and what vLLM's CPU offloading calls host RAM), the disk tier ``STORAGE`` (vLLM's name for
-its disk offloading) and any other tier its name in capitals (``REDIS``, ``MOONCAKE``): one medium per tier, so
-a consumer's removal of a chunk from one tier never removes it from another. ``event_media`` in
-``kv_connector_extra_config`` renames them (docs/integrations/vllm-fleet.md gives the consumers' configuration).
+Media. Routers weight what they index by medium, and know only some names. llm-d's precise prefix scorer
+lower-cases the medium and looks it up in ``kvCacheBackendConfigs`` (``gpu`` 1.0, ``cpu`` 0.8 by default; any
+other name once configured). Dynamo's KV router maps ``GPU`` to the device tier, ``CPU`` (and ``CPU_PINNED``) to
+host memory, ``DISK`` (and ``NVME``, and ``STORAGE`` in recent versions) to disk, ``SHARED`` (and ``REMOTE``,
+``EXTERNAL``) to external storage, and takes a name it does not know for the device tier. So by default the
+memory tier is ``CPU`` (vLLM's own ``MEDIUM_CPU``: what both weight as host memory), the disk tier ``DISK`` (what
+every Dynamo version maps to disk), a shared store (Redis, Mooncake) ``SHARED``, and any other tier its name in
+capitals; ``event_media`` in ``kv_connector_extra_config`` renames them. Two tiers never share a medium, so a
+consumer's removal of a chunk from one tier never removes it from another (docs/integrations/vllm-fleet.md gives
+the consumers' configuration).
 
 Only tensor-parallel rank 0 reports: every rank's chunks carry its rank in their keys, so ranks never hold
 the same keys, and the ranks' caches change together.
@@ -39,8 +42,10 @@ from kvtier.tiers import SharedStore
 
 OWNERSHIP = "kvtier"
 MAX_PENDING = 100_000  # events kept between two steps; beyond, the oldest are dropped
-#: The media of kvtier's tiers by default (see the module docstring); other tiers: their names in capitals.
-DEFAULT_MEDIA = {"memory": "CPU", "disk": "STORAGE"}
+#: The media of kvtier's tiers by default (see the module docstring); shared stores are SHARED, other tiers
+#: their names in capitals.
+DEFAULT_MEDIA = {"memory": "CPU", "disk": "DISK"}
+SHARED_MEDIUM = "SHARED"
 #: vLLM's own medium for its device cache: no kvtier tier may take it.
 DEVICE_MEDIUM = "GPU"
 
@@ -54,7 +59,9 @@ class EventMedia:
     shared: frozenset[str] = frozenset()
 
     def medium(self, tier: str) -> str:
-        return self.names.get(tier) or DEFAULT_MEDIA.get(tier) or tier.upper()
+        if tier in self.names:
+            return self.names[tier]
+        return SHARED_MEDIUM if tier in self.shared else DEFAULT_MEDIA.get(tier) or tier.upper()
 
     def locality(self, tier: str) -> str:
         return "REMOTE" if tier in self.shared else "LOCAL"
