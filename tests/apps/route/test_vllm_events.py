@@ -196,3 +196,32 @@ def test_the_index_of_a_replica_is_bounded_oldest_blocks_forgotten(publisher):
     run(follower, scenario)
     assert follower.sink.blocks() == 10 and follower.index.chunks("r")["GPU"] == 10
     assert follower.cached([29] * BLOCK) == {"GPU": 1} and follower.cached([0] * BLOCK) == {}
+
+
+def test_a_shared_medium_counts_for_every_replica_naming_the_same_store():
+    from kvtier.fleet.vllm_wire import BlockStored, VllmBatch
+
+    index = FleetIndex(replicas=2)
+    sinks = [VllmReplicaIndex(index.holdings(name), BLOCK, MEDIA + ("SHARED",), shared={"SHARED": "valkey-1"})
+             for name in ("r1", "r2")]
+    for sink in sinks:
+        sink.reset()
+    prompt = list(range(8))
+    sinks[0].apply(VllmBatch(0.0, [BlockStored([b"k" * 32], None, prompt, 2 * BLOCK, medium="SHARED")]))
+    keys = vllm_namespace(BLOCK).chunk_hashes(prompt)
+    assert index.cached("r1", keys) == index.cached("r2", keys) == {"SHARED": 2}
+
+
+def test_replica_entries_parse_from_the_command_line():
+    from kvtier.apps.route.config import ConfigError, ReplicaEntry, RouterConfig, VllmEvents, parse_replica
+
+    entry = parse_replica("http://h:8000/,events=tcp://h:5557,replay=tcp://h:5558,block-size=32,topic=kv@,"
+                          "media=GPU:CPU,shared=v1")
+    assert entry == ReplicaEntry("http://h:8000", VllmEvents("tcp://h:5557", "tcp://h:5558", "kv@", 32, ("GPU", "CPU"),
+                                                             "v1"))
+    assert parse_replica("http://h:8000") == ReplicaEntry("http://h:8000")
+    assert RouterConfig(("http://a:1", entry)).replicas == (ReplicaEntry("http://a:1"), entry)
+    for bad in ("http://h:8000,replay=tcp://h:1", "http://h:8000,events=tcp://*:5557", "http://h,events=udp://h:1",
+                "http://h,events=tcp://h:1,block-size=x", "http://h,events=tcp://h:1,colour=red"):
+        with pytest.raises(ConfigError):
+            parse_replica(bad)
