@@ -202,6 +202,7 @@ def test_forwarded_tier_events_decode_as_vllms_and_index_as_llm_d_does(fleet):
         complete(a.server.url, prompt)
         recorder.quiet()
         a.server.reset_prefix_cache()
+        complete(a.server.url, "Hello")  # vLLM publishes the reset's AllBlocksCleared with its next step's events
         recorder.quiet()
     finally:
         recorder.close()
