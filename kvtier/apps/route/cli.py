@@ -40,7 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="send a session (X-Session-ID or the user field) back to its replica (default on)")
     r.add_argument("--epsilon", type=float, default=0.25, help="load bound: no replica above (1+eps) x mean")
     r.add_argument("--tier-weight", action="append", default=[], metavar="TIER=W",
-                   help="worth of a cached token in TIER (memory 1.0, disk 0.9, redis 0.8 by default)")
+                   help="worth of a cached token in TIER (memory 1.0, disk 0.9, redis 0.8 by default; vLLM media: "
+                        "GPU 1.0, CPU 0.8, DISK and STORAGE 0.7, SHARED 0.6)")
     r.add_argument("--decode-stream-tokens", type=float, help="cost of one decoding request, in prefill tokens")
     r.add_argument("--record-ttl", type=float, default=600.0,
                    help="seconds the router trusts its own record of replicas that publish no events")
