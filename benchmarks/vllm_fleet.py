@@ -3,17 +3,19 @@ the replicas' KV events, with vLLM's device cache only and with kvtier's tiers t
 
 Three `kvtier vllm serve` replicas of SmolLM2-135M-Instruct (float32, blocks of 32 tokens, one OpenMP thread
 each, unbound: the machine is shared), each with the kvtier connector over a memory tier (chunks of 128 tokens)
-and vLLM's KV events on (ZMQ PUB + replay socket). vLLM's own cache is held small (``--num-gpu-blocks-override``)
-so that kvtier's tier matters. In front of the same three replicas, three `kvtier route` processes:
+and vLLM's KV events on (ZMQ PUB + replay socket). vLLM's own cache is held small (``--num-gpu-blocks-override``
+72: 2,304 tokens) so that kvtier's tier matters. In front of the same three replicas, one `kvtier route`
+process per arm:
 
 * **round-robin**: ``--policy round-robin --no-sticky``, no events;
+* **sticky**: a session's later requests back to its first replica (round-robin for first requests), no events;
 * **device-only**: the default policy (load-bounded prefix affinity, sticky sessions) from the events, vLLM's
   ``GPU`` medium only (what a router that does not know kvtier's media sees);
 * **tier-aware**: the same, with kvtier's ``CPU`` medium too.
 
 Each router gets its own multi-round chat workload (`kvtier bench`'s generator, users sharing a system prompt
 and growing their histories; another seed per router, so no router profits from another's prompts), and the
-three run interleaved (``--concurrency`` requests in flight in all), so load from elsewhere on this shared
+arms run interleaved (``--concurrency`` requests in flight in all), so load from elsewhere on this shared
 machine falls on every arm alike. Per arm: TTFT p50/p99 (client-measured), request throughput over the shared
 wall time, the share of prompt tokens vLLM reported cached (its device cache and kvtier's loads together), and
 the busiest replica's requests over the mean. Writes JSON under --out; last line ``RESULT {json}``.
@@ -52,6 +54,7 @@ from tests.integrations.vllm_server import VllmServer  # noqa: E402
 NAME, BLOCK, CHUNK = "smollm2", 32, 128
 ARMS = {
     "round-robin": (["--policy", "round-robin", "--no-sticky"], None),
+    "sticky": (["--policy", "round-robin", "--sticky"], None),
     "device-only": (["--policy", "load-bounded", "--sticky"], "GPU"),
     "tier-aware": (["--policy", "load-bounded", "--sticky"], "GPU:CPU"),
 }
@@ -64,7 +67,7 @@ class Replica:
         self.events, self.replay = free_port(), free_port()
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
                   "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": f"kv@{label}@{NAME}"}
-        args = ("--served-model-name", NAME, "--block-size", str(BLOCK), "--max-model-len", "4096", "--dtype",
+        args = ("--served-model-name", NAME, "--block-size", str(BLOCK), "--max-model-len", "2048", "--dtype",
                 "float32", "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details", "--max-num-seqs", "4",
                 "--num-gpu-blocks-override", str(device_blocks), "--kv-events-config", json.dumps(events))
         kvtier = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": tier_bytes}]}
@@ -137,7 +140,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a smaller workload (a few minutes)")
     p.add_argument("--concurrency", type=int, default=3, help="requests in flight, all arms together")
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--device-blocks", type=int, default=48, help="vLLM's own cache per replica, in blocks")
+    p.add_argument("--device-blocks", type=int, default=72,
+                   help="vLLM's own cache per replica, in blocks (vLLM keeps one; 2,048 tokens need 65)")
     p.add_argument("--tier-bytes", default="768MiB", help="kvtier's memory tier per replica")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/vllm_fleet")
