@@ -18,7 +18,8 @@ and growing their histories; another seed per router, so no router profits from 
 arms run interleaved (``--concurrency`` requests in flight in all), so load from elsewhere on this shared
 machine falls on every arm alike. Per arm: TTFT p50/p99 (client-measured), request throughput over the shared
 wall time, the share of prompt tokens vLLM reported cached (its device cache and kvtier's loads together), and
-the busiest replica's requests over the mean. Writes JSON under --out; last line ``RESULT {json}``.
+the busiest replica's requests over the mean. Writes JSON under --out (``arm-LABEL.json``: each arm's run as
+`kvtier bench` writes it, for ``kvtier sim``); last line ``RESULT {json}``.
 
     PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--concurrency 3] [--out results/vllm_fleet]
 """
@@ -180,6 +181,8 @@ def main() -> None:
     report.write_json(runs, out / "vllm_fleet.json", {"size": size, "served": served, "wall_s": wall,
                                                       "device_blocks": args.device_blocks,
                                                       "load_before": load_before, "load_after": load_after})
+    for run, spec in zip(runs, specs):  # one bench JSON per arm, which `kvtier sim` replays
+        report.write_json([run], out / f"arm-{run.target}.json", {"workload": "multiround", "spec": spec.__dict__})
     rr, dev, tier = (summaries[k] for k in ("round-robin", "device-only", "tier-aware"))
     result = {
         "benchmark": "vllm_fleet", "quick": args.quick, "replicas": args.replicas, "concurrency": args.concurrency,
