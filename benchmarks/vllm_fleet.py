@@ -11,7 +11,8 @@ process per arm:
 * **sticky**: a session's later requests back to its first replica (round-robin for first requests), no events;
 * **device-only**: the default policy (load-bounded prefix affinity, sticky sessions) from the events, vLLM's
   ``GPU`` medium only (what a router that does not know kvtier's media sees);
-* **tier-aware**: the same, with kvtier's ``CPU`` medium too.
+* **tier-aware**: the same, with kvtier's ``CPU`` medium too (and with ``--shared``, the fleet's Redis tier as
+  one ``SHARED`` store: a chunk any replica stored there counts for all).
 
 Each router gets its own multi-round chat workload (`kvtier bench`'s generator, users sharing a system prompt
 and growing their histories; another seed per router, so no router profits from another's prompts), and the
@@ -64,22 +65,27 @@ QUICK = dict(users=6, rounds=3, system_words=200, turn_words=80, max_tokens=8)
 
 
 class Replica:
-    def __init__(self, model: str, out: Path, label: str, device_blocks: int, tier_bytes: str) -> None:
+    def __init__(self, model: str, out: Path, label: str, device_blocks: int, tier_bytes: str,
+                 redis_url: str | None = None) -> None:
         self.events, self.replay = free_port(), free_port()
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
                   "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": f"kv@{label}@{NAME}"}
         args = ("--served-model-name", NAME, "--block-size", str(BLOCK), "--max-model-len", "2048", "--dtype",
                 "float32", "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details", "--max-num-seqs", "4",
                 "--num-gpu-blocks-override", str(device_blocks), "--kv-events-config", json.dumps(events))
-        kvtier = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": tier_bytes}]}
+        tiers = [{"kind": "memory", "capacity_bytes": tier_bytes}]
+        if redis_url is not None:  # one store for the fleet: its medium is SHARED (the connector's default)
+            tiers.append({"kind": "redis", "url": redis_url, "timeout_s": 30.0})
+        kvtier = {"chunk_size": CHUNK, "tiers": tiers}
         env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.server = VllmServer(model, free_port(), out / f"{label}.log", kvtier=kvtier, args=args, env=env)
 
     def entry(self, media: str | None) -> str:
         if media is None:
             return self.server.url
+        shared = ",shared=fleet-redis" if "SHARED" in media else ""
         return (f"{self.server.url},events=tcp://127.0.0.1:{self.events},replay=tcp://127.0.0.1:{self.replay},"
-                f"block-size={BLOCK},media={media}")
+                f"block-size={BLOCK},media={media}{shared}")
 
 
 @contextmanager
@@ -144,6 +150,9 @@ def main() -> None:
     p.add_argument("--device-blocks", type=int, default=72,
                    help="vLLM's own cache per replica, in blocks (vLLM keeps one; 2,048 tokens need 65)")
     p.add_argument("--tier-bytes", default="768MiB", help="kvtier's memory tier per replica")
+    p.add_argument("--shared", action="store_true",
+                   help="add one redis-server as a shared tier behind every replica's memory tier (the tier-aware "
+                        "router then knows its SHARED medium as one store of the fleet)")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/vllm_fleet")
     args = p.parse_args()
@@ -156,15 +165,25 @@ def main() -> None:
     base = MultiRoundSpec(sessions=True, **size)
     specs = [dataclasses.replace(base, seed=100 + i) for i in range(len(ARMS))]
     load_before = os.getloadavg()
-    replicas = [Replica(model, out, f"r{i}", args.device_blocks, args.tier_bytes) for i in range(args.replicas)]
+    arms = dict(ARMS)
     with ExitStack() as stack:
+        redis_url = None
+        if args.shared:
+            from tests.redis_server import RedisServer
+
+            redis = RedisServer(maxmemory="2gb").start()
+            stack.callback(redis.stop)
+            redis_url = redis.url
+            arms["tier-aware"] = (ARMS["tier-aware"][0], "GPU:CPU:SHARED")
+        replicas = [Replica(model, out, f"r{i}", args.device_blocks, args.tier_bytes, redis_url)
+                    for i in range(args.replicas)]
         for replica in replicas:
             stack.callback(replica.server.stop)
             replica.server.launch()
         for replica in replicas:
             replica.server.wait_ready()
         urls = {label: stack.enter_context(router(replicas, flags, media, model, out, label))
-                for label, (flags, media) in ARMS.items()}
+                for label, (flags, media) in arms.items()}
         started = time.monotonic()
         runs = run_arms([Target(label, url) for label, url in urls.items()], specs, args.concurrency)
         wall = time.monotonic() - started
@@ -185,7 +204,8 @@ def main() -> None:
         report.write_json([run], out / f"arm-{run.target}.json", {"workload": "multiround", "spec": spec.__dict__})
     rr, dev, tier = (summaries[k] for k in ("round-robin", "device-only", "tier-aware"))
     result = {
-        "benchmark": "vllm_fleet", "quick": args.quick, "replicas": args.replicas, "concurrency": args.concurrency,
+        "benchmark": "vllm_fleet", "quick": args.quick, "shared": args.shared, "replicas": args.replicas,
+        "concurrency": args.concurrency,
         **{f"ttft_p50_s_{k}": round(s["ttft_p50_s"], 3) for k, s in summaries.items()},
         **{f"ttft_p99_s_{k}": round(s["ttft_p99_s"], 3) for k, s in summaries.items()},
         **{f"requests_per_s_{k}": round(s["requests_per_s"], 3) for k, s in summaries.items()},

@@ -228,9 +228,10 @@ def test_forwarded_tier_events_decode_as_vllms_and_index_as_llm_d_does(fleet):
 
 
 def start_router(fleet, port: int) -> subprocess.Popen:
-    log = open(fleet["tmp"] / "router.log", "wb")
+    log = open(fleet["tmp"] / f"router-{port}.log", "wb")
     command = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--model", fleet["model"],
-               "--replica", fleet["a"].entry(), "--replica", fleet["b"].entry(), "--log-level", "warning"]
+               "--replica", fleet["a"].entry(), "--replica", fleet["b"].entry(), "--log-level", "warning",
+               "--health-interval", "0.5"]
     env = {"PYTHONPATH": str(ROOT), "KVTIER_METRICS_STRICT": "1", "PATH": "/usr/bin:/bin"}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -261,7 +262,7 @@ def test_the_router_indexes_each_replica_from_its_events_and_routes_shared_prefi
     url = f"http://127.0.0.1:{port}"
     router = start_router(fleet, port)
     try:
-        assert wait_for(lambda: _up(url), timeout=120), (fleet["tmp"] / "router.log").read_text()[-3000:]
+        assert wait_for(lambda: _up(url), timeout=120), (fleet["tmp"] / f"router-{port}.log").read_text()[-3000:]
         # A's history came through its replay socket: kvtier's memory tier (CPU), vLLM's cache cleared
         a_chunks = (len(a.tokens(a_prompt)) - 1) // CHUNK * CHUNK // BLOCK
         assert wait_for(lambda: chunks(scrape(url), a, "CPU") >= a_chunks, timeout=60)
@@ -283,6 +284,37 @@ def test_the_router_indexes_each_replica_from_its_events_and_routes_shared_prefi
     finally:
         router.terminate()
         router.wait(timeout=30)
+
+
+def test_a_restarted_replica_is_forgotten_then_followed_again(fleet):
+    """B stops: the health checks eject it and the router frees its index. B comes back as a new process (its
+    memory tier empty, its sequence numbers from 0): the router follows it again and indexes what it stores."""
+    b = fleet["b"]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    up = f'kvtier_router_replica_up{{replica="{b.name}"}}'
+    router = start_router(fleet, port)
+    try:
+        assert wait_for(lambda: _up(url), timeout=120)
+        first = document(3)
+        complete(b.server.url, first)
+        assert wait_for(lambda: chunks(scrape(url), b, "CPU") > 0, timeout=60)
+        b.server.stop()
+        assert wait_for(lambda: scrape(url).get(up) == 0 and chunks(scrape(url), b, "CPU") == 0, timeout=60)
+        b.server.start()
+        assert wait_for(lambda: scrape(url).get(up) == 1, timeout=60)
+        second = document(4)
+        complete(b.server.url, second)
+        n = (len(b.tokens(second)) - 1) // CHUNK * CHUNK // BLOCK
+        assert wait_for(lambda: chunks(scrape(url), b, "CPU") == n, timeout=60)  # the new process's, only
+        before = scrape(url)
+        complete(url, second + " and then the story goes on")
+        assert routed(scrape(url), b, "cached") == routed(before, b, "cached") + 1
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        if b.server.proc is None:
+            b.server.start()
 
 
 def _up(url: str) -> bool:
