@@ -229,11 +229,17 @@ class Replica:
             log.error("replica %s: vLLM event subscription stopped: %r", self.name, self._events.exception())
         events = self.entry.vllm_events
         assert events is not None
+
+        def counted(what: str) -> None:
+            count(what)
+            if what == "restart":  # what the router sent the old process says nothing of the new one
+                index.restarted(self.name)
+
         shared = {SHARED_MEDIUM: events.shared} if events.shared is not None else None
         self.vllm_index = VllmReplicaIndex(index.holdings(self.name), events.block_size, events.media,
                                            shared=shared, count=count)
         subscriber = VllmEventSubscriber(ctx, events.endpoint, events.replay, events.topic, self.vllm_index,
-                                         count=count)
+                                         count=counted)
         self._events = asyncio.ensure_future(subscriber.run())
         self._sink = _ReplicaSink(index, self.name)  # frees the index when the replica is ejected
 

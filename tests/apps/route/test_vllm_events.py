@@ -225,3 +225,44 @@ def test_replica_entries_parse_from_the_command_line():
                 "http://h,events=tcp://h:1,block-size=x", "http://h,events=tcp://h:1,colour=red"):
         with pytest.raises(ConfigError):
             parse_replica(bad)
+
+
+def test_a_replica_entry_follows_its_events_and_a_restart_drops_the_routers_own_record(publisher):
+    """The router's own path: a ``Replica`` whose entry names vLLM events feeds the fleet index under its name;
+    the publisher restarting also drops what the router recorded having sent it."""
+    from kvtier.apps.route.config import ProxyConfig, ReplicaEntry, VllmEvents
+    from kvtier.apps.route.replicas import Replica
+    from kvtier.events.subscriber import SubscriberConfig
+    from kvtier.fleet.index import RECENT
+
+    prompt = list(range(40, 48))
+    index = FleetIndex(replicas=1)
+    counts: dict[str, int] = {}
+
+    def count(what: str) -> None:
+        counts[what] = counts.get(what, 0) + 1
+
+    async def main():
+        replica = Replica(ReplicaEntry("http://127.0.0.1:9", VllmEvents(publisher.endpoint, publisher.replay, "kv@",
+                                                                        BLOCK, MEDIA)), ProxyConfig())
+        keys = replica.namespace(vllm_namespace(99)).chunk_hashes(prompt)
+        ctx = zmq.asyncio.Context()
+        try:
+            replica.follow_events(ctx, index, SubscriberConfig(), count)
+            await asyncio.sleep(0.3)
+            publisher.send(op="batch", events=[stored([1, 2], None, prompt)])
+            await until(lambda: index.cached(replica.name, keys) == {"GPU": 2}, "the replica's blocks")
+            index.record(replica.name, [vllm_namespace(BLOCK).chunk_hashes(list(range(900, 904)))[0]])
+            assert RECENT in index.chunks(replica.name)
+            publisher.send(op="restart")
+            publisher.send(op="batch", events=[stored([3], None, prompt[:4])])
+            await until(lambda: counts.get("restart") == 1 and index.cached(replica.name, keys) == {"GPU": 1},
+                        "the restart")
+            assert RECENT not in index.chunks(replica.name)
+            replica.stop_events()  # ejected: what the index knew of it is freed
+            assert index.chunks(replica.name) == {}
+        finally:
+            await replica.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
