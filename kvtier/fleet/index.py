@@ -177,6 +177,13 @@ class ReplicaHoldings:
                     held.add(key)
                     self._held += 1
 
+    def clear(self, tier: str) -> None:
+        """Forget what the replica's own tier ``tier`` holds (vLLM's ``AllBlocksCleared`` for its device cache)."""
+        held = self._local.get(tier)
+        if held is not None:
+            self._held -= len(held)
+            held.clear()
+
     def tier_of(self, key: ChunkHash) -> str | None:
         """The fastest tier holding ``key``, or None."""
         for name in self.tiers:

@@ -143,12 +143,13 @@ def test_worker_serves_its_full_metrics_on_the_configured_port(with_kvtier):
 
 
 def test_kvtier_tiers_reach_vllms_kv_event_stream(with_kvtier):
-    """What kvtier stored reaches the KV events vLLM publishes, with the tier as the medium: one block per
-    kvtier chunk, carrying the chunk's tokens and chained to the chunk before it by its hash."""
+    """What kvtier stored reaches the KV events vLLM publishes, under the tier's medium (memory: CPU, disk:
+    DISK by default): one block per kvtier chunk, carrying the chunk's tokens and chained to the chunk before
+    it by its hash."""
     events = with_kvtier["tiers"]
     assert events and all(e["type"] == "BlockStored" and e["ownership"] == "kvtier" for e in events)
-    for tier in ("memory", "disk"):
-        stored = [e for e in events if e["medium"] == tier]
+    for medium in ("CPU", "DISK"):
+        stored = [e for e in events if e["medium"] == medium]
         assert all(e["block_size"] == CHUNK and len(e["tokens"]) == CHUNK * len(e["hashes"]) for e in stored)
         blocks = {h: e["tokens"][i * CHUNK:(i + 1) * CHUNK] for e in stored for i, h in enumerate(e["hashes"])}
         assert sorted(map(tuple, blocks.values())) == sorted(

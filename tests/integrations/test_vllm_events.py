@@ -29,7 +29,7 @@ def test_a_stored_chain_is_one_block_stored_and_evictions_are_block_removed():
     assert isinstance(taken, KVTierKVEvents)
     (stored,) = taken.get_all_events()
     keys = [bytes(k) for k in cache.keys(tokens)]
-    assert isinstance(stored, BlockStored) and stored.medium == "memory" and stored.ownership == "kvtier"
+    assert isinstance(stored, BlockStored) and stored.medium == "CPU" and stored.ownership == "kvtier"
     assert stored.block_hashes == keys and stored.parent_block_hash is None
     assert stored.token_ids == tokens and stored.block_size == CHUNK
     other = list(range(1000, 1000 + 2 * CHUNK))  # 5 chunks in a 4-chunk tier: one of the first chain goes
@@ -37,7 +37,7 @@ def test_a_stored_chain_is_one_block_stored_and_evictions_are_block_removed():
     removed = [e for e in events.take().get_all_events() if isinstance(e, BlockRemoved)]
     held = cache.tiers[0].contains(cache.keys(tokens))
     gone = [key for key, kept in zip(keys, held) if not kept]  # whichever the tier's policy chose
-    assert len(gone) == 1 and [e.block_hashes for e in removed] == [gone] and removed[0].medium == "memory"
+    assert len(gone) == 1 and [e.block_hashes for e in removed] == [gone] and removed[0].medium == "CPU"
     assert events.take() is None
     events.close()
     cache.close()
@@ -66,4 +66,20 @@ def test_segment_and_snapshot_stores_are_not_reported_as_blocks():
     removed = ChunkEvent(ChunkEventKind.REMOVED, "memory", key)
     out = to_vllm([*stored, chunk, demoted, removed], CHUNK)
     assert [type(e) for e in out] == [BlockStored, BlockStored, BlockRemoved]
-    assert [e.medium for e in out] == ["disk", "redis", "memory"]
+    assert [e.medium for e in out] == ["DISK", "REDIS", "CPU"]  # the default media (EventMedia)
+
+
+def test_media_are_configurable_per_tier_and_never_shared_between_tiers():
+    from kvtier.base.errors import ConfigError
+    from kvtier.core.events import ChunkEvent, ChunkEventKind
+    from kvtier.integrations.vllm.events import EventMedia, to_vllm
+
+    key = bytes(range(32))
+    media = EventMedia({"disk": "NVME"}, frozenset({"redis"}))
+    out = to_vllm([ChunkEvent(ChunkEventKind.REMOVED, tier, key) for tier in ("memory", "disk", "redis")], CHUNK,
+                  media)
+    assert [(e.medium, e.locality) for e in out] == [("CPU", "LOCAL"), ("NVME", "LOCAL"), ("SHARED", "REMOTE")]
+    with pytest.raises(ConfigError):
+        EventMedia({"disk": "CPU"}).check(["memory", "disk"])  # a removal from one would remove from both
+    with pytest.raises(ConfigError):
+        EventMedia({"memory": "GPU"}).check(["memory"])  # vLLM's own device cache

@@ -3,9 +3,11 @@
     kvtier route --replica http://10.0.0.1:8000 --replica http://10.0.0.2:8000 --port 8000
     kvtier route --replica URL ... --policy round-robin --no-sticky        # the baseline
     kvtier route --replica URL ... --model ./my-llama --tier-weight disk=0.7
+    kvtier route --replica http://h1:8000,events=tcp://h1:5557,replay=tcp://h1:5558,block-size=32 ...
 
 Replicas are kvtier serve (whose /kvtier/info and event stream tell the router precisely where prefixes
-are), vLLM with the kvtier connector, or any OpenAI-compatible server (the router then relies on its own
+are), vLLM (whose KV events, with ``events=``, tell it what sits in vLLM's cache and in the kvtier tiers behind
+it: docs/integrations/vllm-fleet.md), or any OpenAI-compatible server (the router then relies on its own
 record of what it sent where). ``--model`` is the folder whose tokenizer and chat template the replicas use
 (default: the packaged SmolLM2-135M-Instruct): the router hashes prompts exactly as they do.
 """
@@ -26,7 +28,9 @@ from kvtier.web.startup import freeze_startup_objects
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("route", help="cache-aware router in front of several replicas",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replica", action="append", default=[], required=True, help="base URL of a replica (repeat)")
+    p.add_argument("--replica", action="append", default=[], required=True, metavar="URL[,OPTIONS]",
+                   help="base URL of a replica (repeat); a vLLM replica adds its KV events: "
+                        "URL,events=tcp://H:P,replay=tcp://H:P,block-size=N[,topic=T][,media=GPU:CPU:...]")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", help="folder of the replicas' tokenizer and chat template (default: SmolLM2)")
@@ -36,7 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="send a session (X-Session-ID or the user field) back to its replica (default on)")
     r.add_argument("--epsilon", type=float, default=0.25, help="load bound: no replica above (1+eps) x mean")
     r.add_argument("--tier-weight", action="append", default=[], metavar="TIER=W",
-                   help="worth of a cached token in TIER (memory 1.0, disk 0.9, redis 0.8 by default)")
+                   help="worth of a cached token in TIER (memory 1.0, disk 0.9, redis 0.8 by default; vLLM media: "
+                        "GPU 1.0, CPU 0.8, DISK and STORAGE 0.7, SHARED 0.6)")
     r.add_argument("--decode-stream-tokens", type=float, help="cost of one decoding request, in prefill tokens")
     r.add_argument("--record-ttl", type=float, default=600.0,
                    help="seconds the router trusts its own record of replicas that publish no events")
@@ -65,6 +70,7 @@ def router_config(args: argparse.Namespace):
         ProxyConfig,
         RouterConfig,
         default_routing,
+        parse_replica,
     )
     from kvtier.fleet.scoring import Routing
 
@@ -84,7 +90,7 @@ def router_config(args: argparse.Namespace):
     if routing.epsilon < 0:
         raise ConfigError("--epsilon must not be negative")
     return RouterConfig(
-        replicas=tuple(url.rstrip("/") for url in args.replica), routing=routing,
+        replicas=tuple(parse_replica(item) for item in args.replica), routing=routing,
         proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue),
         health=HealthConfig(interval_s=args.health_interval), index=IndexConfig(recent_ttl_s=args.record_ttl),

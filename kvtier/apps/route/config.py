@@ -12,7 +12,12 @@ from kvtier.web.http_limits import HttpLimits
 
 #: What a cached token of each tier is worth against recomputing it (the fastest tier's 1.0): a load from
 #: disk or a shared store is cheap next to prefill, but not free, so RAM wins a tie with disk.
-DEFAULT_TIER_WEIGHTS = (("memory", 1.0), ("disk", 0.9), ("redis", 0.8), ("recent", 1.0))
+DEFAULT_TIER_WEIGHTS = (("memory", 1.0), ("disk", 0.9), ("redis", 0.8), ("recent", 1.0),
+                        # vLLM replicas' media (VllmEvents): GPU and CPU as llm-d weights them by default
+                        ("GPU", 1.0), ("CPU", 0.8), ("DISK", 0.7), ("STORAGE", 0.7), ("SHARED", 0.6))
+#: A vLLM replica's media, fastest first: vLLM's device cache, kvtier's tiers under the connector's default
+#: media (memory CPU, disk DISK, shared stores SHARED) and vLLM's own offloading's (CPU, STORAGE).
+DEFAULT_VLLM_MEDIA = ("GPU", "CPU", "DISK", "STORAGE", "SHARED")
 #: One decoding request costs its replica about this many prefill tokens (kvtier serve decodes one request at
 #: a time, so a stream ahead of a request delays it by its whole decode).
 DEFAULT_DECODE_STREAM_TOKENS = 128.0
@@ -96,13 +101,76 @@ class IndexConfig:
 
 
 @dataclass(frozen=True)
+class VllmEvents:
+    """Where a vLLM replica publishes its KV events (``vllm serve --kv-events-config``): ``endpoint`` its PUB
+    socket, ``replay`` its replay socket (None: gaps and restarts are not replayed, the replica's index is
+    reset instead), ``topic`` its topic (a prefix filter, as ZMQ subscribes), ``block_size`` its ``--block-size``
+    (the router's keys for it are blocks of that size: kvtier.fleet.vllm_index), ``media`` the media it reports,
+    fastest first (events naming others are dropped and counted), ``shared`` the id of the store behind its
+    ``SHARED`` medium (replicas naming the same id share what any of them stored there; None: the medium is the
+    replica's own). vLLM's sockets have no authentication: keep them on loopback or a firewalled network."""
+
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+    block_size: int = 16
+    media: tuple[str, ...] = DEFAULT_VLLM_MEDIA
+    shared: str | None = None
+
+    def __post_init__(self) -> None:
+        for where in (self.endpoint, self.replay):
+            if where is not None and not where.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"a vLLM events endpoint is tcp://HOST:PORT or ipc://PATH, got {where!r}")
+        if "*" in self.endpoint or (self.replay is not None and "*" in self.replay):
+            raise ConfigError("a vLLM events endpoint to connect to names a host, not *")
+        if not 1 <= self.block_size <= 1 << 16 or not self.media:
+            raise ConfigError("a vLLM replica's block_size must be in [1, 65536] and it must name a medium")
+
+
+@dataclass(frozen=True)
+class ReplicaEntry:
+    """One replica: its base URL and, for vLLM, its KV events (None: kvtier serve, which says itself at
+    ``/kvtier/info`` where it publishes, or any server the router keeps its own record for)."""
+
+    url: str
+    vllm_events: VllmEvents | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"replica {self.url!r} is not an http(s) URL")
+
+
+def parse_replica(text: str) -> ReplicaEntry:
+    """``URL`` or ``URL,events=tcp://H:P[,replay=tcp://H:P][,topic=T][,block-size=N][,media=GPU:CPU][,shared=ID]``."""
+    url, *options = text.split(",")
+    values: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key.strip() not in ("events", "replay", "topic", "block-size", "media", "shared"):
+            raise ConfigError(f"replica option {option!r}: expected events=, replay=, topic=, block-size=, media=, "
+                              "shared=")
+        values[key.strip()] = value.strip()
+    if not values:
+        return ReplicaEntry(url.rstrip("/"))
+    if "events" not in values:
+        raise ConfigError(f"replica {url!r}: its options need events=tcp://HOST:PORT")
+    try:
+        block_size = int(values.get("block-size", "16"))
+    except ValueError:
+        raise ConfigError(f"replica {url!r}: block-size must be an integer") from None
+    media = tuple(m for m in values.get("media", ":".join(DEFAULT_VLLM_MEDIA)).split(":") if m)
+    return ReplicaEntry(url.rstrip("/"), VllmEvents(values["events"], values.get("replay"), values.get("topic", ""),
+                                               block_size, media, values.get("shared") or None))
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """The replicas (base URLs), how to choose among them, the tokenizer's model folder (None: SmolLM2), and
     the limits of the router's own HTTP server, and the file of the router's events key pair (None: this
     user's default, kvtier.events.keys.default_key_file(), which replicas of the same user on this host allow
     without configuration; replicas elsewhere need its public key in ``kvtier serve --events-allow``)."""
 
-    replicas: tuple[str, ...]
+    replicas: tuple[str | ReplicaEntry, ...]  #: URLs are taken as ``ReplicaEntry(url)``
     routing: RoutingConfig = field(default_factory=default_routing)
     proxy: ProxyConfig = ProxyConfig()
     admission: AdmissionConfig = AdmissionConfig()
@@ -116,8 +184,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.replicas:
             raise ConfigError("kvtier route needs at least one replica URL")
-        for url in self.replicas:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"replica {url!r} is not an http(s) URL")
-        if len(set(self.replicas)) != len(self.replicas):
+        object.__setattr__(self, "replicas", tuple(r if isinstance(r, ReplicaEntry) else ReplicaEntry(r)
+                                                   for r in self.replicas))
+        if len({r.url for r in self.replicas}) != len(self.replicas):
             raise ConfigError("a replica URL is given twice")

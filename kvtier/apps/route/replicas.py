@@ -9,6 +9,10 @@ it is started when the replica is admitted, restarted when its ``/kvtier/info`` 
 key (it restarted), and stopped when the replica is ejected, which also frees what the index knew of it. The
 subscription expects the CURVE public key the replica's ``/kvtier/info`` names: a replica that names none
 (an older kvtier) is not followed, and the router's own record stands in for its events.
+
+A vLLM replica whose entry names its KV events (``ReplicaEntry.vllm_events``) gets a ``VllmEventSubscriber``
+instead (kvtier.apps.route.vllm_events), feeding a ``VllmReplicaIndex`` (kvtier.fleet.vllm_index); its keys are
+the router's keys of its blocks, never salted (vLLM's events carry no tenant the router could hash).
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import msgspec
 import torch
 import zmq.asyncio
 
-from kvtier.apps.route.config import ProxyConfig
+from kvtier.apps.route.config import ProxyConfig, ReplicaEntry
+from kvtier.apps.route.vllm_events import VllmEventSubscriber
 from kvtier.base.keys import Namespace
 from kvtier.base.layout import KVSpec
 from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
 from kvtier.events.wire import Batch, Snapshot, WireError, namespace_from_json
 from kvtier.fleet.index import FleetIndex, PreparedSnapshot
 from kvtier.fleet.scoring import ReplicaView
+from kvtier.fleet.vllm_index import SHARED_MEDIUM, VllmReplicaIndex, vllm_namespace
 
 if TYPE_CHECKING:
     from starlette.responses import Response
@@ -125,8 +131,9 @@ class Ticket:
 class Replica:
     """One replica: its HTTP client (a bounded pool), state, load, info and event subscription."""
 
-    def __init__(self, url: str, proxy: ProxyConfig) -> None:
-        self.url = url.rstrip("/")
+    def __init__(self, entry: ReplicaEntry | str, proxy: ProxyConfig) -> None:
+        self.entry = entry if isinstance(entry, ReplicaEntry) else ReplicaEntry(entry)
+        self.url = self.entry.url.rstrip("/")
         where = urlsplit(self.url)
         self.name = f"{where.hostname}:{where.port or (443 if where.scheme == 'https' else 80)}"
         timeout = httpx.Timeout(proxy.read_timeout_s, connect=proxy.connect_timeout_s, pool=proxy.read_timeout_s)
@@ -140,6 +147,7 @@ class Replica:
         self._events: asyncio.Task | None = None
         self._events_from: _InfoEvents | None = None
         self._sink: _ReplicaSink | None = None
+        self.vllm_index: VllmReplicaIndex | None = None
 
     @property
     def up(self) -> bool:
@@ -170,8 +178,16 @@ class Replica:
             raise Retryable("the replica was ejected while the request waited on it")
         return task.result()
 
+    @property
+    def salted(self) -> bool:
+        """Whether its keys take the caller's tenant salt (a vLLM replica's events carry none the router knows)."""
+        return self.entry.vllm_events is None
+
     def namespace(self, record: Namespace) -> Namespace | None:
-        """The namespace its chunk keys are in: its own, the router's record's (no info), None (no cache)."""
+        """The namespace its chunk keys are in: its own, the router's record's (no info), None (no cache); for a
+        vLLM replica with events, the router's keys of its blocks (kvtier.fleet.vllm_index)."""
+        if self.entry.vllm_events is not None:
+            return vllm_namespace(self.entry.vllm_events.block_size)
         if self.info is None:
             return record
         return self.info.namespace
@@ -184,7 +200,11 @@ class Replica:
     def follow_events(self, ctx: zmq.asyncio.Context, index: FleetIndex, config: SubscriberConfig,
                       count: Callable[[str], None], client_key: tuple[bytes, bytes] | None = None) -> None:
         """Subscribe to the events ``info`` names (again, if they changed since the last call), as the CURVE
-        client ``client_key`` (the router's pair; None: the default one)."""
+        client ``client_key`` (the router's pair; None: the default one). A vLLM replica's events (its entry's
+        ``vllm_events``) are followed from the first call until ``stop_events``."""
+        if self.entry.vllm_events is not None:
+            self._follow_vllm(ctx, index, count)
+            return
         events = self.info.events if self.info is not None else None
         if self._events is not None and self._events.done() and not self._events.cancelled():
             log.error("replica %s: event subscription stopped: %r", self.name, self._events.exception())
@@ -201,6 +221,27 @@ class Replica:
         subscriber = EventSubscriber(ctx, events.endpoint, events.control, events.key.encode(), self._sink, config,
                                      count, client_key)
         self._events = asyncio.ensure_future(subscriber.run())
+
+    def _follow_vllm(self, ctx: zmq.asyncio.Context, index: FleetIndex, count: Callable[[str], None]) -> None:
+        if self._events is not None and not self._events.done():
+            return
+        if self._events is not None and not self._events.cancelled() and self._events.exception() is not None:
+            log.error("replica %s: vLLM event subscription stopped: %r", self.name, self._events.exception())
+        events = self.entry.vllm_events
+        assert events is not None
+
+        def counted(what: str) -> None:
+            count(what)
+            if what == "restart":  # what the router sent the old process says nothing of the new one
+                index.restarted(self.name)
+
+        shared = {SHARED_MEDIUM: events.shared} if events.shared is not None else None
+        self.vllm_index = VllmReplicaIndex(index.holdings(self.name), events.block_size, events.media,
+                                           shared=shared, count=count)
+        subscriber = VllmEventSubscriber(ctx, events.endpoint, events.replay, events.topic, self.vllm_index,
+                                         count=counted)
+        self._events = asyncio.ensure_future(subscriber.run())
+        self._sink = _ReplicaSink(index, self.name)  # frees the index when the replica is ejected
 
     def stop_events(self) -> None:
         """Stop following the replica's events and free what the index knew of it."""

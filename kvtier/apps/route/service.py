@@ -82,7 +82,7 @@ class Router:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, metrics: Metrics | None = None) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.metrics = metrics if metrics is not None else Metrics()
-        self.replicas = [Replica(url, config.proxy) for url in config.replicas]
+        self.replicas = [Replica(entry, config.proxy) for entry in config.replicas]
         idx = config.index
         self.index = FleetIndex(recent_ttl_s=idx.recent_ttl_s, in_flight_ttl_s=idx.in_flight_ttl_s,
                                 shared_ttl_s=idx.shared_ttl_s, replicas=len(self.replicas))
@@ -203,7 +203,8 @@ class Router:
         keys, cached = [], []
         for replica in candidates:
             namespace = replica.namespace(self.record)
-            replica_keys = self._keys(namespace, ids, parsed.salt, keys_of) if namespace is not None else []
+            salt = parsed.salt if replica.salted else b""
+            replica_keys = self._keys(namespace, ids, salt, keys_of) if namespace is not None else []
             chunks = self.index.cached(replica.name, replica_keys)
             keys.append(replica_keys)
             cached.append({tier: n * namespace.chunk_size for tier, n in chunks.items()} if namespace else {})

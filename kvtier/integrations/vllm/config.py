@@ -16,6 +16,9 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
 * ``load_timeout_s``: an asynchronous load not done this long after the worker received it is cut short:
   whatever had not arrived verified is reported as load errors and recomputed by vLLM.
 * ``lookup_timeout_s``: a request's first lookup not answered this long after the request arrived is a miss.
+* ``event_media``: ``{tier name: medium}``, the medium each tier's events carry in vLLM's KV events (when
+  ``--kv-events-config`` enables them) over the defaults (``memory`` -> ``CPU``, ``disk`` -> ``DISK``, a shared
+  store -> ``SHARED``, any other tier its name in capitals: kvtier.integrations.vllm.events).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class ConnectorConfig:
     load_mode: str = "async"
     load_timeout_s: float = 30.0
     lookup_timeout_s: float = 1.0
+    event_media: dict[str, str] | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -56,9 +60,15 @@ class ConnectorConfig:
         mode = values.pop("load_mode", "async")
         if mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config.load_mode must be one of {LOAD_MODES}, got {mode!r}")
+        media = values.pop("event_media", None)
+        if media is not None and (not isinstance(media, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and 0 < len(v) <= 64 for k, v in media.items())):
+            raise ConfigError("kv_connector_extra_config.event_media maps tier names to media names (strings of at "
+                              f"most 64 characters), got {media!r}")
         timeouts = {key: _seconds(key, values.pop(key)) for key in ("load_timeout_s", "lookup_timeout_s")
                     if key in values}
-        return cls(cache=CacheConfig.from_dict(values), metrics_port=port, load_mode=mode, **timeouts, **own)
+        return cls(cache=CacheConfig.from_dict(values), metrics_port=port, load_mode=mode, event_media=media,
+                   **timeouts, **own)
 
     @staticmethod
     def check_model(model_config: Any) -> None:

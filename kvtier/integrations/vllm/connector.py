@@ -109,7 +109,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._feed = MetricsFeed(cache.metrics)
         events = self._vllm_config.kv_events_config
         if rank == 0 and events is not None and events.enable_kv_cache_events:
-            self._tier_events = TierEvents(cache)
+            self._tier_events = TierEvents(cache, self.config.event_media)
         if self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(cache.metrics, self.config.metrics_port + rank,
                                                  self.config.metrics_host)

@@ -2,13 +2,25 @@
 Dynamo, ``vllm serve --kv-events-config``) see what kvtier's tiers hold.
 
 * Worker side: ``TierEvents`` subscribes to the worker's ``KVCache.events`` and turns them into vLLM's
-  ``BlockStored`` / ``BlockRemoved`` with the tier as the ``medium`` (``memory``, ``disk``, ``redis`` ...),
-  ``ownership="kvtier"``, one block per kvtier chunk (``block_size`` is the chunk size, ``block_hashes`` the
-  32-byte chunk keys, ``parent_block_hash`` the previous chunk's key, ``token_ids`` the chunk's tokens). A run
-  of chunks stored together in one chain becomes one ``BlockStored``. vLLM collects them after each step
+  ``BlockStored`` / ``BlockRemoved`` with the tier's medium (``EventMedia``), ``ownership="kvtier"``,
+  ``locality`` ``REMOTE`` for a shared store (Redis, Mooncake) and ``LOCAL`` otherwise, one block per kvtier
+  chunk (``block_size`` is the chunk size, ``block_hashes`` the 32-byte chunk keys, ``parent_block_hash`` the
+  previous chunk's key, ``token_ids`` the chunk's tokens; none for a chunk moved between tiers). A run of chunks
+  stored together in one chain becomes one ``BlockStored``. vLLM collects them after each step
   (``get_kv_connector_kv_cache_events``) and ships them to the scheduler with the step's output.
 * Scheduler side: ``update_connector_output`` hands them to ``SchedulerEvents``; vLLM's scheduler takes them
   (``take_events``) and publishes them with its own KV events (ZMQ, when ``--kv-events-config`` enables it).
+
+Media. Routers weight what they index by medium, and know only some names. llm-d's precise prefix scorer
+lower-cases the medium and looks it up in ``kvCacheBackendConfigs`` (``gpu`` 1.0, ``cpu`` 0.8 by default; any
+other name once configured). Dynamo's KV router maps ``GPU`` to the device tier, ``CPU`` (and ``CPU_PINNED``) to
+host memory, ``DISK`` (and ``NVME``, and ``STORAGE`` in recent versions) to disk, ``SHARED`` (and ``REMOTE``,
+``EXTERNAL``) to external storage, and takes a name it does not know for the device tier. So by default the
+memory tier is ``CPU`` (vLLM's own ``MEDIUM_CPU``: what both weight as host memory), the disk tier ``DISK`` (what
+every Dynamo version maps to disk), a shared store (Redis, Mooncake) ``SHARED``, and any other tier its name in
+capitals; ``event_media`` in ``kv_connector_extra_config`` renames them. Two tiers never share a medium, so a
+consumer's removal of a chunk from one tier never removes it from another (docs/integrations/vllm-fleet.md gives
+the consumers' configuration).
 
 Only tensor-parallel rank 0 reports: every rank's chunks carry its rank in their keys, so ranks never hold
 the same keys, and the ranks' caches change together.
@@ -17,16 +29,55 @@ the same keys, and the ranks' caches change together.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
+from kvtier.base.errors import ConfigError
 from kvtier.core.cache import KVCache
 from kvtier.core.events import ChunkEvent, ChunkEventKind, EntryKind
+from kvtier.tiers import SharedStore
 
 OWNERSHIP = "kvtier"
 MAX_PENDING = 100_000  # events kept between two steps; beyond, the oldest are dropped
+#: The media of kvtier's tiers by default (see the module docstring); shared stores are SHARED, other tiers
+#: their names in capitals.
+DEFAULT_MEDIA = {"memory": "CPU", "disk": "DISK"}
+SHARED_MEDIUM = "SHARED"
+#: vLLM's own medium for its device cache: no kvtier tier may take it.
+DEVICE_MEDIUM = "GPU"
+
+
+@dataclass(frozen=True)
+class EventMedia:
+    """The medium of each of a cache's tiers in the events (``names`` overrides the defaults), and which tiers
+    are shared stores (``locality="REMOTE"``). Two tiers of one cache never share a medium."""
+
+    names: Mapping[str, str] = field(default_factory=dict)
+    shared: frozenset[str] = frozenset()
+
+    def medium(self, tier: str) -> str:
+        if tier in self.names:
+            return self.names[tier]
+        return SHARED_MEDIUM if tier in self.shared else DEFAULT_MEDIA.get(tier) or tier.upper()
+
+    def locality(self, tier: str) -> str:
+        return "REMOTE" if tier in self.shared else "LOCAL"
+
+    def check(self, tiers: Sequence[str]) -> None:
+        """ConfigError unless ``tiers`` get distinct media, none of them vLLM's device medium."""
+        media = [self.medium(t) for t in tiers]
+        if len(set(media)) != len(media) or DEVICE_MEDIUM in media:
+            raise ConfigError(f"kvtier's tiers {list(tiers)} would be published as media {media}: each tier needs "
+                              f"its own medium, and {DEVICE_MEDIUM} is vLLM's device cache (event_media)")
+
+    @classmethod
+    def of(cls, cache: KVCache, names: Mapping[str, str] | None = None) -> EventMedia:
+        media = cls(dict(names or {}), frozenset(t.name for t in cache.tiers if isinstance(t, SharedStore)))
+        media.check([t.name for t in cache.tiers])
+        return media
 
 
 class KVTierKVEvents(KVConnectorKVEvents):
@@ -59,8 +110,9 @@ class KVTierKVEvents(KVConnectorKVEvents):
 _NOT_BLOCKS = (EntryKind.SEGMENT, EntryKind.SNAPSHOT)
 
 
-def to_vllm(events: Sequence[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]:
-    """vLLM events for a batch of kvtier events, consecutive stores of one chain joined into one.
+def to_vllm(events: Sequence[ChunkEvent], chunk_size: int, media: EventMedia = EventMedia()) -> list[KVCacheEvent]:
+    """vLLM events for a batch of kvtier events, consecutive stores of one chain joined into one, each tier
+    under its medium in ``media``.
 
     Segments (blending) and state snapshots are not prefix blocks a router can match a prompt against: their
     stores are left out. Removals and demotions carry no entry kind (a blob does not record it) and pass.
@@ -69,12 +121,14 @@ def to_vllm(events: Sequence[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]
     for event in events:
         if event.entry in _NOT_BLOCKS:
             continue
+        medium, locality = media.medium(event.tier), media.locality(event.tier)
         if event.kind is ChunkEventKind.REMOVED:
-            out.append(BlockRemoved(block_hashes=[bytes(event.key)], medium=event.tier, ownership=OWNERSHIP))
+            out.append(BlockRemoved(block_hashes=[bytes(event.key)], medium=medium, locality=locality,
+                                    ownership=OWNERSHIP))
             continue
         tokens = np.frombuffer(event.tokens, "<u4").tolist() if event.tokens is not None else []
         last = out[-1] if out else None
-        if (isinstance(last, BlockStored) and last.medium == event.tier and event.parent is not None
+        if (isinstance(last, BlockStored) and last.medium == medium and event.parent is not None
                 and last.block_hashes[-1] == event.parent and len(last.token_ids) == chunk_size * len(last.block_hashes)
                 and len(tokens) == chunk_size):
             last.block_hashes.append(bytes(event.key))
@@ -82,8 +136,8 @@ def to_vllm(events: Sequence[ChunkEvent], chunk_size: int) -> list[KVCacheEvent]
             continue
         out.append(BlockStored(block_hashes=[bytes(event.key)],
                                parent_block_hash=bytes(event.parent) if event.parent is not None else None,
-                               token_ids=tokens, block_size=chunk_size, lora_id=None, medium=event.tier,
-                               lora_name=None, ownership=OWNERSHIP))
+                               token_ids=tokens, block_size=chunk_size, lora_id=None, medium=medium,
+                               lora_name=None, locality=locality, ownership=OWNERSHIP))
     return out
 
 
@@ -91,8 +145,10 @@ class TierEvents:
     """Worker side: collects a cache's events between steps (they come from the save thread, the disk tier's
     threads and the forward path alike)."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, media: Mapping[str, str] | None = None) -> None:
+        """``media``: tier name -> medium, over the defaults (ConfigError if two tiers would share one)."""
         self._chunk_size = cache.chunk_size
+        self._media = EventMedia.of(cache, media)
         self._pending: list[ChunkEvent] = []
         self._lock = threading.Lock()
         self._unsubscribe = cache.events.subscribe(self._collect)
@@ -107,7 +163,7 @@ class TierEvents:
         """The events since the last call, as vLLM events, or None."""
         with self._lock:
             pending, self._pending = self._pending, []
-        return KVTierKVEvents(to_vllm(pending, self._chunk_size)) if pending else None
+        return KVTierKVEvents(to_vllm(pending, self._chunk_size, self._media)) if pending else None
 
     def close(self) -> None:
         self._unsubscribe()

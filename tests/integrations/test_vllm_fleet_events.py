@@ -1,0 +1,68 @@
+"""The router's own definitions of vLLM's KV-event wire format (kvtier.fleet.vllm_wire) against vLLM's classes:
+what vLLM's encoder writes decodes to the same fields, the tags are vLLM's class names, and the router's
+index of the connector's forwarded events equals what it computes from the prompt."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed import kv_events as vllm  # noqa: E402
+
+from kvtier.fleet import vllm_wire  # noqa: E402
+from kvtier.fleet.index import FleetIndex  # noqa: E402
+from kvtier.fleet.vllm_index import VllmReplicaIndex, vllm_namespace  # noqa: E402
+
+
+def test_what_vllm_encodes_decodes_field_for_field():
+    events = [
+        vllm.BlockStored(block_hashes=[b"h" * 32, 7], parent_block_hash=b"p" * 32, token_ids=[1, 2, 3, 4],
+                         block_size=2, lora_id=None, medium=vllm.MEDIUM_GPU, lora_name=None,
+                         extra_keys=[None, ("salt",)], group_idx=0, locality="LOCAL", ownership="kvtier"),
+        vllm.BlockRemoved(block_hashes=[b"h" * 32], medium=vllm.MEDIUM_CPU, locality="REMOTE"),
+        vllm.AllBlocksCleared(),
+    ]
+    payload = msgspec.msgpack.encode(vllm.KVEventBatch(ts=12.5, events=events, data_parallel_rank=1))
+    batch = vllm_wire.decode_batch(payload)
+    assert batch.ts == 12.5 and batch.dropped == 0
+    stored, removed, cleared = batch.events
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size, stored.medium) == (
+        [b"h" * 32, 7], b"p" * 32, [1, 2, 3, 4], 2, "GPU")
+    assert stored.extra_keys == [None, ["salt"]]
+    assert (removed.block_hashes, removed.medium) == ([b"h" * 32], "CPU")
+    assert isinstance(cleared, vllm_wire.AllBlocksCleared)
+
+
+def test_the_definitions_use_vllms_tags_and_field_names():
+    for ours in (vllm_wire.BlockStored, vllm_wire.BlockRemoved, vllm_wire.AllBlocksCleared):
+        theirs = getattr(vllm, ours.__name__)
+        assert ours.__struct_config__.tag == theirs.__struct_config__.tag == ours.__name__
+        assert set(ours.__struct_fields__) <= set(theirs.__struct_fields__)
+    assert vllm_wire.END_SEQ.to_bytes(8, "big", signed=True) == vllm.ZmqEventPublisher.END_SEQ
+
+
+def test_the_connectors_forwarded_chunks_index_as_the_prompts_blocks():
+    """A chain of kvtier chunks (4 blocks each) as the connector publishes it, through vLLM's encoder: the router
+    finds the prompt's blocks in the CPU medium, and a move to DISK without tokens by the chunks' hashes."""
+    from kvtier.core.events import ChunkEvent, ChunkEventKind, EntryKind
+    from kvtier.integrations.vllm.events import to_vllm
+
+    block, chunk = 8, 32
+    prompt = list(range(500, 500 + 3 * chunk + 5))
+    keys = [bytes([i]) * 32 for i in range(3)]
+    stores = [ChunkEvent(ChunkEventKind.STORED, "memory", keys[i], i, keys[i - 1] if i else None,
+                         np.asarray(prompt[i * chunk:(i + 1) * chunk], "<u4").tobytes(), EntryKind.CHUNK)
+              for i in range(3)]
+    moved = ChunkEvent(ChunkEventKind.STORED, "disk", keys[0])
+    out = to_vllm([*stores, moved], chunk)
+    payload = msgspec.msgpack.encode(vllm.KVEventBatch(ts=0.0, events=out))
+    index = FleetIndex(replicas=1)
+    sink = VllmReplicaIndex(index.holdings("r"), block, ("GPU", "CPU", "DISK"))
+    sink.reset()
+    sink.apply(vllm_wire.decode_batch(payload))
+    assert index.cached("r", vllm_namespace(block).chunk_hashes(prompt)) == {"CPU": 3 * chunk // block}
+    assert index.chunks("r") == {"GPU": 0, "CPU": 12, "DISK": 4}
+    assert sink.counts == {"stored": 3}
