@@ -16,7 +16,8 @@ event ports after it died fails the handshake and is never heard. The client key
 subscriber goes on asking for a snapshot every ``retry_s`` (the replica logs the key it refused). What one
 message can cost is bounded: a batch at most ``MAX_BATCH_BYTES``, a snapshot at most ``MAX_SNAPSHOT_BYTES``
 (ZMQ refuses longer ones), and a snapshot is decoded and prepared (``HoldingsSink.prepare``) in a worker
-thread, off the event loop.
+thread, off the event loop: its structure in one call, its keys in pieces of ``wire.KEYS_PIECE`` (one call each,
+so the loop gets the GIL between them).
 
 The replica's silence is not this module's business: the router's health checks eject a dead replica and
 restart its subscriber when it comes back (its endpoints may have changed).
@@ -35,7 +36,15 @@ import zmq
 import zmq.asyncio
 
 from kvtier.events.keys import default_key_file, load_or_create
-from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, Snapshot, WireError, decode_batch, decode_snapshot
+from kvtier.events.wire import (
+    SNAPSHOT_REQUEST,
+    TOPIC,
+    Batch,
+    SnapshotHead,
+    WireError,
+    decode_batch,
+    decode_snapshot_head,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +55,9 @@ MAX_SNAPSHOT_BYTES = 96 << 20  #: ~2.8M keys; a publisher sends at most its max_
 class HoldingsSink(Protocol):
     """What a subscriber keeps up to date (the router's index of one replica)."""
 
-    def prepare(self, snapshot: Snapshot) -> object:
-        """The work of adopting ``snapshot`` that touches nothing shared (runs in a worker thread)."""
+    def prepare(self, snapshot: SnapshotHead) -> object:
+        """The work of adopting ``snapshot`` that touches nothing shared (runs in a worker thread); its keys are
+        raw, for ``wire.snapshot_keys`` to decode in pieces (which raises WireError if they are malformed)."""
 
     def reset(self, prepared: object) -> None:
         """Adopt what ``prepare`` returned (on the event loop)."""
@@ -147,6 +157,6 @@ class EventSubscriber:
         self._count("snapshot")
         return True
 
-    def _prepare(self, payload: bytes) -> tuple[Snapshot, object]:
-        snapshot = decode_snapshot(payload)
+    def _prepare(self, payload: bytes) -> tuple[SnapshotHead, object]:
+        snapshot = decode_snapshot_head(payload)
         return snapshot, self._sink.prepare(snapshot)

@@ -13,15 +13,14 @@ never from the body. The session comes from ``X-Session-ID`` or ``user``; one lo
 ``MAX_SESSION_ID_BYTES`` is a 400, and what the router keeps is a digest of the tenant's salt and the id, so a
 session is remembered per tenant, in the same few bytes however long its id.
 
-Decoding costs the GIL in one call, in proportion to the objects a body holds (8 MiB of tiny chat messages
-took ~100 ms), so a body over ``WHOLE_BODY_BYTES`` is not decoded whole: its top level is split into fields
-without building their values (msgspec's raw values: the JSON syntax is checked, nothing is allocated), every
-field but ``messages`` and ``prompt`` is decoded strictly as above, and of those two (when they are arrays and
-longer than ``PREFIX_BYTES``) only the elements that end within their first ``PREFIX_BYTES`` bytes are decoded
-and checked (``Prompt.cut`` says so). Those hold more tokens than the router hashes
-(``ProxyConfig.max_prompt_tokens``); the rest is the replica's to check, and a replica answers a bad message
-anywhere in the body with its own 400, which the router passes on. An array whose first element alone is longer
-than ``PREFIX_BYTES`` (one long text) is decoded whole: a few large values cost little.
+Decoding costs the GIL in one call, in proportion to the objects a body holds, so a body over ``WHOLE_BODY_BYTES``
+is not decoded whole: its top level is split into fields without building their values (msgspec's raw values: the
+JSON structure is checked, nothing is allocated), every field but ``messages`` and ``prompt`` is decoded strictly as
+above, and of those two (when they are arrays and longer than ``PREFIX_BYTES``) only the elements that end within
+their first ``PREFIX_BYTES`` bytes are decoded and checked (``Prompt.cut`` says so). Those hold more tokens than
+the router hashes (``ProxyConfig.max_prompt_tokens``); the rest is the replica's to check, and a replica answers a
+bad message anywhere in the body with its own 400, which the router passes on. An array whose first element alone
+is longer than ``PREFIX_BYTES`` (one long text) is decoded whole: a few large values cost little.
 """
 
 from __future__ import annotations
