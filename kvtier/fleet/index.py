@@ -22,8 +22,8 @@ What a replica's stream can make the router hold is bounded (a replica may be co
 * an ejected replica's holdings and record are freed (``FleetIndex.forget``); its snapshot, when it is back,
   says again what it holds;
 * a snapshot is turned into key sets by ``ReplicaHoldings.prepare`` in a worker thread (see the subscriber),
-  its keys decoded in pieces (``wire.snapshot_keys``); only the swap and the shared stores' keys are done on
-  the event loop.
+  its keys decoded in pieces (``wire.snapshot_keys``); only the swap is done on the event loop, and the
+  shared stores' keys are added there ``wire.KEYS_PIECE`` per turn.
 
 What the router does with a replica's keys costs its event loop a bounded amount per turn, however many keys:
 a tier's keys are a ``ShardedKeys``, sets of at most about ``SHARD_KEYS`` keys each (by Python's per-process
@@ -40,32 +40,41 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvtier.base.keys import ChunkHash
-from kvtier.events.wire import Batch, Snapshot, SnapshotHead, listed_keys, snapshot_keys
+from kvtier.events.wire import KEYS_PIECE, Batch, Snapshot, SnapshotHead, listed_keys, snapshot_keys
 
 RECENT = "recent"  #: the tier name of the router's own record in views and metrics
 SHARD_KEYS = 16_384  #: about the most keys one shard of a ``ShardedKeys`` holds at its cap
 
 
-def release(pieces: list) -> None:
-    """Drop the objects in ``pieces`` (emptying it), one per turn of the running event loop, so freeing many
-    keys never holds the loop longer than one piece takes; at once when no loop runs in this thread."""
+def in_turns(steps: list[Callable[[], object]]) -> None:
+    """Run ``steps`` in order, one per turn of the running event loop (each a bounded piece of work, so the loop
+    serves others between them); all of them at once when no loop runs in this thread."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        pieces.clear()
+        for step in steps:
+            step()
         return
+    queue = deque(steps)
 
-    def step() -> None:
-        if pieces:
-            pieces.pop()
-            loop.call_soon(step)
+    def turn() -> None:
+        queue.popleft()()
+        if queue:
+            loop.call_soon(turn)
 
-    loop.call_soon(step)
+    if queue:
+        loop.call_soon(turn)
+
+
+def release(pieces: list) -> None:
+    """Drop the objects in ``pieces`` (emptying it), one per event-loop turn (``in_turns``)."""
+    in_turns([pieces.pop] * len(pieces))
 
 
 class ShardedKeys:
@@ -221,7 +230,7 @@ class ReplicaHoldings:
                 self.dropped += len(keys)
                 continue
             self._stores[name] = store
-            store.add(keys)
+            in_turns([partial(store.add, keys[i: i + KEYS_PIECE]) for i in range(0, len(keys), KEYS_PIECE)])
         self.tiers = [name for name in prepared.tiers if name in self._local or name in self._stores]
         self.synced = True
 

@@ -113,3 +113,23 @@ def test_without_a_running_loop_keys_are_freed_at_once():
     shards = [weakref.ref(s) for s in held._local["memory"].shards]
     index.forget("r")
     assert all(s() is None for s in shards)
+
+
+def test_a_snapshots_shared_store_keys_are_added_a_piece_per_loop_turn():
+    shared = keys(3 * KEYS_PIECE + 5)
+
+    async def main() -> list[int]:
+        index = FleetIndex(max_keys=len(shared))
+        held = index.holdings("r")
+        held.reset(decode_snapshot_head(payload([TierHolding("redis", shared, "store-1")])))
+        store = index.shared.store("store-1")
+        sizes = [len(store)]
+        while sizes[-1] < len(shared):
+            await asyncio.sleep(0)
+            sizes.append(len(store))
+            assert len(sizes) < 20
+        assert index.cached("r", shared[:2]) == {"redis": 2}
+        return sizes
+
+    sizes = asyncio.run(main())
+    assert sizes[0] == 0 and len(sizes) == 5 and all(0 < b - a <= KEYS_PIECE for a, b in zip(sizes, sizes[1:]))
