@@ -67,9 +67,35 @@ class HoldingsSink(Protocol):
 
 @dataclass(frozen=True)
 class SubscriberConfig:
+    """``share``: the most of the event loop's time that applying batches may take while they are queued
+    (``Pacer``)."""
+
     snapshot_timeout_s: float = 5.0
     resync_s: float = 300.0
     retry_s: float = 1.0
+    share: float = 0.5
+
+
+class Pacer:
+    """Keeps work done in slices to at most ``share`` of the time: after each ``slice_s`` of CPU spent (told by
+    ``spent``), the caller sleeps long enough for that share, and otherwise yields one loop turn.
+
+    A flood of batches queued at a subscriber would otherwise keep the router's loop busy until it is drained:
+    every batch is a bounded piece, but a process that is always runnable is the one a busy machine's scheduler
+    leaves waiting, and ``/health`` waits with it. Paced, the process sleeps between slices. A replica's normal
+    stream is far below the share and is never slowed; a flood takes longer to apply."""
+
+    def __init__(self, share: float = 0.5, slice_s: float = 0.005, sleep=asyncio.sleep) -> None:
+        self.share, self.slice_s, self._sleep = min(max(share, 0.01), 1.0), slice_s, sleep
+        self._busy = 0.0
+
+    async def spent(self, seconds: float) -> None:
+        self._busy += max(seconds, 0.0)
+        if self._busy < self.slice_s or self.share >= 1.0:
+            await self._sleep(0)
+            return
+        pause, self._busy = self._busy * (1 - self.share) / self.share, 0.0
+        await self._sleep(pause)
 
 
 class EventSubscriber:
@@ -85,6 +111,7 @@ class EventSubscriber:
         self._server_key = server_key
         self._client_key = client_key if client_key is not None else load_or_create(default_key_file())
         self._sink, self._config, self._count = sink, config, count
+        self._pacer = Pacer(config.share)
         self.epoch: str | None = None
         self.seq = -1
         self._synced_at = 0.0
@@ -107,10 +134,11 @@ class EventSubscriber:
                     await asyncio.sleep(self._config.retry_s)
             while True:
                 frames = await sub.recv_multipart()
+                spent = time.thread_time()
                 self._receive(frames)
-                # pyzmq's recv returns a finished future while batches are queued, so without this a flood
-                # (E-3: 4 M stores) is applied without the loop ever running anything else: /health took 5 s
-                await asyncio.sleep(0)
+                # pyzmq's recv returns a finished future while batches are queued, so without a pause a flood
+                # (E-3: 4 M stores) is applied without the loop ever running anything else
+                await self._pacer.spent(time.thread_time() - spent)
                 if self.epoch is None or time.monotonic() - self._synced_at > self._config.resync_s:
                     await self._resync()
         finally:

@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.core.events import TierHolding
 from kvtier.events import wire
-from kvtier.events.subscriber import EventSubscriber
+from kvtier.events.subscriber import EventSubscriber, Pacer, SubscriberConfig
 from kvtier.events.wire import KEYS_PIECE, SnapshotHead, WireError, decode_snapshot_head, encode_snapshot
 from kvtier.fleet.index import SHARD_KEYS, FleetIndex
 
@@ -133,3 +133,26 @@ def test_a_snapshots_shared_store_keys_are_added_a_piece_per_loop_turn():
 
     sizes = asyncio.run(main())
     assert sizes[0] == 0 and len(sizes) == 5 and all(0 < b - a <= KEYS_PIECE for a, b in zip(sizes, sizes[1:]))
+
+
+def test_the_pacer_sleeps_for_its_share_after_each_slice_of_work_and_yields_otherwise():
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async def main() -> None:
+        pacer = Pacer(share=0.25, slice_s=0.005, sleep=sleep)
+        for _ in range(4):
+            await pacer.spent(0.002)  # a batch's CPU: 2 ms
+        await pacer.spent(0.0001)
+
+    asyncio.run(main())
+    # 2, 4 ms: a turn each; 6 ms: a slice, then 3x its length asleep (a quarter of the time working); 2 ms; 2.1 ms
+    assert slept == [0, 0, pytest.approx(0.018), 0, 0]
+
+
+def test_a_subscriber_paces_batches_with_its_configured_share():
+    subscriber = EventSubscriber(None, "tcp://x", "tcp://y", b"k" * 40, None, SubscriberConfig(share=0.3),
+                                 client_key=(b"p" * 40, b"s" * 40))
+    assert subscriber._pacer.share == 0.3
