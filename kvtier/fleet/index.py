@@ -78,7 +78,8 @@ def release(pieces: list) -> None:
 
 
 class ShardedKeys:
-    """A set of keys in shards (``shards(cap)`` of them), each shard a set freed on its own (``release``)."""
+    """A set of keys in shards (a power of two of them, so that ``cap`` keys make about ``SHARD_KEYS`` a shard),
+    each shard a set freed on its own (``release``)."""
 
     def __init__(self, cap: int) -> None:
         count = 1
