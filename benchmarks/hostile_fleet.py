@@ -17,6 +17,10 @@ Measured for each attack, against the issue's targets:
   opener, the event-channel peers) are processes apart, at ``nice`` +10 (``_hostile_attacks.ATTACKER_NICE``),
   and R-4 has a control row, the same attacker against a listener that does nothing (``(control)``: reported,
   not a target): the attacker's own CPU is not a server's doing;
+* for the worst probe of each process, what its main thread (the event loop) did meanwhile, from
+  ``/proc/PID/schedstat`` sampled every 0.1 s: the CPU it ran and the time it waited for a CPU, over the samples
+  around the probe. A probe that took 300 ms while the loop ran 20 ms and waited 250 ms for a CPU is the busy
+  machine's doing (other jobs on its 2 cores), not work the attack made the server do;
 * RSS (VmRSS) of the router and the replicas before, at peak and 2 s after the attack; the target is ending
   within 200 MB of the level before;
 * the attack's own target where it has one (R-4: no connection left unanswered; R-6: the whole answer passed
@@ -156,6 +160,16 @@ class Fleet:
             proc.wait(timeout=10)
 
 
+def schedstat_ms(pid: int) -> tuple[float, float]:
+    """Of ``pid``'s main thread: ms it has run on a CPU, ms it has waited on a run queue."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as fh:
+            ran, waited, _ = fh.read().split()
+        return int(ran) / 1e6, int(waited) / 1e6
+    except (OSError, ValueError):
+        return float("nan"), float("nan")
+
+
 def rss_mb(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/status") as fh:
@@ -171,6 +185,7 @@ class Monitor:
         self.fleet, self.stopped, self.t0 = fleet, threading.Event(), time.perf_counter()
         self.probes: dict[str, list[tuple[float, float, bool]]] = {n: [] for n in fleet.urls()}
         self.rss: dict[str, list[tuple[float, float]]] = {n: [] for n in fleet.watched()}
+        self.sched: dict[str, list[tuple[float, float, float]]] = {n: [] for n in fleet.watched()}
         self.threads = [threading.Thread(target=self._probe, args=(n, u), daemon=True) for n, u in fleet.urls().items()]
         self.threads.append(threading.Thread(target=self._sample, daemon=True))
         for t in self.threads:
@@ -195,6 +210,7 @@ class Monitor:
         while not self.stopped.is_set():
             for name, pid in self.fleet.watched().items():
                 self.rss[name].append((time.perf_counter() - self.t0, rss_mb(pid())))
+                self.sched[name].append((time.perf_counter() - self.t0, *schedstat_ms(pid())))
             time.sleep(0.1)
 
     def now(self) -> float:
@@ -205,6 +221,18 @@ class Monitor:
         got = [(lat, ok) for t, lat, ok in self.probes[name] if start <= t <= end]
         lats = sorted(lat * 1000 for lat, _ in got) or [float("nan")]
         return lats[-1], lats[min(len(lats) - 1, int(0.99 * len(lats)))], sum(not ok for _, ok in got)
+
+    def worst_probe_sched(self, name: str, start: float, end: float) -> tuple[float, float, float]:
+        """Around the slowest probe sent in [start, end]: (window ms, ms the main thread ran, ms it waited for
+        a CPU), between the schedstat samples just before and just after it."""
+        got = [(t, lat) for t, lat, _ in self.probes[name] if start <= t <= end]
+        samples = self.sched[name]
+        if not got or len(samples) < 2:
+            return float("nan"), float("nan"), float("nan")
+        t, lat = max(got, key=lambda p: p[1])
+        before = max((s for s in samples if s[0] <= t), default=samples[0], key=lambda s: s[0])
+        after = min((s for s in samples if s[0] >= t + lat), default=samples[-1], key=lambda s: s[0])
+        return (after[0] - before[0]) * 1000, after[1] - before[1], after[2] - before[2]
 
     def rss_now(self, name: str) -> float:
         return rss_mb(self.fleet.watched()[name]())
@@ -230,7 +258,9 @@ def replay(fleet: Fleet, monitor: Monitor, name: str, attack, big: bool, idle: d
     procs = {}
     for n in monitor.rss:
         hmax, hp99, failed = monitor.health(n, start, end)
+        window, ran, waited = monitor.worst_probe_sched(n, start, end)
         procs[n] = {"health_max_ms": hmax, "health_p99_ms": hp99, "health_failed": failed,
+                    "worst_window_ms": window, "worst_ran_ms": ran, "worst_waited_ms": waited,
                     "health_max_x_idle": hmax / idle[n], "rss_before_mb": before[n],
                     "rss_peak_mb": monitor.rss_peak(n, start, end), "rss_after_mb": monitor.rss_now(n)}
     codes = {str(k): v for k, v in dict(out["codes"]).items() if v}
@@ -257,14 +287,15 @@ def idle_health(fleet: Fleet, n: int = 40) -> dict[str, float]:
 
 def table(rows: list[dict], names: dict[str, str]) -> None:
     print(f"\n{'attack':20} {'answers':28} {'proc':7} {'health max/p99 ms':>18} {'x idle':>7} "
-          f"{'RSS before/peak/after MB':>25}  answer health rss own")
+          f"{'RSS before/peak/after MB':>25} {'worst: ran/waited/window ms':>27}  answer health rss own")
     for row in rows:
         codes = " ".join(f"{k}x{v}" for k, v in sorted(row["codes"].items()))
         for i, (n, p) in enumerate(row["procs"].items()):
             flags = "  ".join("ok  " if row[k] else "FAIL" for k in ("answered", "health", "rss", "own"))
             print(f"{row['name'] if i == 0 else '':20} {codes if i == 0 else '':28} {names[n]:7} "
                   f"{p['health_max_ms']:>9.1f}/{p['health_p99_ms']:<8.1f} {p['health_max_x_idle']:>7.1f} "
-                  f"{p['rss_before_mb']:>8.0f}/{p['rss_peak_mb']:>7.0f}/{p['rss_after_mb']:<8.0f}  "
+                  f"{p['rss_before_mb']:>8.0f}/{p['rss_peak_mb']:>7.0f}/{p['rss_after_mb']:<8.0f} "
+                  f"{p['worst_ran_ms']:>11.0f}/{p['worst_waited_ms']:<6.0f}/{p['worst_window_ms']:<8.0f}  "
                   f"{flags if i == 0 else ''}")
         print(f"{'':20} size: {row['size']}; {row['note']}")
 
@@ -324,6 +355,8 @@ def main() -> None:
         worst = max(row["procs"].values(), key=lambda p: p["health_max_ms"])
         figures[key] = {"pass": row["pass"], "answered": row["answered"], "health": row["health"], "rss": row["rss"],
                         "own": row["own"], "codes": row["codes"], "health_max_ms": round(worst["health_max_ms"], 1),
+                        "worst_probe_ran_waited_window_ms": [round(worst[k]) if worst[k] == worst[k] else None for k in
+                                                             ("worst_ran_ms", "worst_waited_ms", "worst_window_ms")],
                         "rss_after_minus_before_mb": round(max(p["rss_after_mb"] - p["rss_before_mb"]
                                                                for p in row["procs"].values()), 1)}
     figures["all_targets_met"] = all(row["pass"] for row in rows if not row["name"].endswith(CONTROL))

@@ -16,7 +16,8 @@ event ports after it died fails the handshake and is never heard. The client key
 subscriber goes on asking for a snapshot every ``retry_s`` (the replica logs the key it refused). What one
 message can cost is bounded: a batch at most ``MAX_BATCH_BYTES``, a snapshot at most ``MAX_SNAPSHOT_BYTES``
 (ZMQ refuses longer ones), and a snapshot is decoded and prepared (``HoldingsSink.prepare``) in a worker
-thread, off the event loop.
+thread, off the event loop: its structure in one call, its keys in pieces of ``wire.KEYS_PIECE`` (one call each,
+so the loop gets the GIL between them).
 
 The replica's silence is not this module's business: the router's health checks eject a dead replica and
 restart its subscriber when it comes back (its endpoints may have changed).
@@ -35,7 +36,15 @@ import zmq
 import zmq.asyncio
 
 from kvtier.events.keys import default_key_file, load_or_create
-from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, Snapshot, WireError, decode_batch, decode_snapshot
+from kvtier.events.wire import (
+    SNAPSHOT_REQUEST,
+    TOPIC,
+    Batch,
+    SnapshotHead,
+    WireError,
+    decode_batch,
+    decode_snapshot_head,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +55,9 @@ MAX_SNAPSHOT_BYTES = 96 << 20  #: ~2.8M keys; a publisher sends at most its max_
 class HoldingsSink(Protocol):
     """What a subscriber keeps up to date (the router's index of one replica)."""
 
-    def prepare(self, snapshot: Snapshot) -> object:
-        """The work of adopting ``snapshot`` that touches nothing shared (runs in a worker thread)."""
+    def prepare(self, snapshot: SnapshotHead) -> object:
+        """The work of adopting ``snapshot`` that touches nothing shared (runs in a worker thread); its keys are
+        raw, for ``wire.snapshot_keys`` to decode in pieces (which raises WireError if they are malformed)."""
 
     def reset(self, prepared: object) -> None:
         """Adopt what ``prepare`` returned (on the event loop)."""
@@ -57,9 +67,35 @@ class HoldingsSink(Protocol):
 
 @dataclass(frozen=True)
 class SubscriberConfig:
+    """``share``: the most of the event loop's time that applying batches may take while they are queued
+    (``Pacer``)."""
+
     snapshot_timeout_s: float = 5.0
     resync_s: float = 300.0
     retry_s: float = 1.0
+    share: float = 0.5
+
+
+class Pacer:
+    """Keeps work done in slices to at most ``share`` of the time: after each ``slice_s`` of CPU spent (told by
+    ``spent``), the caller sleeps long enough for that share, and otherwise yields one loop turn.
+
+    A flood of batches queued at a subscriber would otherwise keep the router's loop busy until it is drained:
+    every batch is a bounded piece, but a process that is always runnable is the one a busy machine's scheduler
+    leaves waiting, and ``/health`` waits with it. Paced, the process sleeps between slices. A replica's normal
+    stream is far below the share and is never slowed; a flood takes longer to apply."""
+
+    def __init__(self, share: float = 0.5, slice_s: float = 0.005, sleep=asyncio.sleep) -> None:
+        self.share, self.slice_s, self._sleep = min(max(share, 0.01), 1.0), slice_s, sleep
+        self._busy = 0.0
+
+    async def spent(self, seconds: float) -> None:
+        self._busy += max(seconds, 0.0)
+        if self._busy < self.slice_s or self.share >= 1.0:
+            await self._sleep(0)
+            return
+        pause, self._busy = self._busy * (1 - self.share) / self.share, 0.0
+        await self._sleep(pause)
 
 
 class EventSubscriber:
@@ -75,6 +111,7 @@ class EventSubscriber:
         self._server_key = server_key
         self._client_key = client_key if client_key is not None else load_or_create(default_key_file())
         self._sink, self._config, self._count = sink, config, count
+        self._pacer = Pacer(config.share)
         self.epoch: str | None = None
         self.seq = -1
         self._synced_at = 0.0
@@ -97,10 +134,11 @@ class EventSubscriber:
                     await asyncio.sleep(self._config.retry_s)
             while True:
                 frames = await sub.recv_multipart()
+                spent = time.thread_time()
                 self._receive(frames)
-                # pyzmq's recv returns a finished future while batches are queued, so without this a flood
-                # (E-3: 4 M stores) is applied without the loop ever running anything else: /health took 5 s
-                await asyncio.sleep(0)
+                # pyzmq's recv returns a finished future while batches are queued, so without a pause a flood
+                # (E-3: 4 M stores) is applied without the loop ever running anything else
+                await self._pacer.spent(time.thread_time() - spent)
                 if self.epoch is None or time.monotonic() - self._synced_at > self._config.resync_s:
                     await self._resync()
         finally:
@@ -147,6 +185,6 @@ class EventSubscriber:
         self._count("snapshot")
         return True
 
-    def _prepare(self, payload: bytes) -> tuple[Snapshot, object]:
-        snapshot = decode_snapshot(payload)
+    def _prepare(self, payload: bytes) -> tuple[SnapshotHead, object]:
+        snapshot = decode_snapshot_head(payload)
         return snapshot, self._sink.prepare(snapshot)

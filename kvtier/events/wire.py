@@ -12,10 +12,17 @@ Decoding is strict: a key is exactly 32 bytes, a tier name at most 64 characters
 ``MAX_TIERS`` tiers, every field has its type; a message that does not decode raises ``WireError`` and is
 dropped by the caller. Both sockets speak CURVE (see publisher.py): the replica's public key is in its
 ``/kvtier/info``.
+
+A snapshot of millions of keys is not decoded in one call (one call holds the GIL for all of them, stalling a
+router's event loop even from a worker thread): ``decode_snapshot_head`` checks the whole message's structure and
+leaves each tier's keys as raw msgpack, and ``snapshot_keys`` decodes those in pieces of at most ``KEYS_PIECE``
+keys (one call each), as many as the caller wants. Keys are msgpack ``bin 8`` of 32 bytes, as msgspec encodes them,
+so a tier's keys are fixed-size records; any other encoding of them is a ``WireError``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
@@ -57,6 +64,25 @@ class WireTier(msgspec.Struct, array_like=True, frozen=True):
     store_id: str | None = None  #: a shared store's id (every replica with the same id reads these keys)
 
 
+class RawTier(msgspec.Struct, array_like=True, frozen=True):
+    name: TierName
+    keys: msgspec.Raw  #: the tier's keys as msgpack (nil: it cannot list them), decoded by ``snapshot_keys``
+    store_id: str | None = None
+
+    @property
+    def listed(self) -> bool:
+        """Whether the tier listed its keys (``WireTier.keys`` not None)."""
+        return bytes(memoryview(self.keys)[:1]) != b"\xc0"
+
+
+class SnapshotHead(msgspec.Struct, array_like=True, frozen=True):
+    """A ``Snapshot`` whose tiers' keys are left undecoded (``decode_snapshot_head``)."""
+
+    epoch: Name
+    seq: Annotated[int, msgspec.Meta(ge=-1)]
+    tiers: Annotated[list[RawTier], msgspec.Meta(max_length=MAX_TIERS)]
+
+
 class Snapshot(msgspec.Struct, array_like=True, frozen=True):
     epoch: Name
     seq: Annotated[int, msgspec.Meta(ge=-1)]  #: the last batch it reflects (-1: none sent yet)
@@ -66,6 +92,10 @@ class Snapshot(msgspec.Struct, array_like=True, frozen=True):
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(Batch)
 _snapshot_decoder = msgspec.msgpack.Decoder(Snapshot)
+_head_decoder = msgspec.msgpack.Decoder(SnapshotHead)
+_keys_decoder = msgspec.msgpack.Decoder(list[Key])
+KEYS_PIECE = 16_384  #: keys ``snapshot_keys`` decodes per call
+_KEY_RECORD = 2 + HASH_BYTES  # msgpack bin 8: 0xc4, the length, the bytes
 
 
 def wire_event(event: ChunkEvent) -> WireEvent:
@@ -94,6 +124,62 @@ def decode_snapshot(payload: bytes) -> Snapshot:
         return _snapshot_decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"not a snapshot: {exc}") from None
+
+
+def decode_snapshot_head(payload: bytes) -> SnapshotHead:
+    """A snapshot with its tiers' keys left raw (their structure checked, none decoded)."""
+    try:
+        return _head_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError(f"not a snapshot: {exc}") from None
+
+
+def snapshot_keys(keys: msgspec.Raw | list[bytes] | None, limit: int | None = None) -> Iterator[list[bytes]]:
+    """The first ``limit`` (None: all) of a tier's keys, in order, in lists of at most ``KEYS_PIECE``, each list
+    decoded by one call; raw keys (``RawTier.keys``) that are not an array of 32-byte ``bin 8`` are a
+    ``WireError`` (raised by the piece that reaches them). Decoded keys (a list) are sliced alike."""
+    if keys is None:
+        return
+    if isinstance(keys, list):
+        for start in range(0, len(keys) if limit is None else min(limit, len(keys)), KEYS_PIECE):
+            yield keys[start: start + KEYS_PIECE if limit is None else min(start + KEYS_PIECE, limit)]
+        return
+    data = memoryview(keys)
+    if bytes(data[:1]) == b"\xc0":
+        return
+    count, body = _array_header(data)
+    if len(data) - body != count * _KEY_RECORD:
+        raise WireError("not a snapshot: its keys are not 32-byte bin 8 records")
+    end = count if limit is None else min(count, limit)
+    for start in range(0, end, KEYS_PIECE):
+        n = min(KEYS_PIECE, end - start)
+        piece = data[body + start * _KEY_RECORD: body + (start + n) * _KEY_RECORD]
+        try:
+            yield _keys_decoder.decode(b"\xdd" + n.to_bytes(4, "big") + piece)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"not a snapshot: {exc}") from None
+
+
+def listed_keys(keys: msgspec.Raw | list[bytes] | None) -> int:
+    """How many keys a tier lists (raw or decoded), without decoding them (0: none, or not an array)."""
+    if keys is None or isinstance(keys, list):
+        return len(keys or ())
+    try:
+        return _array_header(memoryview(keys))[0]
+    except WireError:
+        return 0
+
+
+def _array_header(data: memoryview) -> tuple[int, int]:
+    """A msgpack array's length and where its first element starts."""
+    first = data[0] if len(data) else 0
+    if 0x90 <= first <= 0x9F:
+        return first - 0x90, 1
+    if first == 0xDC and len(data) >= 3:
+        return int.from_bytes(data[1:3], "big"), 3
+    if first == 0xDD and len(data) >= 5:
+        return int.from_bytes(data[1:5], "big"), 5
+    raise WireError("not a snapshot: a tier's keys are not an array")
 
 
 def namespace_json(namespace: Namespace) -> dict:

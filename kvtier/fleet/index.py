@@ -21,8 +21,15 @@ What a replica's stream can make the router hold is bounded (a replica may be co
   (oldest out first); a snapshot naming more stores has those tiers ignored;
 * an ejected replica's holdings and record are freed (``FleetIndex.forget``); its snapshot, when it is back,
   says again what it holds;
-* a snapshot is turned into key sets by ``ReplicaHoldings.prepare`` in a worker thread (see the subscriber);
-  only the swap and the shared stores' keys are done on the event loop.
+* a snapshot is turned into key sets by ``ReplicaHoldings.prepare`` in a worker thread (see the subscriber),
+  its keys decoded in pieces (``wire.snapshot_keys``); only the swap is done on the event loop, and the
+  shared stores' keys are added there ``wire.KEYS_PIECE`` per turn.
+
+What the router does with a replica's keys costs its event loop a bounded amount per turn, however many keys:
+a tier's keys are a ``ShardedKeys``, sets of at most about ``SHARD_KEYS`` keys each (by Python's per-process
+randomised hash of the key, so a replica cannot choose keys that pile into one), and keys replaced by a
+snapshot or forgotten at an ejection are freed one shard per event-loop turn (``release``), not all at once
+on the loop.
 
 ``FleetIndex.cached`` walks a request's chunk keys for one replica and returns how many leading chunks it
 holds by tier (each in the fastest tier holding it; ``RECENT`` for the router's own record), stopping at the
@@ -31,15 +38,81 @@ first chunk it does not hold: what ``scoring.ReplicaView.cached`` wants, in chun
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvtier.base.keys import ChunkHash
-from kvtier.events.wire import Batch, Snapshot
+from kvtier.events.wire import KEYS_PIECE, Batch, Snapshot, SnapshotHead, listed_keys, snapshot_keys
 
 RECENT = "recent"  #: the tier name of the router's own record in views and metrics
+SHARD_KEYS = 16_384  #: about the most keys one shard of a ``ShardedKeys`` holds at its cap
+
+
+def in_turns(steps: list[Callable[[], object]]) -> None:
+    """Run ``steps`` in order, one per turn of the running event loop (each a bounded piece of work, so the loop
+    serves others between them); all of them at once when no loop runs in this thread."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        for step in steps:
+            step()
+        return
+    queue = deque(steps)
+
+    def turn() -> None:
+        queue.popleft()()
+        if queue:
+            loop.call_soon(turn)
+
+    if queue:
+        loop.call_soon(turn)
+
+
+def release(pieces: list) -> None:
+    """Drop the objects in ``pieces`` (emptying it), one per event-loop turn (``in_turns``)."""
+    in_turns([pieces.pop] * len(pieces))
+
+
+class ShardedKeys:
+    """A set of keys in shards (a power of two of them, so that ``cap`` keys make about ``SHARD_KEYS`` a shard),
+    each shard a set freed on its own (``release``)."""
+
+    def __init__(self, cap: int) -> None:
+        count = 1
+        while count * SHARD_KEYS < cap:
+            count *= 2
+        self._mask = count - 1
+        self.shards: list[set[ChunkHash]] = [set() for _ in range(count)]
+
+    def add(self, key: ChunkHash) -> None:
+        self.shards[hash(key) & self._mask].add(key)
+
+    def update(self, keys: Iterable[ChunkHash]) -> None:
+        shards, mask = self.shards, self._mask
+        for key in keys:
+            shards[hash(key) & mask].add(key)
+
+    def discard(self, key: ChunkHash) -> None:
+        self.shards[hash(key) & self._mask].discard(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.shards[hash(key) & self._mask]
+
+    def __len__(self) -> int:
+        return sum(len(shard) for shard in self.shards)
+
+    def __iter__(self) -> Iterator[ChunkHash]:
+        for shard in self.shards:
+            yield from shard
+
+    def release(self) -> None:
+        """Empty this set, its shards freed one per event-loop turn."""
+        shards, self.shards = self.shards, [set() for _ in self.shards]
+        release(shards)
 
 
 class ExpiringKeys:
@@ -106,7 +179,7 @@ class PreparedSnapshot:
     """A snapshot turned into key sets within the caps (``ReplicaHoldings.prepare``), ready to swap in."""
 
     tiers: list[str]
-    local: dict[str, set[ChunkHash]]
+    local: dict[str, ShardedKeys]
     shared: dict[str, tuple[str, list[ChunkHash]]]  #: tier name -> (store id, its keys)
     dropped: int
 
@@ -118,31 +191,37 @@ class ReplicaHoldings:
         self._shared = shared
         self.max_keys = max_keys  #: keys in this replica's own tiers, in all
         self.tiers: list[str] = []  #: the replica's tiers, fastest first
-        self._local: dict[str, set[ChunkHash]] = {}
+        self._local: dict[str, ShardedKeys] = {}
         self._stores: dict[str, ExpiringKeys] = {}  # tier name -> the shared store it is
         self._held = 0  # keys in self._local, in all
         self.dropped = 0  #: stores dropped at the cap, and events naming a tier the snapshot did not
         self.synced = False
 
-    def prepare(self, snapshot: Snapshot) -> PreparedSnapshot:
-        """Key sets of ``snapshot`` within the cap, fastest tiers first; touches nothing (any thread)."""
+    def prepare(self, snapshot: Snapshot | SnapshotHead) -> PreparedSnapshot:
+        """Key sets of ``snapshot`` within the cap, fastest tiers first, its keys decoded in pieces (a
+        ``SnapshotHead``'s raw keys, or a ``Snapshot``'s lists); touches nothing (any thread)."""
         tiers, local, shared, room, dropped = [], {}, {}, self.max_keys, 0
         for tier in snapshot.tiers:
             if tier.name in tiers:
                 continue
             tiers.append(tier.name)
-            keys = tier.keys or []
             if tier.store_id is not None:
-                shared[tier.name] = (tier.store_id, [ChunkHash(k) for k in keys[: self._shared.max_keys]])
+                shared[tier.name] = (tier.store_id, [ChunkHash(k) for piece in
+                                                     snapshot_keys(tier.keys, self._shared.max_keys) for k in piece])
                 continue
-            dropped += max(len(keys) - room, 0)
-            local[tier.name] = held = {ChunkHash(k) for k in keys[:room]}
+            held = ShardedKeys(self.max_keys)
+            for piece in snapshot_keys(tier.keys, room):
+                held.update(piece)
+            local[tier.name] = held
             room -= len(held)
+            dropped += max(listed_keys(tier.keys) - len(held), 0)
         return PreparedSnapshot(tiers, local, shared, dropped)
 
-    def reset(self, snapshot: Snapshot | PreparedSnapshot) -> None:
-        """Adopt a snapshot (prepared or not): what the replica holds now replaces what was known."""
+    def reset(self, snapshot: Snapshot | SnapshotHead | PreparedSnapshot) -> None:
+        """Adopt a snapshot (prepared or not): what the replica holds now replaces what was known (the keys
+        replaced are freed over the next event-loop turns)."""
         prepared = snapshot if isinstance(snapshot, PreparedSnapshot) else self.prepare(snapshot)
+        self.release()
         self._local, self._stores = prepared.local, {}
         self._held = sum(len(keys) for keys in prepared.local.values())
         self.dropped += prepared.dropped
@@ -152,9 +231,15 @@ class ReplicaHoldings:
                 self.dropped += len(keys)
                 continue
             self._stores[name] = store
-            store.add(keys)
+            in_turns([partial(store.add, keys[i: i + KEYS_PIECE]) for i in range(0, len(keys), KEYS_PIECE)])
         self.tiers = [name for name in prepared.tiers if name in self._local or name in self._stores]
         self.synced = True
+
+    def release(self) -> None:
+        """Forget this replica's own tiers' keys, freed one shard per event-loop turn."""
+        for keys in self._local.values():
+            keys.release()
+        self._local, self._held = {}, 0
 
     def apply(self, batch: Batch) -> None:
         for event in batch.events:
@@ -222,8 +307,11 @@ class FleetIndex:
         return held
 
     def forget(self, replica: str) -> None:
-        """``replica`` was ejected: free what is known of it (its snapshot says it all again when it is back)."""
-        self._holdings.pop(replica, None)
+        """``replica`` was ejected: free what is known of it (its snapshot says it all again when it is back);
+        its keys are freed over the next event-loop turns."""
+        held = self._holdings.pop(replica, None)
+        if held is not None:
+            held.release()
         self._recent.pop(replica, None)
 
     def dropped(self, replica: str) -> int:

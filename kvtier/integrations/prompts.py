@@ -4,6 +4,16 @@
 generation prompt and encoding the text without adding special tokens, and a text completion by encoding the
 text with them. ``PromptTokenizer`` does exactly that from the same tokenizer files, so the router's chunk
 keys equal the replica's. Loading a tokenizer needs transformers, hence this module's place.
+
+A router wants only a prompt's leading ids (``max_tokens``), so a chat whose messages hold more text than those
+ids can come from is rendered over its leading messages only: those whose text reaches
+``max_tokens x FIRST_WINDOW_CHARS_PER_TOKEN`` characters (``leading_messages``), then tokenized as
+``encode_prefix`` does and less the ``CUT_MARGIN`` tokens the cut may have changed. That is right for a
+template that renders a chat's leading messages as the start of the whole chat's text (each message appended
+in turn, as chat templates do); it is checked where the chat is cut (the text of one message less must be the
+start of it), and a chat whose template fails the check gets None (the router routes it without its cache). Rendering
+costs the GIL in proportion to the messages rendered, so a chat of 240k messages costs no more than its first
+few thousand. A chat that fits is rendered whole, with the generation prompt, exactly as before.
 """
 
 from __future__ import annotations
@@ -29,21 +39,54 @@ class PromptTokenizer:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}") from None
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> list[int] | None:
+    def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None,
+             cut: bool = False) -> list[int] | None:
         """Ids of ``messages`` (role and text content) ready for the assistant's turn; None without a template.
-        With ``max_tokens``, only about that many leading ids, at a cost bounded accordingly (``encode_prefix``)."""
+        With ``max_tokens``, only about that many leading ids, at a cost bounded accordingly (rendering the
+        leading messages only, see the module docstring). ``cut``: ``messages`` are only the leading ones of
+        the chat (the ids are then those of their text, less ``CUT_MARGIN``; None if that is not a prefix)."""
+        from kvtier.integrations.tokenize import CUT_MARGIN, FIRST_WINDOW_CHARS_PER_TOKEN
+
         tokenizer = self._tokenizer
         if not getattr(tokenizer, "chat_template", None):
             return None
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self._encode(lambda part: tokenizer.encode(part, add_special_tokens=False), text, max_tokens)
+
+        def encode(part: str) -> list[int]:
+            return tokenizer.encode(part, add_special_tokens=False)
+
+        def render(leading: list[dict[str, str]], ready: bool) -> str:
+            self.rendered += len(leading)
+            return tokenizer.apply_chat_template(leading, add_generation_prompt=ready, tokenize=False)
+
+        lead = len(messages) if max_tokens is None else \
+            leading_messages(messages, max(max_tokens, 1) * FIRST_WINDOW_CHARS_PER_TOKEN)
+        if lead == len(messages) and not cut:
+            return self._encode(encode, render(messages, True), max_tokens)
+        text = render(messages[:lead], False)
+        if lead >= 2 and not text.startswith(render(messages[: lead - 1], False)):
+            return None  # this template does not render a chat's start as the start of its text
+        ids = self._encode(encode, text, max_tokens)
+        return ids[: max(len(ids) - CUT_MARGIN, 0)]
 
     def text(self, prompt: str, max_tokens: int | None = None) -> list[int]:
         """Ids of a completion's text prompt (with ``max_tokens``, only about that many leading ones)."""
         return self._encode(self._tokenizer.encode, prompt, max_tokens)
+
+    rendered = 0  #: messages rendered so far (chat templates cost in proportion to them)
 
     @staticmethod
     def _encode(encode, text: str, max_tokens: int | None) -> list[int]:
         from kvtier.integrations.tokenize import encode_prefix
 
         return list(encode(text)) if max_tokens is None else encode_prefix(encode, text, max_tokens)
+
+
+def leading_messages(messages: list[dict[str, str]], chars: int) -> int:
+    """How many leading ``messages`` hold more than ``chars`` characters of text (their roles and contents, and
+    a few for each one's markup); all of them if they hold less."""
+    total = 0
+    for i, message in enumerate(messages):
+        total += len(message.get("content") or "") + len(message.get("role") or "") + 8
+        if total > chars:
+            return i + 1
+    return len(messages)

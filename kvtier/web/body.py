@@ -58,9 +58,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def decode_json(raw: bytes) -> Any:
-    """The JSON value in ``raw``; RequestError (400) for anything that is not strict, well-formed JSON."""
+def decode_json(raw: bytes, partial: bool = False) -> Any:
+    """The JSON value in ``raw``; RequestError (400) for anything that is not strict, well-formed JSON.
+
+    ``partial``: ``raw`` may be cut short (a prefix of a document): what it holds is decoded as far as it goes,
+    an unfinished string, number or literal at its end left out (an unfinished array or object is kept, with
+    what it holds so far); the same strictness otherwise."""
     try:
-        return from_json(raw, allow_inf_nan=False)
+        return from_json(raw, allow_inf_nan=False, allow_partial=partial)
     except ValueError as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None

@@ -35,7 +35,7 @@ from kvtier.apps.route.vllm_events import VllmEventSubscriber
 from kvtier.base.keys import Namespace
 from kvtier.base.layout import KVSpec
 from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
-from kvtier.events.wire import Batch, Snapshot, WireError, namespace_from_json
+from kvtier.events.wire import Batch, SnapshotHead, WireError, namespace_from_json
 from kvtier.fleet.index import FleetIndex, PreparedSnapshot
 from kvtier.fleet.scoring import ReplicaView
 from kvtier.fleet.vllm_index import SHARED_MEDIUM, VllmReplicaIndex, vllm_namespace
@@ -265,7 +265,7 @@ class _ReplicaSink:
         self._index, self._name = index, name
         self._epoch: str | None = None
 
-    def prepare(self, snapshot: Snapshot) -> tuple[str, PreparedSnapshot]:
+    def prepare(self, snapshot: SnapshotHead) -> tuple[str, PreparedSnapshot]:
         return snapshot.epoch, self._index.holdings(self._name).prepare(snapshot)
 
     def reset(self, prepared: tuple[str, PreparedSnapshot]) -> None:

@@ -12,6 +12,15 @@ The tenant salt comes from the ``Authorization`` header exactly as kvtier serve 
 never from the body. The session comes from ``X-Session-ID`` or ``user``; one longer than
 ``MAX_SESSION_ID_BYTES`` is a 400, and what the router keeps is a digest of the tenant's salt and the id, so a
 session is remembered per tenant, in the same few bytes however long its id.
+
+Decoding costs the GIL in one call, in proportion to the objects a body holds, so a body over ``WHOLE_BODY_BYTES``
+is not decoded whole: its top level is split into fields without building their values (msgspec's raw values: the
+JSON structure is checked, nothing is allocated), every field but ``messages`` and ``prompt`` is decoded strictly as
+above, and of those two (when they are arrays and longer than ``PREFIX_BYTES``) only the elements that end within
+their first ``PREFIX_BYTES`` bytes are decoded and checked (``Prompt.cut`` says so). Those hold more tokens than
+the router hashes (``ProxyConfig.max_prompt_tokens``); the rest is the replica's to check, and a replica answers a
+bad message anywhere in the body with its own 400, which the router passes on. An array whose first element alone
+is longer than ``PREFIX_BYTES`` (one long text) is decoded whole: a few large values cost little.
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ from kvtier.web.tenants import api_key, tenant_salt
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID_BYTES = 256  #: a conversation or user id; longer ones are refused, not kept
 TOKEN_ID_LIMIT = 1 << 32  #: chunk keys encode token ids as 32-bit integers
+WHOLE_BODY_BYTES = 1 << 20  #: bodies up to this size are decoded whole
+PREFIX_BYTES = 1 << 20  #: of a longer body's ``messages`` or ``prompt`` array, the bytes decoded
+_PREFIXED = ("messages", "prompt")
 
 
 # msgspec, not pydantic models: checking a chat of 250k messages (what 8 MiB holds) took pydantic 1.05 s of CPU
@@ -57,11 +69,13 @@ class _CompletionBody(_Body, kw_only=True):
 @dataclass(frozen=True)
 class Prompt:
     """The prompt of a request as the router tokenizes it: chat messages (role, text) or a completion's text
-    or ids. ``messages`` None and ``text`` None and ``ids`` None: not tokenizable here (e.g. images)."""
+    or ids. ``messages`` None and ``text`` None and ``ids`` None: not tokenizable here (e.g. images).
+    ``cut``: ``messages`` or ``ids`` are only the leading ones of the request's (see the module docstring)."""
 
     messages: list[dict[str, str]] | None = None
     text: str | None = None
     ids: list[int] | None = None
+    cut: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,14 +93,36 @@ def parse_request(body: bytes, chat: bool, headers: dict[str, str]) -> ParsedReq
 
     Costs CPU in proportion to the body: callers run it off the event loop."""
     salt = tenant_salt(api_key(headers.get("authorization")))
-    value = decode_json(body)
+    value, cut = (decode_json(body), False) if len(body) <= WHOLE_BODY_BYTES else _decode_leading(body)
     if not isinstance(value, dict):
         raise RequestError("the request body must be a JSON object")
     parsed = _convert(value, _ChatBody if chat else _CompletionBody)
     prompt = _chat_prompt(parsed) if chat else _completion_prompt(parsed)
+    if cut and (prompt.messages is not None or prompt.ids is not None):
+        prompt = Prompt(prompt.messages, prompt.text, prompt.ids, cut=True)
     header = headers.get(SESSION_HEADER)
     session = _session_key(salt, header, SESSION_HEADER) if header else _session_key(salt, parsed.user, "user")
     return ParsedRequest(chat, prompt, parsed.stream, session, salt)
+
+
+def _decode_leading(body: bytes) -> tuple[dict[str, Any], bool]:
+    """A large body's fields, with only the leading elements of its prompt arrays; and whether any was cut."""
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        raise RequestError("the request body must be a JSON object") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    value, cut = {}, False
+    for name, raw in fields.items():
+        view = memoryview(raw)
+        if name in _PREFIXED and len(view) > PREFIX_BYTES and view[:1] == b"[":
+            leading = decode_json(bytes(view[:PREFIX_BYTES]), partial=True)
+            if isinstance(leading, list) and len(leading) >= 2:  # the last may be cut short: dropped
+                value[name], cut = leading[:-1], True
+                continue
+        value[name] = decode_json(bytes(view))
+    return value, cut
 
 
 def _convert(value: Any, kind: type, param: str | None = None) -> Any:

@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 class Tokenizer(Protocol):
     """What the router needs of a tokenizer (kvtier.integrations.prompts.PromptTokenizer)."""
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> list[int] | None: ...
+    def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None,
+             cut: bool = False) -> list[int] | None: ...
 
     def text(self, prompt: str, max_tokens: int | None = None) -> list[int]: ...
 
@@ -238,7 +239,7 @@ class Router:
         if prompt.text is not None:
             return await asyncio.to_thread(self.tokenizer.text, prompt.text, limit)
         if prompt.messages is not None:
-            return await asyncio.to_thread(self.tokenizer.chat, prompt.messages, limit)
+            return await asyncio.to_thread(self.tokenizer.chat, prompt.messages, limit, prompt.cut)
         return None
 
     def _gauges(self):

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kvtier.apps.route.requests import TOKEN_ID_LIMIT, parse_request
+from kvtier.apps.route.requests import PREFIX_BYTES, TOKEN_ID_LIMIT, WHOLE_BODY_BYTES, parse_request
 from kvtier.web.errors import RequestError
 
 REFUSED = [
@@ -58,10 +58,45 @@ def test_what_routing_needs_is_read_and_unknown_fields_are_left_to_the_replica()
     assert image.prompt.messages is None and image.prompt.text is None and image.prompt.ids is None
 
 
-def test_a_chat_as_long_as_the_body_cap_allows_is_checked_whole():
+def test_a_chat_as_long_as_the_body_cap_allows_is_decoded_only_as_far_as_routing_needs():
+    """Issue 29, R-2: decoding 200k messages held the GIL ~100 ms in one call. Only those in the first
+    PREFIX_BYTES are decoded and checked; the rest (a bad message at the end included) is the replica's."""
     messages = [{"role": "user", "content": "hi"}] * 200_000  # about 6.5 MB, under the 8 MiB cap
     parsed = parse_request(json.dumps({"messages": messages}).encode(), True, {})
-    assert len(parsed.prompt.messages) == 200_000
+    assert parsed.prompt.cut and parsed.prompt.messages[0] == {"role": "user", "content": "hi"}
+    assert 1_000 < len(parsed.prompt.messages) <= PREFIX_BYTES // 30 < 200_000
+    late = parse_request(json.dumps({"messages": messages + [{"role": None}]}).encode(), True, {})
+    assert len(late.prompt.messages) == len(parsed.prompt.messages)
+    with pytest.raises(RequestError) as refused:  # within the decoded part: still the router's 400
+        parse_request(json.dumps({"messages": [{"role": None}] + messages}).encode(), True, {})
+    assert refused.value.param == "messages"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": 1, "pad": "' + b"x" * WHOLE_BODY_BYTES + b'"}',
+     "stream"),
+    (b"[" + b'{"role": "user", "content": "hi"}, ' * 40_000 + b"{}]", None),
+    (b'{"messages": [' + b'{"role": "user", "content": "hi"}, ' * 40_000 + b"{}]", None),  # cut short
+    (b'{"messages": [' + b'{"role": "user", "content": "hi"}, ' * 40_000 + b"{}], }", None),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "user": "\\ud800", "pad": "' +
+     b"x" * WHOLE_BODY_BYTES + b'"}', None),
+])
+def test_a_large_body_is_still_refused_for_what_the_router_reads(body, param):
+    assert len(body) > WHOLE_BODY_BYTES
     with pytest.raises(RequestError) as refused:
-        parse_request(json.dumps({"messages": messages + [{"role": None}]}).encode(), True, {})
-    assert refused.value.param == "messages" and "200000" in str(refused.value)
+        parse_request(body, True, {})
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_a_long_first_element_is_decoded_whole():
+    text = "word " * 400_000  # 2 MB in one message: one value, cheap to decode whole
+    parsed = parse_request(json.dumps({"messages": [{"role": "user", "content": text}]}).encode(), True, {})
+    assert parsed.prompt.messages == [{"role": "user", "content": text}] and not parsed.prompt.cut
+    ids = parse_request(json.dumps({"prompt": list(range(500_000))}).encode(), False, {})
+    assert ids.prompt.ids == list(range(len(ids.prompt.ids))) and 50_000 < len(ids.prompt.ids) < 500_000
+
+
+def test_a_body_under_the_threshold_is_decoded_whole_as_before():
+    messages = [{"role": "user", "content": "hi"}] * 20_000  # 0.7 MB
+    parsed = parse_request(json.dumps({"messages": messages}).encode(), True, {})
+    assert len(parsed.prompt.messages) == 20_000 and not parsed.prompt.cut
