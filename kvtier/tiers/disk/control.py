@@ -86,7 +86,17 @@ class DiskControl:
         log.info("disk tier %s: %d pinned bytes after restart", self.name, self._index.usage().pinned_bytes)
 
     def _write_control(self, name: str, data: dict[str, object]) -> None:
+        """Write ``data`` atomically; with nothing to record the file is removed, so a tier whose entries carry
+        no pins, owners or expiries leaves only its chunks behind (and an emptied state is not restored)."""
         path = os.path.join(self.control_dir, name)
+        if not any(value for field, value in data.items() if field != "version"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("disk tier %s: cannot remove %s: %s", self.name, path, exc)
+            return
         temp = f"{path}.tmp"
         try:
             with open(temp, "w", encoding="utf-8") as fh:
