@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.apps.serve.engine import Engine
-from kvtier.apps.serve.prompt_limits import encode_within
+from kvtier.apps.serve.prompt_limits import encode_within, refuse_overlong_chat
 from kvtier.apps.serve.segmenter import NoSegments, Segmenter
 from kvtier.base.errors import ConfigError
 from kvtier.base.metrics import Metrics
@@ -102,8 +102,12 @@ class Backend:
         """Token ids of ``messages`` rendered by the model's chat template, ready for the assistant's turn."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template: use /v1/completions", param="messages")
+        def encode(part: str) -> list[int]:
+            return self.tokenizer.encode(part, add_special_tokens=False)
+
+        refuse_overlong_chat(self.tokenizer.apply_chat_template, encode, messages, self.context)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return encode_within(lambda part: self.tokenizer.encode(part, add_special_tokens=False), text, self.context)
+        return encode_within(encode, text, self.context)
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt, or the given ids after a range check."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvtier.integrations.tokenize import CUT_MARGIN, FIRST_WINDOW_CHARS_PER_TOKEN, PromptTooLong
 from kvtier.web.errors import RequestError
 
-__all__ = ["CUT_MARGIN", "FIRST_WINDOW_CHARS_PER_TOKEN", "encode_within"]
+__all__ = ["CUT_MARGIN", "FIRST_WINDOW_CHARS_PER_TOKEN", "encode_within", "refuse_overlong_chat"]
 
 
 def encode_within(encode: Callable[[str], Sequence[int]], text: str, context: int) -> list[int]:
@@ -18,3 +19,22 @@ def encode_within(encode: Callable[[str], Sequence[int]], text: str, context: in
         return encode_bounded(encode, text, context)
     except PromptTooLong as exc:
         raise RequestError(str(exc), param="prompt") from exc
+
+
+def refuse_overlong_chat(render: Callable[..., Any], encode: Callable[[str], Sequence[int]],
+                         messages: list[dict[str, str]], context: int) -> None:
+    """RequestError(400) for a chat whose leading messages alone have more tokens than ``context``, found by
+    rendering only as many leading messages as hold twice the text of the first tokenizing window
+    (``render`` is the tokenizer's ``apply_chat_template``). A chat of 240k messages then costs the render of
+    its first few thousand, not of all of them. Returns quietly when the chat is short enough to be rendered
+    whole, when its leading messages fit, or when the template does not render a chat's start as the start of
+    its text (then the caller's whole render and ``encode_within`` decide, as before)."""
+    from kvtier.integrations.prompts import leading_messages
+
+    lead = leading_messages(messages, 2 * max(context, 1) * FIRST_WINDOW_CHARS_PER_TOKEN)
+    if lead == len(messages):
+        return
+    text = render(messages[:lead], add_generation_prompt=False, tokenize=False)
+    if lead >= 2 and not text.startswith(render(messages[: lead - 1], add_generation_prompt=False, tokenize=False)):
+        return
+    encode_within(encode, text, context)

@@ -130,3 +130,24 @@ def test_a_huge_prompt_is_refused_after_tokenizing_a_context_worth_off_the_event
         fits = c.post("/v1/completions", json={"prompt": SYSTEM, "max_tokens": 2})
         assert fits.status_code == 200
         assert fits.json()["usage"]["prompt_tokens"] == len(real_encode(SYSTEM))
+
+
+def test_a_chat_of_many_messages_is_refused_after_rendering_only_its_leading_ones(server, monkeypatch):
+    tokenizer, rendered = server.backend.tokenizer, []
+    real_render = tokenizer.apply_chat_template
+
+    def render(messages, *args, **kwargs):
+        rendered.append(len(messages))
+        return real_render(messages, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", render)
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} of a long chat"}
+            for i in range(40_000)]
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        response = c.post("/v1/chat/completions", json={"messages": many})
+        assert response.status_code == 400 and "context" in response.json()["error"]["message"]
+        assert rendered and max(rendered) < len(many) // 4  # the leading messages only, never all 40,000
+        rendered.clear()
+        short = [{"role": "user", "content": SYSTEM}]
+        fits = c.post("/v1/chat/completions", json={"messages": short, "max_tokens": 2})
+        assert fits.status_code == 200 and rendered == [1]  # a chat that fits is rendered once, whole
