@@ -91,8 +91,11 @@ class AdminOps:
             return exc.status, error_body(str(exc), exc.status, exc.param)
 
     def authorize(self, route: str, authorization: str | None) -> Caller:
-        """The caller of ``route`` (a path under PREFIX) by its Authorization header; RequestError 401 / 403."""
+        """The caller of ``route`` (a path under PREFIX) by its Authorization header; RequestError 401 / 403. A
+        server without tenant keys and without an admin key refuses everyone (403), whatever the header."""
         _, admin_only = _ROUTE[route]
+        if not self.tenant_keys and self.admin_key is None:
+            raise RequestError("this server has no admin key configured (admin_key_file or KVTIER_ADMIN_KEY)", 403)
         return authorize(authorization, self.admin_key, admin_only=admin_only or not self.tenant_keys)
 
     def run(self, route: str, caller: Caller, raw: bytes) -> dict[str, Any]:
