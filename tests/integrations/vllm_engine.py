@@ -11,6 +11,8 @@ lists), ``max_tokens``, ``kvtier`` (the connector's extra config, or null for pl
 * ``"metrics:<label>"`` (in-process engines only) record the worker's kvtier counters;
 * ``"prom:<label>"``  record the ``vllm:kvtier_*`` series of vLLM's Prometheus registry (needs ``log_stats``);
 * ``"scrape:<label>"`` record the text a worker serves on the connector's ``metrics_port`` (over HTTP);
+* ``"admin:<label>"`` make the calls ``SPEC["admin"][label]`` (``[method, path, body or null, key or null]``) to
+  the admin API on the connector's ``metrics_port`` and record each answer's ``status`` and ``json``;
 * ``"events:<label>"`` record the KV events vLLM published (``kv_events_port`` in SPEC turns vLLM's ZMQ
   publisher on) since the last such step, other than vLLM's own GPU blocks.
 
@@ -24,7 +26,10 @@ In-process engines also take these steps (vllm_faults.py):
 * ``"stream:<label>"`` prompt 0 alone, the others once it decodes; record every output;
 * ``"exit"`` add every prompt and stop (write the output, exit the process) while their loads run.
 
-SPEC may also set ``prefix_caching`` (vLLM's own, default true), ``num_blocks`` (vLLM's KV cache size in
+* ``"sleep:<seconds>"`` wait that long (a retention time passing).
+
+SPEC may set ``kv_transfer_params``: per prompt, the request's ``kv_transfer_params`` (or null), sent with every
+generate. SPEC may also set ``prefix_caching`` (vLLM's own, default true), ``num_blocks`` (vLLM's KV cache size in
 blocks) and ``max_num_seqs``.
 """
 
@@ -78,6 +83,19 @@ def _vllm_kvtier_series() -> dict[str, float]:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
                 out[f"{sample.name}{{{labels}}}"] = sample.value
     return out
+
+
+def _admin_call(port: int, method: str, path: str, body: object, key: str | None) -> dict:
+    import urllib.error
+
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return {"status": answer.status, "json": json.loads(answer.read())}
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code, "json": json.loads(exc.read())}
 
 
 class _EventLog:
@@ -159,6 +177,10 @@ def main(spec_path: str, out_path: str) -> None:
     print(f"engine started in {time.monotonic() - started:.1f} s", file=sys.stderr)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    if spec.get("kv_transfer_params"):
+        params = [params.clone() for _ in prompts]
+        for p, extra_params in zip(params, spec["kv_transfer_params"]):
+            p.extra_args = None if extra_params is None else {"kv_transfer_params": extra_params}
     out: dict[str, object] = {}
     for step in spec["steps"]:
         kind, _, arg = step.partition(":")
@@ -174,6 +196,10 @@ def main(spec_path: str, out_path: str) -> None:
         elif kind == "scrape":
             url = f"http://127.0.0.1:{spec['kvtier']['metrics_port']}/metrics"
             out[arg] = urllib.request.urlopen(url, timeout=10).read().decode()
+        elif kind == "admin":
+            out[arg] = [_admin_call(spec["kvtier"]["metrics_port"], *c) for c in spec["admin"][arg]]
+        elif kind == "sleep":
+            time.sleep(float(arg))
         elif kind == "events":
             assert log is not None, "events need kv_events_port in the spec"
             out[arg] = log.take()

@@ -1,5 +1,6 @@
-"""``kvtier cache``: look up, pin, unpin, clear and inspect the cache of a running ``kvtier serve`` or a whole
-fleet behind ``kvtier route`` (which fans each call out to its replicas), through their admin API (/admin/v1).
+"""``kvtier cache``: look up, pin, unpin, clear and inspect the cache of a running ``kvtier serve``, a whole
+fleet behind ``kvtier route`` (which fans each call out to its replicas) or one rank of vLLM's kvtier connector
+(its ``metrics_port``), through their admin API (/admin/v1).
 
     export KVTIER_ADMIN_KEY=...                              # or --key-file: the admin key, or a tenant's key
     kvtier cache lookup --url http://127.0.0.1:8000 --text "You are a helpful assistant."

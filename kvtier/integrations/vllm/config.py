@@ -9,7 +9,9 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
   folder ``kvtier-<uid>`` inside it that only this user can enter).
 * ``metrics_port``: if set, tensor-parallel rank ``r`` serves its cache's full metrics (histograms included,
   kvtier's exact names) at ``http://<metrics_host>:<metrics_port + r>/metrics``; ``metrics_host`` defaults
-  to loopback. vLLM's own ``/metrics`` carries the counters and gauges either way (prom.py).
+  to loopback. vLLM's own ``/metrics`` carries the counters and gauges either way (prom.py). The same port
+  answers kvtier's admin API (``/admin/v1``, admin.py) with the key in the file ``admin_key_file`` (its first
+  line), else ``KVTIER_ADMIN_KEY`` in the workers' environment; without either, admin calls are refused (403).
 * ``load_mode``: ``"async"`` (the default) loads a hit on the worker's own thread while vLLM runs other
   requests, the request waiting in ``WAITING_FOR_REMOTE_KVS``; ``"sync"`` loads it in ``start_load_kv``, before
   the forward pass of the step that computes the rest of its prompt (every request in that step waits).
@@ -31,7 +33,7 @@ from typing import Any
 from kvtier.base.errors import ConfigError
 from kvtier.core.config import CacheConfig
 
-_OWN_KEYS = ("model_id", "socket_dir", "metrics_host")
+_OWN_KEYS = ("model_id", "socket_dir", "metrics_host", "admin_key_file")
 LOAD_MODES = ("async", "sync")
 
 
@@ -42,6 +44,7 @@ class ConnectorConfig:
     socket_dir: str = tempfile.gettempdir()
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    admin_key_file: str | None = None
     load_mode: str = "async"
     load_timeout_s: float = 30.0
     lookup_timeout_s: float = 1.0

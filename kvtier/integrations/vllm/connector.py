@@ -19,9 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvtier.api.admin import admin_key_from
 from kvtier.base.errors import ConfigError
-from kvtier.base.metrics import MetricsServer
 from kvtier.core.cache import KVCache
+from kvtier.integrations.vllm.admin import AdminServer, token_prompt
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, TierEvents
 from kvtier.integrations.vllm.lookup import LookupClient, socket_path
@@ -77,7 +78,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._feed: MetricsFeed | None = None
         self._tier_events: TierEvents | None = None  # worker side, rank 0: kvtier's tier events for vLLM's
         self._scheduler_events = SchedulerEvents()  # scheduler side: what the workers sent
-        self._metrics_server: MetricsServer | None = None
+        self._metrics_server: AdminServer | None = None  # worker side: /metrics and the admin API
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 # A kvtier miss or corrupt chunk is always recomputable; failing the request would be wrong.
@@ -111,10 +112,19 @@ class KVTierConnector(KVConnectorBase_V1):
         if rank == 0 and events is not None and events.enable_kv_cache_events:
             self._tier_events = TierEvents(cache, self.config.event_media)
         if self.config.metrics_port is not None:
-            self._metrics_server = MetricsServer(cache.metrics, self.config.metrics_port + rank,
-                                                 self.config.metrics_host)
+            self._metrics_server = self._admin_server(cache, rank)
         log.info("kvtier: %d layers, spec %s, tiers %s", len(layers), paged.spec,
                  [t.name for t in cache.tiers])
+
+    def _admin_server(self, cache: KVCache, rank: int) -> AdminServer:
+        from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+        model = self._vllm_config.model_config
+        prompt = token_prompt(model.get_vocab_size(), model.max_model_len,
+                              lambda: cached_tokenizer_from_config(model))
+        assert self.config.metrics_port is not None
+        return AdminServer(cache, self.config.metrics_port + rank, self.config.metrics_host, name=self.model_id,
+                           prompt=prompt, admin_key=admin_key_from(self.config.admin_key_file))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVTierMetadata)

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +30,36 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger(__name__)
+
 
 def request_salt(request: Request) -> bytes:
     """What separates one request's KV from another's with the same tokens: the LoRA and the cache salt."""
     lora = request.lora_request.lora_name if request.lora_request is not None else ""
     salt = request.cache_salt or ""
     return f"lora={lora}\0salt={salt}".encode() if lora or salt else b""
+
+
+def request_ttl(request: Request) -> float | None:
+    """The retention time a request asks for its stores: ``kv_transfer_params={"kvtier": {"ttl_s": SECONDS}}``
+    (a positive, finite number), None without one.
+
+    Anything else there (a negative, zero, infinite or non-number ``ttl_s``, a ``kvtier`` value that is not an
+    object) is ignored with a warning, and the request is stored without a retention time: vLLM 0.32 has no
+    connector hook that rejects a request before scheduling, and raising in the scheduler's calls would fail
+    every request in the engine loop, not only this one. ``SchedulerSide.ignored_params`` counts them."""
+    params = getattr(request, "kv_transfer_params", None)
+    ours = params.get("kvtier") if isinstance(params, dict) else None
+    if ours is None:
+        return None
+    if not isinstance(ours, dict):
+        raise ValueError(f"kv_transfer_params.kvtier must be an object such as {{'ttl_s': 30}}, got {ours!r}")
+    ttl = ours.get("ttl_s")
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < float("inf"):
+        raise ValueError(f"kv_transfer_params.kvtier.ttl_s must be a positive number of seconds, got {ttl!r}")
+    return float(ttl)
 
 
 class SchedulerSide:
@@ -60,6 +85,8 @@ class SchedulerSide:
         self._acks: Counter[int] = Counter()
         self._req_jobs: Counter[str] = Counter()  # req_id -> its jobs not over on every rank
         self._next_job = 0
+        self._ttls: dict[str, float | None] = {}  # req_id -> its stores' retention time (request_ttl)
+        self.ignored_params = 0  #: requests whose kv_transfer_params for kvtier were malformed (ignored)
 
     def _keys(self, tokens: list[int], salt: bytes) -> list[ChunkHash]:
         """Scheduler-local chunk identities, only compared with each other (not kvtier's keys)."""
@@ -158,7 +185,19 @@ class SchedulerSide:
         self._in_flight.update(keys)
         self._req_jobs[req_id] += 1
         self._ordered[req_id] = n
-        self._saves.append(SaveSpec(req_id, job, pack_tokens(tokens), salt, list(block_ids())))
+        self._saves.append(SaveSpec(req_id, job, pack_tokens(tokens), salt, list(block_ids()), self._ttl(request)))
+
+    def _ttl(self, request: Request) -> float | None:
+        """``request_ttl`` once per request: a malformed value is warned about and counted once."""
+        req_id = request.request_id
+        if req_id not in self._ttls:
+            try:
+                self._ttls[req_id] = request_ttl(request)
+            except ValueError as exc:
+                self.ignored_params += 1
+                log.warning("kvtier: request %s: %s; ignored: its stores keep no retention time", req_id, exc)
+                self._ttls[req_id] = None
+        return self._ttls[req_id]
 
     def finished(self, request: Request, block_ids: list[int]) -> bool:
         """Order a save of the request's remaining computed full chunks; True when vLLM must keep its blocks
@@ -171,6 +210,7 @@ class SchedulerSide:
             n = min(request.num_computed_tokens, len(block_ids) * self.block_size)
             self._order_save(request, n, lambda: block_ids)
         self._hits.pop(req_id, None)
+        self._ttls.pop(req_id, None)
         self._ordered.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
         self._recompute.discard(req_id)

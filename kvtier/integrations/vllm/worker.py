@@ -138,7 +138,7 @@ class WorkerSide:
             stored = 0
             try:
                 stored = self.cache.store(unpack_tokens(spec.tokens), _JobSource(self.paged, spec, self._cancelled),
-                                          salt=spec.salt)
+                                          salt=spec.salt, ttl_s=spec.ttl_s)
             except _Cancelled:
                 log.debug("kvtier: save of preempted request %s cut short", spec.req_id)
             except Exception:  # a bug must not keep vLLM's blocks forever: log it, report the job done

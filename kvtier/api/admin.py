@@ -1,0 +1,171 @@
+"""The admin API's shared parts: who is calling, the request bodies, and the OpenAPI description.
+
+``kvtier serve`` answers the admin API for its own cache and the vLLM connector's per-rank metrics server for
+its rank's (both through kvtier.api.admin_ops); ``kvtier route`` fans each call out to its replicas and merges
+their answers (kvtier.apps.route.admin). All use this module, so a body one accepts the others do too, and one
+OpenAPI document describes them.
+
+Who may do what (``authorize``), by the ``Authorization: Bearer <key>`` header:
+
+* no header (or a malformed one): 401, for every admin route;
+* the **admin key** (``--admin-key-file``, else ``KVTIER_ADMIN_KEY``; compared in constant time): everything;
+* any other key is a **tenant key**, the same key the tenant sends with its completions: it may look up and
+  clear its own tenant's entries (the cache salt its key derives, kvtier.web.tenants), nothing else. Naming a
+  tenant, clearing beyond its own entries, pinning, unpinning and stats are 403. A server with no admin key
+  configured answers 403 to every admin-only call.
+
+Bodies are JSON objects checked by msgspec, strictly (no coercion, no unknown field): a prompt is ``tokens``
+(token ids) or ``text`` (tokenized by the server's tokenizer as a completion prompt), exactly one of them;
+``tenant`` (admin only) is a tenant name from the cache config's ``tenants``, or ``default`` (the empty salt).
+Anything else is a 400 that names the field (an unknown tenant name a 404, a pin past a tier's pin budget a 409),
+and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from kvtier.api.errors import RequestError
+from kvtier.api.tenants import api_key, tenant_salt
+
+PREFIX = "/admin/v1"
+ADMIN_KEY_ENV = "KVTIER_ADMIN_KEY"
+MAX_TOKENS = 1 << 20  #: token ids one admin call may name
+
+
+class LookupBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /admin/v1/lookup``: how much of a prompt is cached, in all tiers together and in each."""
+
+    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
+    text: str | None = None
+    tenant: str | None = None  #: admin only: a configured tenant name or ``default``
+
+
+class PinBody(LookupBody, forbid_unknown_fields=True, kw_only=True):
+    """``POST /admin/v1/pin`` and ``/unpin``: the prompt's cached prefix, in ``tiers`` (by name; all that can pin
+    when absent)."""
+
+    tiers: list[str] | None = None
+
+
+class ClearBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /admin/v1/clear``: ``tenant`` scope clears one tenant's entries (the caller's own for a tenant key,
+    the named one for the admin), ``model`` this model's, ``all`` everything every tier holds."""
+
+    scope: Literal["tenant", "model", "all"] = "tenant"
+    tenant: str | None = None
+
+
+#: Every admin route: (method, path under PREFIX, body or None, admin only, summary).
+ROUTES: tuple[tuple[str, str, type | None, bool, str], ...] = (
+    ("post", "/lookup", LookupBody, False, "Cached prefix tokens of a prompt, in all tiers and per tier"),
+    ("post", "/pin", PinBody, True, "Pin a prompt's cached prefix (never evicted, never expires)"),
+    ("post", "/unpin", PinBody, True, "Release the pins of a prompt's prefix"),
+    ("post", "/clear", ClearBody, False, "Remove a tenant's, this model's or every entry from every tier"),
+    ("get", "/stats", None, True, "Entries, bytes, pins, tenants and admission per tier"),
+)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling: the admin, or a tenant (its cache salt)."""
+
+    admin: bool
+    salt: bytes = b""
+
+    @property
+    def label(self) -> str:
+        """For logs: ``admin`` or the tenant's salt prefix (no secret: the salt is a digest of the key)."""
+        return "admin" if self.admin else f"tenant {self.salt.hex()[:12]}"
+
+
+def admin_key_from(path: str | None, environ: dict[str, str] | os._Environ | None = None) -> str | None:
+    """The admin key: the first line of the file at ``path``, else ``KVTIER_ADMIN_KEY``; None when neither is set.
+    A RequestError is not the right error for a start-up problem: OSError / ValueError propagate."""
+    if path:
+        with open(path, encoding="utf-8") as fh:
+            key = fh.readline().strip()
+        if not key:
+            raise ValueError(f"the admin key file {path} is empty")
+        return key
+    env = os.environ if environ is None else environ
+    return env.get(ADMIN_KEY_ENV) or None
+
+
+def authorize(header: str | None, admin_key: str | None, *, admin_only: bool) -> Caller:
+    """The caller of an admin route (see the module docstring); RequestError 401 / 403 otherwise."""
+    key = api_key(header)
+    if key is None:
+        raise RequestError("the admin API needs 'Authorization: Bearer <key>' (the admin key or a tenant key)", 401)
+    if admin_key is not None and hmac.compare_digest(key.encode(), admin_key.encode()):
+        return Caller(admin=True)
+    if admin_only:
+        raise RequestError("this admin call needs the admin key" if admin_key is not None else
+                           "this server has no admin key configured (--admin-key-file or KVTIER_ADMIN_KEY)", 403)
+    return Caller(admin=False, salt=tenant_salt(key))
+
+
+def parse_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
+    """``raw`` as ``kind``: strict JSON, strict types; a 400 naming the field otherwise."""
+    try:
+        value = msgspec.json.decode(raw) if raw.strip() else {}
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        body = msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        where = re.search(r"at `\$\.(\w+)", str(exc)) or re.search(r"field `(\w+)`", str(exc))
+        raise RequestError(f"invalid request: {exc}", param=where.group(1) if where else None) from None
+    if isinstance(body, LookupBody) and (body.tokens is None) == (body.text is None):
+        raise RequestError("give the prompt as exactly one of tokens or text", param="tokens")
+    if isinstance(body, LookupBody) and body.tokens is not None and not body.tokens:
+        raise RequestError("tokens must not be empty", param="tokens")
+    return body
+
+
+def check_scope(caller: Caller, tenant: str | None, scope: str = "tenant") -> None:
+    """403 unless ``caller`` may act on ``tenant`` (a name from the body) in ``scope``: a tenant key names no
+    tenant and clears only its own entries."""
+    if caller.admin:
+        return
+    if tenant is not None:
+        raise RequestError("a tenant key acts on its own tenant only: drop 'tenant'", 403, param="tenant")
+    if scope != "tenant":
+        raise RequestError(f"clearing scope {scope!r} needs the admin key; a tenant key clears its own entries", 403,
+                           param="scope")
+
+
+def openapi(title: str = "kvtier admin API", version: str = "1") -> dict[str, Any]:
+    """The OpenAPI 3.1 description of every route in ``ROUTES``, schemas from the msgspec bodies."""
+    bodies = [body for _, _, body, _, _ in ROUTES if body is not None]
+    (refs, components) = msgspec.json.schema_components(bodies, ref_template="#/components/schemas/{name}")
+    ref_of = dict(zip(bodies, refs))
+    errors = {"401": {"description": "no or malformed Authorization header"},
+              "403": {"description": "the key may not do this (a tenant key, or no admin key configured)"},
+              "400": {"description": "malformed body, unknown field or tier (nothing changed)"},
+              "404": {"description": "unknown tenant name (nothing changed)"},
+              "409": {"description": "a pin past a tier's pin budget, or no cache (nothing changed)"}}
+    paths: dict[str, Any] = {}
+    for method, path, body, admin_only, summary in ROUTES:
+        op: dict[str, Any] = {"summary": summary, "security": [{"bearer": []}],
+                              "responses": {"200": {"description": "done; JSON answer"}, **errors}}
+        if admin_only:
+            op["description"] = "Admin key only."
+        else:
+            op["description"] = "Admin key, or a tenant key for the tenant's own entries."
+        if body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref_of[body]}}}
+        paths[PREFIX + path] = {method: op}
+    paths[PREFIX + "/openapi.json"] = {"get": {"summary": "This description", "responses": {
+        "200": {"description": "OpenAPI 3.1 JSON"}}}}
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
+            "components": {"schemas": components,
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}

@@ -1,0 +1,141 @@
+"""The connector's per-rank HTTP server: the rank's cache metrics at ``/metrics`` and kvtier's admin API under
+``/admin/v1`` (the same calls, bodies and answers as ``kvtier serve``: kvtier.api.admin_ops), on one port.
+
+Started by the worker side of the connector when ``metrics_port`` is set (rank ``r`` on ``metrics_port + r``,
+bound to ``metrics_host``), so ``kvtier cache --url http://host:port`` works against each rank.
+
+* ``GET /metrics``: Prometheus text of the rank's cache, open as before (no key).
+* ``/admin/v1/*``: the admin key only, from ``admin_key_file`` in the connector's config, else
+  ``KVTIER_ADMIN_KEY`` in the worker's environment. vLLM's requests carry no kvtier tenant keys (their tenants
+  are ``cache_salt`` values), so a tenant key is a 403 here. Without an admin key every admin call answers
+  **403**, not 404: the routes exist (``GET /admin/v1/openapi.json`` still describes them) and a 403 tells the
+  operator that the server needs a key configured, where a 404 would look like a kvtier without the API.
+* A prompt is ``tokens`` (checked against the model's vocabulary and ``max_model_len``) or ``text``, tokenized
+  by the model's tokenizer, loaded in the worker on the first text call (a 400 when vLLM runs without one).
+
+A standard-library ``ThreadingHTTPServer`` on a daemon thread, one thread per connection: the simplest server
+that serves both plain Prometheus text and JSON calls without an event loop in vLLM's worker process (the
+previous ``prometheus_client.start_http_server`` is the same kind of server, with /metrics only). Admin calls
+run tier I/O on that thread, never on vLLM's forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import msgspec
+
+from kvtier.api.admin import PREFIX
+from kvtier.api.admin_ops import AdminOps, PromptFn
+from kvtier.api.errors import RequestError, error_body
+from kvtier.base.metrics import CONTENT_TYPE
+from kvtier.core.cache import KVCache
+
+log = logging.getLogger(__name__)
+MAX_ADMIN_BODY = 16 << 20
+
+
+def token_prompt(vocab_size: int, max_tokens: int, tokenizer: Callable[[], Any] | None = None) -> PromptFn:
+    """A prompt checker: token ids within ``[0, vocab_size)`` and at most ``max_tokens`` of them; text through
+    ``tokenizer()`` (called once, on the first text prompt; None or a failure: text is a 400)."""
+    loaded: list[Any] = []
+
+    def prompt(value: str | list[int]) -> list[int]:
+        if isinstance(value, str):
+            if not loaded:
+                try:
+                    loaded.append(tokenizer() if tokenizer is not None else None)
+                except Exception as exc:  # noqa: BLE001 - any loader failure means "no tokenizer"
+                    log.warning("kvtier admin: no tokenizer for text prompts: %s", exc)
+                    loaded.append(None)
+            if loaded[0] is None:
+                raise RequestError("this server has no tokenizer: give the prompt as tokens", param="text")
+            ids = list(loaded[0].encode(value))
+        else:
+            ids = list(value)
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+        if not ids:
+            raise RequestError("the prompt has no tokens", param="text")
+        if len(ids) > max_tokens:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len {max_tokens}",
+                               param="tokens")
+        return ids
+
+    return prompt
+
+
+class AdminServer:
+    """``cache``'s metrics and admin API at ``http://host:port`` (port 0: any free port; ``self.port`` says which)
+    from a daemon thread, until ``close``."""
+
+    def __init__(self, cache: KVCache, port: int, host: str, *, name: str, prompt: PromptFn,
+                 admin_key: str | None) -> None:
+        self.ops = AdminOps(lambda: cache, name=name, prompt=prompt, admin_key=admin_key, tenant_keys=False)
+        self._server = ThreadingHTTPServer((host, port), _handler(cache, self.ops))
+        self._server.daemon_threads = True
+        self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name=f"kvtier-admin-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+        log.info("kvtier: metrics and admin API at http://%s:%d (admin key %s)", host, self.port,
+                 "configured" if admin_key else "not configured: admin calls are refused")
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def _handler(cache: KVCache, ops: AdminOps) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            path = self.path.partition("?")[0]
+            if path == "/metrics":
+                self._send(200, cache.metrics.render_prometheus().encode(), CONTENT_TYPE)
+            else:
+                self._admin("GET", path, b"")
+
+        def do_POST(self) -> None:  # noqa: N802
+            try:
+                length = int(self.headers.get("content-length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_ADMIN_BODY:
+                self._json(413, error_body(f"the body must be 0 to {MAX_ADMIN_BODY} bytes with a Content-Length", 413))
+                self.close_connection = True
+                return
+            self._admin("POST", self.path.partition("?")[0], self.rfile.read(length))
+
+        def _admin(self, method: str, path: str, raw: bytes) -> None:
+            if not path.startswith(PREFIX + "/"):
+                self._json(404, error_body(f"no route {path}: /metrics and {PREFIX}/*", 404))
+                return
+            try:
+                status, answer = ops.handle(method, path, self.headers.get("authorization"), raw)
+            except Exception as exc:  # noqa: BLE001 - a failed call answers 500; the server stays up
+                log.exception("kvtier admin %s %s failed", method, path)
+                status, answer = 500, error_body(f"{type(exc).__name__}: {exc}", 500)
+            self._json(status, answer)
+
+        def _json(self, status: int, answer: dict[str, Any]) -> None:
+            self._send(status, msgspec.json.encode(answer), "application/json")
+
+        def _send(self, status: int, data: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: no line per scrape
+            log.debug("kvtier admin: " + format, *args)
+
+    return Handler
