@@ -42,7 +42,8 @@ from kvtier.tiers import Flushable  # noqa: E402
 CODECS = ["raw", "lossless", "int8", "int4", "cachegen"]
 CHUNK = 256
 _ROOT = Path(__file__).resolve().parents[1]
-DOCS = next((p for p in (Path(os.environ.get("KVTIER_WORKLOADS", "/nonexistent")), _ROOT.parent / "shared" / "workloads",
+DOCS = next((p for p in (Path(os.environ.get("KVTIER_WORKLOADS", "/nonexistent")),
+                         _ROOT.parent / "shared" / "workloads",
                          _ROOT.parent.parent / "shared" / "workloads") if p.is_dir()), None)
 
 
@@ -85,7 +86,8 @@ class TiledSource:
 
 def tier_configs(kind: str, codec: str, where: str) -> tuple:
     if kind == "disk":
-        return ({"kind": "disk", "path": f"{where}/{codec}", "codec": codec, "capacity_bytes": "64GiB", "fsync": False},)
+        return ({"kind": "disk", "path": f"{where}/{codec}", "codec": codec, "capacity_bytes": "64GiB",
+                 "fsync": False},)
     return ({"kind": "redis", "url": where, "codec": codec, "key_prefix": f"bench:{codec}:", "timeout_s": 30.0},)
 
 
@@ -100,7 +102,8 @@ def measure_tier(kind: str, where: str, spec: KVSpec, source: TiledSource, n_chu
     times: dict[str, list[float]] = {c: [] for c in codecs}
     try:
         for codec, cache in caches.items():
-            assert cache.tiers[0].codec.name == codec, f"{kind} tier built with {cache.tiers[0].codec.name}, not {codec}"
+            built = cache.tiers[0].codec.name
+            assert built == codec, f"{kind} tier built with {built}, not {codec}"
         for codec, cache in tqdm(caches.items(), desc=f"store into {kind}", leave=False):
             while cache.lookup(tokens) < len(tokens):  # a disk tier turns stores away while its queue is full
                 cache.store(tokens, source)

@@ -33,8 +33,9 @@ from kvtier.codecs import get_codec
 
 # The workloads folder: $KVTIER_WORKLOADS, else shared/ beside the repository (CI) or its worktree parent.
 _ROOT = Path(__file__).resolve().parents[1]
-DOCS = next((p for p in (Path(os.environ.get("KVTIER_WORKLOADS", "/nonexistent")), _ROOT.parent / "shared" / "workloads",
-                         _ROOT.parent.parent / "shared" / "workloads") if p.is_dir()), _ROOT.parent / "shared" / "workloads")
+DOCS = next((p for p in (Path(os.environ.get("KVTIER_WORKLOADS", "/nonexistent")),
+                         _ROOT.parent / "shared" / "workloads", _ROOT.parent.parent / "shared" / "workloads")
+             if p.is_dir()), _ROOT.parent / "shared" / "workloads")
 CODECS = ["raw", "lossless", "lossless-z1", "lossless-lz4", "int8", "int4", "cachegen"]
 CHUNK = 256
 
@@ -250,7 +251,8 @@ def main() -> None:
     torch.set_num_threads(1)  # codec throughput per core; the model runs on the same single thread
     rows = measure(args)
     print(table(rows))
-    print("entropy coders on cachegen symbols:", json.dumps({k: round(v, 3) for k, v in rows["_entropy_coders"].items()}))
+    coders = {k: round(v, 3) for k, v in rows["_entropy_coders"].items()}
+    print("entropy coders on cachegen symbols:", json.dumps(coders))
     if args.plot:
         plot(rows, args.plot)
     figures = {name: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for name, r in rows.items()

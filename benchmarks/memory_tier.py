@@ -75,7 +75,8 @@ def main() -> None:
     long_tokens = np.random.default_rng(0).integers(0, 128_000, 131_072, dtype=np.uint32)
     # Fill the index for all 512 chunks with one small chunk each (lookup cost does not depend on chunk bytes).
     small_spec_cache = KVCache(KVSpec(1, 1, 8, torch.bfloat16), "bench/index-only",
-                               CacheConfig(chunk_size=args.chunk_size, tiers=[{"kind": "memory", "capacity_bytes": 64 << 20}]))
+                               CacheConfig(chunk_size=args.chunk_size,
+                                           tiers=[{"kind": "memory", "capacity_bytes": 64 << 20}]))
     small_spec_cache.store(long_tokens, torch.zeros(1, 2, len(long_tokens), 1, 8, dtype=torch.bfloat16))
     assert small_spec_cache.lookup(long_tokens) == len(long_tokens)
     as_list = long_tokens.tolist()

@@ -53,7 +53,10 @@ def main() -> None:
     report.plot([on, off], out / "multiround.png")
 
     failed = [r for r in on.results + off.results if r.status != 200]
-    same = sorted((r.round, r.user, r.text) for r in on.results) == sorted((r.round, r.user, r.text) for r in off.results)
+    def answers(results):
+        return sorted((r.round, r.user, r.text) for r in results)
+
+    same = answers(on.results) == answers(off.results)
     ttft_on, ttft_off, prompts = report.ttft_by_round(on), report.ttft_by_round(off), report.prompt_by_round(on)
     rounds = sorted(set(ttft_on) & set(ttft_off))
     speedups = {k: ttft_off[k] / ttft_on[k] for k in rounds}

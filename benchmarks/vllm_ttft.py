@@ -98,7 +98,8 @@ def engine(spec: dict) -> dict:
 def run_engine(spec: dict, workdir: Path, name: str) -> dict:
     spec_path, out_path = workdir / f"{name}.json", workdir / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     subprocess.run([sys.executable, __file__, "--engine", str(spec_path), str(out_path)], env=env, check=True,
                    stdout=subprocess.DEVNULL if not os.environ.get("KVTIER_BENCH_VERBOSE") else None)
     return json.loads(out_path.read_text())

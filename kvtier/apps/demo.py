@@ -54,10 +54,12 @@ def run(args: argparse.Namespace) -> int:
         cold = plain.generate(ids, args.max_new_tokens, stop_ids=stop)
         warm = cached.generate(ids, args.max_new_tokens, stop_ids=stop)
         answer = tokenizer.decode(warm.output_ids, skip_special_tokens=True).strip()
-        rows.append((question, len(ids), warm.cached_tokens, cold.ttft_s, warm.ttft_s, cold.output_ids == warm.output_ids))
+        same = cold.output_ids == warm.output_ids
+        rows.append((question, len(ids), warm.cached_tokens, cold.ttft_s, warm.ttft_s, same))
         print(f"Q: {question}\nA: {answer}\n")
 
-    print(f"{'question':<8}{'prompt':>8}{'cached':>8}{'TTFT cold':>11}{'TTFT kvtier':>13}{'speed-up':>10}{'same answer':>13}")
+    print(f"{'question':<8}{'prompt':>8}{'cached':>8}{'TTFT cold':>11}{'TTFT kvtier':>13}"
+          f"{'speed-up':>10}{'same answer':>13}")
     for i, (_, n, hit, cold_s, warm_s, same) in enumerate(rows, 1):
         print(f"{i:<8}{n:>8}{hit:>8}{cold_s:>10.2f}s{warm_s:>12.2f}s{cold_s / warm_s:>9.1f}x{str(same):>13}")
     metrics = cached.cache.metrics

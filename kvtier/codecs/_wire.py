@@ -27,7 +27,8 @@ class PartsPayload:
     __slots__ = ("_nbytes", "_parts")
 
     def __init__(self, parts: Sequence[bytes | bytearray | memoryview | np.ndarray]) -> None:
-        self._parts = [memoryview(p).cast("B") if not isinstance(p, np.ndarray) else memoryview(p.reshape(-1).view(np.uint8))
+        self._parts = [memoryview(p).cast("B") if not isinstance(p, np.ndarray)
+                       else memoryview(p.reshape(-1).view(np.uint8))
                        for p in parts]
         self._nbytes = sum(p.nbytes for p in self._parts)
 

@@ -134,7 +134,8 @@ class GroupQuantCodec:
         rotated = bool(flags & _ROTATED)
         bad_dim = g < 1 or dim % g or (bits == 4 and dim % 2) or (rotated and not can_rotate(dim))
         if version != _VERSION or bits != self.bits or bad_dim or flags & ~_ROTATED:
-            raise CodecError(f"{self.name}: payload v{version}, {bits} bits, group {g}, flags {flags} does not fit {shape}")
+            raise CodecError(f"{self.name}: payload v{version}, {bits} bits, group {g}, flags {flags} "
+                             f"does not fit {shape}")
         numel = layers * two * tokens * heads * dim
         groups = numel // g
         scale = reader.tensor(groups, "<f2").float()  # per group: 1/g of the chunk, converted once

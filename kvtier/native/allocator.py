@@ -41,7 +41,9 @@ class Allocator:
         """Return a slot obtained from ``alloc(nbytes)``."""
         size = self.rounded(max(nbytes, 1))
         i = bisect.bisect_left(self._starts, offset)
-        if i < len(self._starts) and self._starts[i] < offset + size or i and self._starts[i - 1] + self._sizes[i - 1] > offset:
+        overlaps_next = i < len(self._starts) and self._starts[i] < offset + size
+        overlaps_previous = i and self._starts[i - 1] + self._sizes[i - 1] > offset
+        if overlaps_next or overlaps_previous:
             raise ValueError(f"double free or overlap at offset {offset}")
         self.used -= size
         # merge with the following block

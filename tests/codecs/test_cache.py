@@ -64,7 +64,8 @@ def _blob_of(cache: KVCache, key: bytes) -> bytearray:
         return bytearray(view)
 
 
-DAMAGE = [(c, d) for c in ("lossless", "int8", "int4", "cachegen") for d in ("truncate", "extend", "payload_header", "params")]
+DAMAGE = [(c, d) for c in ("lossless", "int8", "int4", "cachegen")
+          for d in ("truncate", "extend", "payload_header", "params")]
 DAMAGE += [("lossless", "frame"), ("cachegen", "frame")]  # int8/int4 have no frames: fixed-size fields only
 
 

@@ -37,7 +37,8 @@ def _special_values(dtype: torch.dtype, shape=(2, 2, 256, 4, 128), seed: int = 0
     flat = x.view(-1)
     at = torch.randint(0, flat.numel(), (4096,), generator=gen)
     flat[at] = specials[torch.arange(4096) % len(specials)]
-    flat.view(BITS[dtype.itemsize])[:8] = torch.tensor([0x7FC1, 0xFFC3, 0x7F81, 1, 2, 0x8001, 0x7FFF, -1]).to(BITS[dtype.itemsize])  # payload NaNs, subnormals
+    special = torch.tensor([0x7FC1, 0xFFC3, 0x7F81, 1, 2, 0x8001, 0x7FFF, -1])  # payload NaNs, subnormals
+    flat.view(BITS[dtype.itemsize])[:8] = special.to(BITS[dtype.itemsize])
     return x
 
 

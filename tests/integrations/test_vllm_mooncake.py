@@ -34,7 +34,7 @@ def pool_tiers(master: MooncakeMaster) -> str:
     return json.dumps({"chunk_size": CHUNK, "tiers": [tier]})
 
 
-def test_second_engine_process_loads_the_first_ones_prefixes_from_the_pool(engine, pool):
+def test_second_engine_process_loads_the_first_ones_prefixes_from_the_pool(engine, pool):  # noqa: F811 (fixture)
     # each engine in one process (scheduler and worker together: a quarter of the start-up time of vLLM's
     # default layout here, which tests/integrations/test_vllm.py covers)
     first = engine("pool-first", pool_tiers(pool), ("gen:cold", "reset", "gen:warm"), in_process=True)

@@ -24,7 +24,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_kernel_builds_on_this_machine() -> None:
-    assert bulkcopy.available(), "llvmlite is a dependency: the streaming kernel must build on the machines CI runs on (x86-64)"
+    assert bulkcopy.available(), \
+        "llvmlite is a dependency: the streaming kernel must build on the machines CI runs on (x86-64)"
 
 
 def test_chunks_of_canonical_kv_copy_exactly_and_nothing_else_is_written() -> None:
