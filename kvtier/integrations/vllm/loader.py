@@ -13,6 +13,9 @@ Contract with vLLM (0.32, ``get_num_new_matched_tokens`` returning ``(n, True)``
   already queued are waited for. A closed load is reported at once; the retrieve may run on inside a slow tier,
   but it can no longer touch vLLM's blocks, which vLLM may then reuse.
 * A load is reported exactly once, with its error blocks in the same ``finished()`` answer.
+* A load reads only the chunks from the one holding ``first_token`` (:func:`retrieve_spec`): the chunks below
+  it are vLLM's own prefix-cache hit, so they are neither read nor counted in ``kvtier_hit_tokens_total``. A
+  closed load's sink refuses writes by raising, so the retrieve ends without counting any of that load's hits.
 """
 
 from __future__ import annotations
@@ -34,6 +37,40 @@ from kvtier.integrations.vllm.paged import PagedKV, PagedSink
 log = logging.getLogger(__name__)
 
 
+class _Closed(Exception):
+    """A write into a closed load: the retrieve ends here and counts none of this load's hits."""
+
+
+class _Shifted:
+    """A KVSink for a retrieve that starts ``base`` tokens into the request: writes go to ``sink`` shifted."""
+
+    def __init__(self, sink, base: int) -> None:
+        self.sink, self.base = sink, base
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.sink.write(start + self.base, end + self.base, chunk)
+
+    def settle(self) -> None:
+        self.sink.settle()
+
+
+def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
+    """Retrieve ``spec``'s chunks from the one holding ``spec.first_token`` into ``sink`` (absolute token
+    positions); returns the end of the verified run from token 0 (the chunks before the first read count as
+    present: vLLM holds them). Only the chunks read count as hits in kvtier's metrics; the tiers' eviction order
+    learns the whole chain, the chunks not read included (a chain's root must not leave before its tail)."""
+    tokens, size = unpack_tokens(spec.tokens), cache.chunk_size
+    skip = spec.first_token // size
+    chain = cache.keys(tokens, salt=spec.salt)
+    keys = chain[skip:]
+    if not keys:
+        return skip * size
+    good = cache.retrieve_keyed(keys, tokens[skip * size : (skip + len(keys)) * size], _Shifted(sink, skip * size))
+    if skip and good:  # the request used its whole chain: its root must not leave a tier before the chunks read
+        cache.chain.order_chain(chain[: skip + good])
+    return (skip + good) * size
+
+
 @dataclass
 class _Load:
     """One request's load: its sink, guarded so it can be closed from another thread."""
@@ -50,7 +87,7 @@ class _Load:
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
         with self.lock:
             if self.closed:
-                return  # closed: vLLM may own these blocks again
+                raise _Closed(self.spec.req_id)  # vLLM may own these blocks again
             self.sink.write(start, end, chunk)
             self.written.add(start)
 
@@ -66,8 +103,8 @@ class _Load:
             return True
 
     def written_prefix(self) -> int:
-        """Tokens from 0 covered by written chunks, without a gap."""
-        end = 0
+        """Tokens from 0 covered by vLLM's own hit and the written chunks after it, without a gap."""
+        end = self.spec.first_token - self.spec.first_token % self.chunk_size
         while end in self.written:
             end += self.chunk_size
         return end
@@ -103,8 +140,7 @@ class AsyncLoads:
                     continue  # past its deadline or cancelled while queued: reported already
                 got = 0
                 try:
-                    _, got = self.cache.retrieve(unpack_tokens(load.spec.tokens), load, salt=load.spec.salt,
-                                                 max_tokens=len(load.spec.tokens) // 4)
+                    got = retrieve_spec(self.cache, load.spec, load)
                 except Exception as exc:  # a bug or a sink error: what did not arrive is recomputed
                     if load.closed or _interpreter_exiting(exc):  # reported already, or the process is ending
                         log.debug("kvtier: closed load of request %s ended in an error", load.spec.req_id)
