@@ -56,6 +56,9 @@ FULL = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=
 MEDIUM = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=16, concurrency=(4,),
               random_len=1024, random_prompts=8, random_reps=1, itl_prefix=4096, itl_loads=3, streams=3,
               stream_tokens=300)
+#: ``--itl-only`` arms: a disk-tier server each, with these connector settings added
+ITL_ARMS = {"sync": {"load_mode": "sync"}, "async": {"load_mode": "async", "load_nice": 0},
+            "async-nice": {"load_mode": "async", "load_nice": 19}}
 QUICK = dict(prefixes=8, prefix_len=512, suffix_len=32, output_len=8, prompts=16, concurrency=(4,),
              random_len=512, random_prompts=8, random_reps=1, itl_prefix=512, itl_loads=1, streams=2,
              stream_tokens=100)
@@ -93,10 +96,12 @@ class Bench:
         self.itl: dict[str, dict] = {}
         self.notes: list[str] = []
 
-    def server(self, label: str, tiers: list[dict] | None, mode: str | None) -> VllmServer:
+    def server(self, label: str, tiers: list[dict] | None, mode: str | dict | None) -> VllmServer:
+        """``mode``: the connector's ``load_mode``, or a dict of settings (``ITL_ARMS``)."""
         kvtier = None
         if tiers is not None:
-            kvtier = {"chunk_size": CHUNK, "tiers": tiers, **({"load_mode": mode} if mode else {})}
+            extra = mode if isinstance(mode, dict) else {"load_mode": mode} if mode else {}
+            kvtier = {"chunk_size": CHUNK, "tiers": tiers, **extra}
         args = ("--served-model-name", NAME, "--block-size", str(BLOCK), "--max-model-len", str(self.max_len),
                 "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16",
                 "--num-gpu-blocks-override", str(self.blocks))
@@ -201,6 +206,12 @@ def main() -> None:
     parser.add_argument("--no-redis", action="store_true", help="leave out the Redis rows")
     parser.add_argument("--itl-prefix", type=int, metavar="TOKENS",
                         help="prefix length of the ITL-while-loading probe (the full run's 4,096 in a --quick run)")
+    parser.add_argument("--itl-only", metavar="ARMS", help="only the ITL-while-loading probe, on one disk-tier "
+                        f"server per arm (comma-separated, of {', '.join(ITL_ARMS)})")
+    parser.add_argument("--itl-loads", type=int, metavar="N", help="prefixes the ITL probe loads (each followed by "
+                        "its control request)")
+    parser.add_argument("--scaling", metavar="C1,C2", help="only the memory tier (asynchronous loads) on the prefix "
+                        "workload at these numbers of requests in flight, with vLLM's preemptions per run")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
     if args.report:
@@ -216,8 +227,17 @@ def main() -> None:
     size = dict(QUICK if args.quick else MEDIUM if args.medium else FULL)
     if args.itl_prefix:
         size["itl_prefix"] = args.itl_prefix
+    if args.itl_loads:
+        size["itl_loads"] = args.itl_loads
+        size["stream_tokens"] = max(size["stream_tokens"], 150 + 80 * args.itl_loads)  # streams outlast the loads
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.itl_only:
+        itl_only(size, out, args.itl_only.split(","))
+        return
+    if args.scaling:
+        scaling(size, out, [int(c) for c in args.scaling.split(",")])
+        return
     modes = load_modes()
     memory = [{"kind": "memory", "capacity_bytes": "4GiB"}]
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-serve-") as tmp:
@@ -292,6 +312,38 @@ def main() -> None:
     bench.notes.append(f"vLLM's prefix cache: {bench.blocks} blocks of {BLOCK} tokens (a quarter of the prefix "
                        f"workload); load average {os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} CPUs")
     report({"quick": args.quick, "size": size, "load_modes": modes, "rows": rows, "itl": bench.itl,
+            "notes": bench.notes, "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
+
+
+def itl_only(size: dict, out: Path, arms: list[str]) -> None:
+    """The ITL probe alone, one disk-tier server per arm, in the order given (all started first)."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-itl-") as tmp, ExitStack() as stack:
+        bench = Bench(size, out, Path(tmp))
+        disks = {arm: bench.work / f"disk-{arm}" for arm in arms}
+        servers = {arm: bench.server(f"itl {arm}", [{"kind": "disk", "path": str(disks[arm]),
+                                                      "capacity_bytes": "16GiB", "write_queue_depth": 64}],
+                                     ITL_ARMS[arm]) for arm in arms}
+        _start(stack, *servers.values())
+        for arm, server in servers.items():
+            load = os.getloadavg()[0]
+            bench.itl_probe(server, arm, disks[arm])
+            bench.itl[arm]["loadavg"] = (load + os.getloadavg()[0]) / 2
+            print(arm, json.dumps(bench.itl[arm]), flush=True)
+    report({"quick": False, "size": size, "load_modes": arms, "rows": [], "itl": bench.itl, "notes": bench.notes,
+            "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
+
+
+def scaling(size: dict, out: Path, levels: list[int]) -> None:
+    """The memory tier alone at each level of requests in flight, after one warm-up run (no vLLM alone)."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-scaling-") as tmp, ExitStack() as stack:
+        bench = Bench(size, out, Path(tmp))
+        mem = bench.server("memory", [{"kind": "memory", "capacity_bytes": "4GiB"}], None)
+        _start(stack, mem)
+        bench.warm(mem)
+        for c in levels:
+            row = bench.run(mem, "kvtier memory", "prefix", c, seed=0)
+            print(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}), flush=True)
+    report({"quick": False, "size": size, "load_modes": ["async"], "rows": compare(bench.rows), "itl": {},
             "notes": bench.notes, "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
 

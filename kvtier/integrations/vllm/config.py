@@ -15,6 +15,9 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
   the forward pass of the step that computes the rest of its prompt (every request in that step waits).
 * ``load_timeout_s``: an asynchronous load not done this long after the worker received it is cut short:
   whatever had not arrived verified is reported as load errors and recomputed by vLLM.
+* ``load_nice``: the niceness (0-19, default 19) of the worker's loading thread and of the threads it starts
+  (the retrieve pipeline's and the tiers' readers, on Linux): on a CPU build the forward pass keeps the cores
+  while a load competes for them (docs/benchmarks/vllm-serve.md); 0 loads at the engine's own priority.
 * ``lookup_timeout_s``: a request's first lookup not answered this long after the request arrived is a miss.
 """
 
@@ -42,6 +45,7 @@ class ConnectorConfig:
     load_mode: str = "async"
     load_timeout_s: float = 30.0
     lookup_timeout_s: float = 1.0
+    load_nice: int = 19
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -56,9 +60,13 @@ class ConnectorConfig:
         mode = values.pop("load_mode", "async")
         if mode not in LOAD_MODES:
             raise ConfigError(f"kv_connector_extra_config.load_mode must be one of {LOAD_MODES}, got {mode!r}")
+        nice = values.pop("load_nice", 19)
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ConfigError(f"kv_connector_extra_config.load_nice must be an integer from 0 to 19, got {nice!r}")
         timeouts = {key: _seconds(key, values.pop(key)) for key in ("load_timeout_s", "lookup_timeout_s")
                     if key in values}
-        return cls(cache=CacheConfig.from_dict(values), metrics_port=port, load_mode=mode, **timeouts, **own)
+        return cls(cache=CacheConfig.from_dict(values), metrics_port=port, load_mode=mode, load_nice=nice,
+                   **timeouts, **own)
 
     @staticmethod
     def check_model(model_config: Any) -> None:

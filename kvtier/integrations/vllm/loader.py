@@ -21,6 +21,7 @@ Contract with vLLM (0.32, ``get_num_new_matched_tokens`` returning ``(n, True)``
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import sys
 import threading
@@ -113,9 +114,10 @@ class _Load:
 class AsyncLoads:
     """This rank's asynchronous loads: ``submit`` from ``start_load_kv``, ``finished`` from ``get_finished``."""
 
-    def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float) -> None:
+    def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float, *, nice: int = 0) -> None:
+        """``nice``: the loading thread's niceness (Linux, per thread); threads it starts inherit it."""
         self.paged, self.cache = paged, cache
-        self.default_timeout_s = default_timeout_s
+        self.default_timeout_s, self.nice = default_timeout_s, nice
         self._queue: queue.Queue[_Load | None] = queue.Queue()
         self._active: dict[str, _Load] = {}  # submitted, not reported yet (main thread only)
         self._lock = threading.Lock()  # guards _done and _counts, shared with the loading thread
@@ -133,6 +135,11 @@ class AsyncLoads:
         self._queue.put(load)
 
     def _run(self) -> None:
+        if self.nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except (OSError, AttributeError) as exc:  # not Linux, or not allowed: load at the usual priority
+                log.info("kvtier: loading thread keeps its priority (%s)", exc)
         # vLLM's KV tensors are inference tensors: only code in inference mode may write them (per thread)
         with torch.inference_mode():
             while (load := self._queue.get()) is not None:

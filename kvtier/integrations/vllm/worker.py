@@ -49,10 +49,10 @@ class _JobSource(PagedSource):
 
 class WorkerSide:
     def __init__(self, paged: PagedKV, cache: KVCache, socket_path: str, max_lookup_tokens: int,
-                 load_timeout_s: float = 30.0) -> None:
+                 load_timeout_s: float = 30.0, load_nice: int = 0) -> None:
         self.paged, self.cache = paged, cache
         self.block_size = paged.block_size
-        self.loads = AsyncLoads(paged, cache, load_timeout_s)
+        self.loads = AsyncLoads(paged, cache, load_timeout_s, nice=load_nice)
         self._failed: set[int] = set()
         self._cond = threading.Condition()  # guards everything below, shared with the saving thread
         self._counts: Counter[str] = Counter()
