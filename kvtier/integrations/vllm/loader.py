@@ -52,7 +52,9 @@ class _Shifted:
         self.sink.write(start + self.base, end + self.base, chunk)
 
     def settle(self) -> None:
-        self.sink.settle()
+        settle = getattr(self.sink, "settle", None)  # a sink without it reads nothing after ``write`` returns
+        if settle is not None:
+            settle()
 
 
 def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
