@@ -24,6 +24,7 @@ average; a table, ``results/vllm_serve/vllm_serve.png`` and ``.json``, and ``RES
 against vLLM alone in the same run and each target of issue 33 (pass / fail).
 
     python benchmarks/vllm_serve.py [--quick] [--out results/vllm_serve]
+    (parts alone: --itl-only sync,async,async-nice [--itl-loads N]; --scaling 8,4,8,4; --redis-only)
 """
 
 from __future__ import annotations
@@ -212,6 +213,8 @@ def main() -> None:
                         "its control request)")
     parser.add_argument("--scaling", metavar="C1,C2", help="only the memory tier (asynchronous loads) on the prefix "
                         "workload at these numbers of requests in flight, with vLLM's preemptions per run")
+    parser.add_argument("--redis-only", action="store_true", help="only the Redis tier (a real redis-server), "
+                        "synchronous against asynchronous loads, at 4 in flight (or --scaling's levels)")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
     if args.report:
@@ -235,8 +238,9 @@ def main() -> None:
     if args.itl_only:
         itl_only(size, out, args.itl_only.split(","))
         return
-    if args.scaling:
-        scaling(size, out, [int(c) for c in args.scaling.split(",")])
+    if args.scaling or args.redis_only:
+        tier_rows(size, out, "redis" if args.redis_only else "memory",
+                  [int(c) for c in args.scaling.split(",")] if args.scaling else [4])
         return
     modes = load_modes()
     memory = [{"kind": "memory", "capacity_bytes": "4GiB"}]
@@ -333,17 +337,30 @@ def itl_only(size: dict, out: Path, arms: list[str]) -> None:
             "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
 
-def scaling(size: dict, out: Path, levels: list[int]) -> None:
-    """The memory tier alone at each level of requests in flight, after one warm-up run (no vLLM alone)."""
-    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-scaling-") as tmp, ExitStack() as stack:
+def tier_rows(size: dict, out: Path, tier: str, levels: list[int]) -> None:
+    """The prefix workload on one tier alone, no vLLM alone: the memory tier (asynchronous loads), or Redis with
+    synchronous and asynchronous loads (one server each over one redis-server); each server warmed once, then
+    run at each level of requests in flight in the order given."""
+    from tests.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-tier-") as tmp, ExitStack() as stack:
         bench = Bench(size, out, Path(tmp))
-        mem = bench.server("memory", [{"kind": "memory", "capacity_bytes": "4GiB"}], None)
-        _start(stack, mem)
-        bench.warm(mem)
-        for c in levels:
-            row = bench.run(mem, "kvtier memory", "prefix", c, seed=0)
-            print(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}), flush=True)
-    report({"quick": False, "size": size, "load_modes": ["async"], "rows": compare(bench.rows), "itl": {},
+        if tier == "memory":
+            servers = {"async": bench.server("memory", [{"kind": "memory", "capacity_bytes": "4GiB"}], None)}
+        else:
+            redis = RedisServer(maxmemory="6gb").start()
+            stack.callback(redis.stop)
+            servers = {mode: bench.server(f"redis {mode}", [{"kind": "redis", "url": redis.url, "timeout_s": 30.0,
+                                                              "key_prefix": f"bench-{mode}:"}], mode)
+                       for mode in ("sync", "async")}
+        _start(stack, *servers.values())
+        for mode, server in servers.items():
+            bench.warm(server)
+            for c in levels:
+                row = bench.run(server, "kvtier memory" if tier == "memory" else f"kvtier redis {mode}", "prefix", c,
+                                seed=0)
+                print(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}), flush=True)
+    report({"quick": False, "size": size, "load_modes": list(servers), "rows": compare(bench.rows), "itl": {},
             "notes": bench.notes, "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
 
