@@ -177,3 +177,29 @@ def test_loads_run_at_the_configured_niceness_and_read_only_what_vllm_lacks():
         assert torch.equal(paged.gather(list(range(8, 16)), 64, 256), cache.retrieve(TOKENS)[0][:, :, 64:])
     finally:
         loads.close()
+
+
+def test_a_starved_niced_load_gets_the_engines_priority_back():
+    import os
+
+    paged, cache = rank()
+    released = gate(cache)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loads = AsyncLoads(paged, cache, 30.0, nice=min(mine + 7, 19))
+    try:
+        loads.submit(spec(timeout_s=1.0))
+        tid = loads._thread.native_id
+        deadline = time.monotonic() + 5
+        while os.getpriority(os.PRIO_PROCESS, tid) != min(mine + 7, 19) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the thread nices itself when it starts
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(mine + 7, 19)
+        time.sleep(0.3)  # past a quarter of the load's 1 s
+        loads.finished()
+        if os.geteuid() != 0:
+            pytest.skip("lowering a niceness needs root or CAP_SYS_NICE")
+        assert os.getpriority(os.PRIO_PROCESS, tid) == mine and loads.nice == 0
+        released.set()
+        assert poll(loads, bool) == ({"r"}, set())
+    finally:
+        released.set()
+        loads.close()

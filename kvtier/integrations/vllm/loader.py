@@ -82,6 +82,7 @@ class _Load:
     sink: PagedSink
     chunk_size: int
     deadline: float
+    late_at: float = float("inf")  # a quarter of the way to the deadline: a niced load this slow is starved
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
     reason: str = ""
@@ -117,7 +118,8 @@ class AsyncLoads:
     """This rank's asynchronous loads: ``submit`` from ``start_load_kv``, ``finished`` from ``get_finished``."""
 
     def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float, *, nice: int = 0) -> None:
-        """``nice``: the loading thread's niceness (Linux, per thread); threads it starts inherit it."""
+        """``nice``: the loading thread's niceness (Linux, per thread); threads it starts inherit it. The first
+        load still running a quarter of the way to its deadline ends the niceness (``_unnice``)."""
         self.paged, self.cache = paged, cache
         self.default_timeout_s, self.nice = default_timeout_s, nice
         self._queue: queue.Queue[_Load | None] = queue.Queue()
@@ -131,8 +133,9 @@ class AsyncLoads:
 
     def submit(self, spec: LoadSpec) -> None:
         timeout = spec.timeout_s if spec.timeout_s is not None else self.default_timeout_s
+        now = time.monotonic()
         load = _Load(spec, PagedSink(self.paged, spec.block_ids, spec.first_token), self.cache.chunk_size,
-                     time.monotonic() + timeout)
+                     now + timeout, now + timeout / 4)
         self._active[spec.req_id] = load
         self._queue.put(load)
 
@@ -166,6 +169,8 @@ class AsyncLoads:
         Loads past their deadline and loads of requests in ``finished_req_ids`` (vLLM finished them while they
         loaded: aborted) are closed and reported here too."""
         now = time.monotonic()
+        if self.nice and any(now > load.late_at for load in self._active.values()):
+            self._unnice()
         closed = []
         for req_id, load in self._active.items():
             reason = "aborted" if finished_req_ids and req_id in finished_req_ids else (
@@ -196,6 +201,22 @@ class AsyncLoads:
             log.warning("kvtier: request %s got %d of %d promised tokens (%s); %d blocks will be recomputed",
                         spec.req_id, loaded, spec.end - spec.first_token, load.reason, len(bad))
         return bad
+
+    def _unnice(self) -> None:
+        """A niced load ran late (other processes take the cores): every thread at the loader's niceness (the
+        loading thread and those it started; nothing else in the process sets it) goes back to this thread's
+        priority for good, where the OS allows it (root or CAP_SYS_NICE); else they stay niced."""
+        nice, self.nice = self.nice, 0
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{tid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()  # after the thread's name: state, ppid, ...
+                if int(fields[16]) == nice:  # field 19 of stat: the niceness
+                    os.setpriority(os.PRIO_PROCESS, int(tid), mine)
+            log.info("kvtier: a load ran late at niceness %d; loading threads back at the engine's priority", nice)
+        except OSError as exc:  # not Linux, or not allowed to lower a niceness: loads stay niced
+            log.info("kvtier: a load ran late at niceness %d and its threads stay niced (%s)", nice, exc)
 
     def take_counts(self) -> Counter[str]:
         with self._lock:
