@@ -17,7 +17,9 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
   whatever had not arrived verified is reported as load errors and recomputed by vLLM.
 * ``load_nice``: the niceness (0-19, default 19) of the worker's loading thread and of the threads it starts
   (the retrieve pipeline's and the tiers' readers, on Linux): on a CPU build the forward pass keeps the cores
-  while a load competes for them (docs/benchmarks/vllm-serve.md); 0 loads at the engine's own priority.
+  while a load competes for them (docs/benchmarks/vllm-serve.md); 0 loads at the engine's own priority. A load
+  still running a quarter of the way to its deadline (starved by other processes) ends the niceness for good,
+  where the OS allows lowering it (root, CAP_SYS_NICE).
 * ``lookup_timeout_s``: a request's first lookup not answered this long after the request arrived is a miss.
 """
 
