@@ -57,7 +57,7 @@ FULL = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=
 MEDIUM = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=16, concurrency=(4,),
               random_len=1024, random_prompts=8, random_reps=1, itl_prefix=4096, itl_loads=3, streams=3,
               stream_tokens=300)
-#: ``--itl-only`` arms: a disk-tier server each, with these connector settings added
+#: the arms of ``--itl-only`` and ``--redis-only``: one server each, with these connector settings added
 ITL_ARMS = {"sync": {"load_mode": "sync"}, "async": {"load_mode": "async", "load_nice": 0},
             "async-nice": {"load_mode": "async", "load_nice": 19}}
 QUICK = dict(prefixes=8, prefix_len=512, suffix_len=32, output_len=8, prompts=16, concurrency=(4,),
@@ -213,8 +213,8 @@ def main() -> None:
                         "its control request)")
     parser.add_argument("--scaling", metavar="C1,C2", help="only the memory tier (asynchronous loads) on the prefix "
                         "workload at these numbers of requests in flight, with vLLM's preemptions per run")
-    parser.add_argument("--redis-only", action="store_true", help="only the Redis tier (a real redis-server), "
-                        "synchronous against asynchronous loads, at 4 in flight (or --scaling's levels)")
+    parser.add_argument("--redis-only", nargs="?", const="sync,async", metavar="ARMS", help="only the Redis tier (a "
+                        "real redis-server), one server per arm (default sync,async), at 4 in flight")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
     if args.report:
@@ -240,7 +240,8 @@ def main() -> None:
         return
     if args.scaling or args.redis_only:
         tier_rows(size, out, "redis" if args.redis_only else "memory",
-                  [int(c) for c in args.scaling.split(",")] if args.scaling else [4])
+                  [int(c) for c in args.scaling.split(",")] if args.scaling else [4],
+                  args.redis_only.split(",") if args.redis_only else [])
         return
     modes = load_modes()
     memory = [{"kind": "memory", "capacity_bytes": "4GiB"}]
@@ -337,7 +338,7 @@ def itl_only(size: dict, out: Path, arms: list[str]) -> None:
             "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
 
-def tier_rows(size: dict, out: Path, tier: str, levels: list[int]) -> None:
+def tier_rows(size: dict, out: Path, tier: str, levels: list[int], arms: list[str]) -> None:
     """The prefix workload on one tier alone, no vLLM alone: the memory tier (asynchronous loads), or Redis with
     synchronous and asynchronous loads (one server each over one redis-server); each server warmed once, then
     run at each level of requests in flight in the order given."""
@@ -351,8 +352,8 @@ def tier_rows(size: dict, out: Path, tier: str, levels: list[int]) -> None:
             redis = RedisServer(maxmemory="6gb").start()
             stack.callback(redis.stop)
             servers = {mode: bench.server(f"redis {mode}", [{"kind": "redis", "url": redis.url, "timeout_s": 30.0,
-                                                              "key_prefix": f"bench-{mode}:"}], mode)
-                       for mode in ("sync", "async")}
+                                                              "key_prefix": f"bench-{mode}:"}], ITL_ARMS[mode])
+                       for mode in arms}
         _start(stack, *servers.values())
         for mode, server in servers.items():
             bench.warm(server)
