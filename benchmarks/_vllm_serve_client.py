@@ -73,9 +73,10 @@ def _stream(url: str, name: str, prompt: list[int], max_tokens: int, times: list
 def itl_under_load(url: str, name: str, loads: list[list[int]], streams: list[list[int]], *, max_tokens: int,
                    quiet_s: float, gap_s: float) -> dict:
     """Start ``streams`` (greedy streamed completions); once each has produced tokens for ``quiet_s`` seconds,
-    send each prompt of ``loads`` (one token each, its prefix held by kvtier), one after another ``gap_s``
-    apart. The streams' inter-token latencies are split into those that overlap a load request (from its send
-    to its answer) and those that overlap none."""
+    send each prompt of ``loads`` (one token each, its prefix held by kvtier) and then the same prompt again (a
+    control: vLLM's own prefix cache now holds the prefix, so the same prefill runs without a load), one request
+    after another ``gap_s`` apart. The streams' inter-token latencies are split into those that overlap a load
+    request (from its send to its answer), a control request, or neither ("quiet")."""
     stop = threading.Event()
     times: list[list[float]] = [[] for _ in streams]
     threads = [threading.Thread(target=_stream, args=(url, name, p, max_tokens, t, stop), daemon=True)
@@ -89,32 +90,37 @@ def itl_under_load(url: str, name: str, loads: list[list[int]], streams: list[li
             raise RuntimeError("the background streams did not start")
         time.sleep(0.05)
     time.sleep(quiet_s)
-    windows, load_s = [], []
+    windows: dict[str, list[tuple[float, float]]] = {"loading": [], "control": []}
+    load_s = []
     with httpx.Client(timeout=600) as client:
         for prompt in loads:
-            start = time.perf_counter()
-            resp = client.post(f"{url}/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 1,
-                                                              "temperature": 0})
-            resp.raise_for_status()
-            end = time.perf_counter()
-            windows.append((start, end))
-            load_s.append(end - start)
-            time.sleep(gap_s)
+            for kind in ("loading", "control"):
+                start = time.perf_counter()
+                resp = client.post(f"{url}/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 1,
+                                                                  "temperature": 0})
+                resp.raise_for_status()
+                end = time.perf_counter()
+                windows[kind].append((start, end))
+                if kind == "loading":
+                    load_s.append(end - start)
+                time.sleep(gap_s)
     stop.set()
     for thread in threads:
         thread.join(timeout=60)
-    during, quiet = [], []
+    gaps: dict[str, list[float]] = {"loading": [], "control": [], "quiet": []}
     for t in times:
         for a, b in zip(t[1:], t[2:]):  # from the second token on: the first gap includes a prefill
-            overlaps = any(a < end and b > start for start, end in windows)
-            (during if overlaps else quiet).append(b - a)
-    if not during or not quiet:
-        raise RuntimeError("no inter-token latency fell inside (or outside) the loads")
-    p99 = {k: float(np.percentile(v, 99)) for k, v in (("during", during), ("quiet", quiet))}
-    return {"itl_p99_quiet": p99["quiet"], "itl_p99_loading": p99["during"],
-            "itl_p50_quiet": float(np.percentile(quiet, 50)), "itl_p50_loading": float(np.percentile(during, 50)),
-            "ratio": p99["during"] / p99["quiet"], "samples_loading": len(during), "samples_quiet": len(quiet),
-            "load_request_s": float(np.median(load_s))}
+            kind = next((k for k, w in windows.items() if any(a < end and b > start for start, end in w)), "quiet")
+            gaps[kind].append(b - a)
+    if not all(gaps.values()):
+        raise RuntimeError("no inter-token latency fell inside a load, a control or neither")
+    p99 = {k: float(np.percentile(v, 99)) for k, v in gaps.items()}
+    return {"itl_p99_quiet": p99["quiet"], "itl_p99_loading": p99["loading"], "itl_p99_control": p99["control"],
+            "itl_p50_quiet": float(np.percentile(gaps["quiet"], 50)),
+            "itl_p50_loading": float(np.percentile(gaps["loading"], 50)),
+            "ratio": p99["loading"] / p99["quiet"], "ratio_control": p99["control"] / p99["quiet"],
+            "samples_loading": len(gaps["loading"]), "samples_quiet": len(gaps["quiet"]),
+            "samples_control": len(gaps["control"]), "load_request_s": float(np.median(load_s))}
 
 
 def evict_page_cache(folder: Path) -> str:

@@ -30,12 +30,15 @@ def print_table(rows: list[dict], itl: dict, notes: list[str]) -> None:
         t = Table(title="other streams' ITL while one request loads a long prefix from the disk tier",
                   title_justify="left")
         for name in ("load mode", "prefix", "ITL p50 quiet", "ITL p50 loading", "ITL p99 quiet",
-                     "ITL p99 loading", "p99 ratio", "samples", "load request"):
+                     "ITL p99 loading", "p99 ratio", "ITL p99 control", "control ratio", "samples", "load request"):
             t.add_column(name, justify="right")
         for mode, m in itl.items():
+            control = m.get("itl_p99_control")
             t.add_row(mode, str(m["prefix_tokens"]), _ms(m["itl_p50_quiet"]), _ms(m["itl_p50_loading"]),
-                      _ms(m["itl_p99_quiet"]), _ms(m["itl_p99_loading"]), f"{m['ratio']:.2f}x",
-                      f"{m['samples_loading']} / {m['samples_quiet']}", _ms(m["load_request_s"]))
+                      _ms(m["itl_p99_quiet"]), _ms(m["itl_p99_loading"]), f"{m['ratio']:.2f}x", _ms(control),
+                      f"{m['ratio_control']:.2f}x" if control else "-",
+                      f"{m['samples_loading']} / {m.get('samples_control', 0)} / {m['samples_quiet']}",
+                      _ms(m["load_request_s"]))
         console.print(t)
     for note in notes:
         console.print(f"[dim]{note}[/dim]")

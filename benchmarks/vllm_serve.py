@@ -24,6 +24,7 @@ average; a table, ``results/vllm_serve/vllm_serve.png`` and ``.json``, and ``RES
 against vLLM alone in the same run and each target of issue 33 (pass / fail).
 
     python benchmarks/vllm_serve.py [--quick] [--out results/vllm_serve]
+    (parts alone: --itl-only sync,async,async-nice [--itl-loads N]; --scaling 8,4,8,4; --redis-only)
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ FULL = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=
 MEDIUM = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=16, concurrency=(4,),
               random_len=1024, random_prompts=8, random_reps=1, itl_prefix=4096, itl_loads=3, streams=3,
               stream_tokens=300)
+#: the arms of ``--itl-only`` and ``--redis-only``: one server each, with these connector settings added
+ITL_ARMS = {"sync": {"load_mode": "sync"}, "async": {"load_mode": "async", "load_nice": 0},
+            "async-nice": {"load_mode": "async", "load_nice": 19}}
 QUICK = dict(prefixes=8, prefix_len=512, suffix_len=32, output_len=8, prompts=16, concurrency=(4,),
              random_len=512, random_prompts=8, random_reps=1, itl_prefix=512, itl_loads=1, streams=2,
              stream_tokens=100)
@@ -93,10 +97,12 @@ class Bench:
         self.itl: dict[str, dict] = {}
         self.notes: list[str] = []
 
-    def server(self, label: str, tiers: list[dict] | None, mode: str | None) -> VllmServer:
+    def server(self, label: str, tiers: list[dict] | None, mode: str | dict | None) -> VllmServer:
+        """``mode``: the connector's ``load_mode``, or a dict of settings (``ITL_ARMS``)."""
         kvtier = None
         if tiers is not None:
-            kvtier = {"chunk_size": CHUNK, "tiers": tiers, **({"load_mode": mode} if mode else {})}
+            extra = mode if isinstance(mode, dict) else {"load_mode": mode} if mode else {}
+            kvtier = {"chunk_size": CHUNK, "tiers": tiers, **extra}
         args = ("--served-model-name", NAME, "--block-size", str(BLOCK), "--max-model-len", str(self.max_len),
                 "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16",
                 "--num-gpu-blocks-override", str(self.blocks))
@@ -201,6 +207,14 @@ def main() -> None:
     parser.add_argument("--no-redis", action="store_true", help="leave out the Redis rows")
     parser.add_argument("--itl-prefix", type=int, metavar="TOKENS",
                         help="prefix length of the ITL-while-loading probe (the full run's 4,096 in a --quick run)")
+    parser.add_argument("--itl-only", metavar="ARMS", help="only the ITL-while-loading probe, on one disk-tier "
+                        f"server per arm (comma-separated, of {', '.join(ITL_ARMS)})")
+    parser.add_argument("--itl-loads", type=int, metavar="N", help="prefixes the ITL probe loads (each followed by "
+                        "its control request)")
+    parser.add_argument("--scaling", metavar="C1,C2", help="only the memory tier (asynchronous loads) on the prefix "
+                        "workload at these numbers of requests in flight, with vLLM's preemptions per run")
+    parser.add_argument("--redis-only", nargs="?", const="sync,async", metavar="ARMS", help="only the Redis tier (a "
+                        "real redis-server), one server per arm (default sync,async), at 4 in flight")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
     if args.report:
@@ -216,8 +230,19 @@ def main() -> None:
     size = dict(QUICK if args.quick else MEDIUM if args.medium else FULL)
     if args.itl_prefix:
         size["itl_prefix"] = args.itl_prefix
+    if args.itl_loads:
+        size["itl_loads"] = args.itl_loads
+        size["stream_tokens"] = max(size["stream_tokens"], 150 + 80 * args.itl_loads)  # streams outlast the loads
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.itl_only:
+        itl_only(size, out, args.itl_only.split(","))
+        return
+    if args.scaling or args.redis_only:
+        tier_rows(size, out, "redis" if args.redis_only else "memory",
+                  [int(c) for c in args.scaling.split(",")] if args.scaling else [4],
+                  args.redis_only.split(",") if args.redis_only else [])
+        return
     modes = load_modes()
     memory = [{"kind": "memory", "capacity_bytes": "4GiB"}]
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-serve-") as tmp:
@@ -292,6 +317,51 @@ def main() -> None:
     bench.notes.append(f"vLLM's prefix cache: {bench.blocks} blocks of {BLOCK} tokens (a quarter of the prefix "
                        f"workload); load average {os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} CPUs")
     report({"quick": args.quick, "size": size, "load_modes": modes, "rows": rows, "itl": bench.itl,
+            "notes": bench.notes, "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
+
+
+def itl_only(size: dict, out: Path, arms: list[str]) -> None:
+    """The ITL probe alone, one disk-tier server per arm, in the order given (all started first)."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-itl-") as tmp, ExitStack() as stack:
+        bench = Bench(size, out, Path(tmp))
+        disks = {arm: bench.work / f"disk-{arm}" for arm in arms}
+        servers = {arm: bench.server(f"itl {arm}", [{"kind": "disk", "path": str(disks[arm]),
+                                                      "capacity_bytes": "16GiB", "write_queue_depth": 64}],
+                                     ITL_ARMS[arm]) for arm in arms}
+        _start(stack, *servers.values())
+        for arm, server in servers.items():
+            load = os.getloadavg()[0]
+            bench.itl_probe(server, arm, disks[arm])
+            bench.itl[arm]["loadavg"] = (load + os.getloadavg()[0]) / 2
+            print(arm, json.dumps(bench.itl[arm]), flush=True)
+    report({"quick": False, "size": size, "load_modes": arms, "rows": [], "itl": bench.itl, "notes": bench.notes,
+            "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
+
+
+def tier_rows(size: dict, out: Path, tier: str, levels: list[int], arms: list[str]) -> None:
+    """The prefix workload on one tier alone, no vLLM alone: the memory tier (asynchronous loads), or Redis with
+    synchronous and asynchronous loads (one server each over one redis-server); each server warmed once, then
+    run at each level of requests in flight in the order given."""
+    from tests.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-tier-") as tmp, ExitStack() as stack:
+        bench = Bench(size, out, Path(tmp))
+        if tier == "memory":
+            servers = {"async": bench.server("memory", [{"kind": "memory", "capacity_bytes": "4GiB"}], None)}
+        else:
+            redis = RedisServer(maxmemory="6gb").start()
+            stack.callback(redis.stop)
+            servers = {mode: bench.server(f"redis {mode}", [{"kind": "redis", "url": redis.url, "timeout_s": 30.0,
+                                                              "key_prefix": f"bench-{mode}:"}], ITL_ARMS[mode])
+                       for mode in arms}
+        _start(stack, *servers.values())
+        for mode, server in servers.items():
+            bench.warm(server)
+            for c in levels:
+                row = bench.run(server, "kvtier memory" if tier == "memory" else f"kvtier redis {mode}", "prefix", c,
+                                seed=0)
+                print(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}), flush=True)
+    report({"quick": False, "size": size, "load_modes": list(servers), "rows": compare(bench.rows), "itl": {},
             "notes": bench.notes, "loadavg_end": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
 

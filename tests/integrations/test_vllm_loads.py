@@ -148,3 +148,58 @@ def test_lookup_past_its_deadline_is_a_miss_and_answers_are_cached(tmp_path):
     finally:
         lookups.close()
         server.close()
+
+
+def test_loads_run_at_the_configured_niceness_and_read_only_what_vllm_lacks():
+    """The threads that read a load's chunks run at ``nice`` (the engine's own threads keep theirs); a load whose
+    first chunk vLLM already holds reads from the next chunk on."""
+    import os
+
+    paged, cache = rank()
+    tier, seen = cache.tiers[0], []
+    original = tier.get
+
+    def get(keys):
+        seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), len(keys)))
+        return original(keys)
+
+    tier.get = get
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loads = AsyncLoads(paged, cache, 30.0, nice=min(mine + 7, 19))
+    try:
+        loads.submit(LoadSpec("r", pack_tokens(TOKENS), b"", list(range(8, 16)), first_token=64, end=255,
+                              timeout_s=30.0))
+        assert poll(loads, bool) == ({"r"}, set())
+        assert seen and all(nice == min(mine + 7, 19) for nice, _ in seen)
+        assert sum(n for _, n in seen) == 3  # chunks 1-3: vLLM holds chunk 0
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+        assert not paged.views[0][8:10].any()  # blocks of vLLM's own hit left alone
+        assert torch.equal(paged.gather(list(range(8, 16)), 64, 256), cache.retrieve(TOKENS)[0][:, :, 64:])
+    finally:
+        loads.close()
+
+
+def test_a_starved_niced_load_gets_the_engines_priority_back():
+    import os
+
+    paged, cache = rank()
+    released = gate(cache)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loads = AsyncLoads(paged, cache, 30.0, nice=min(mine + 7, 19))
+    try:
+        loads.submit(spec(timeout_s=1.0))
+        tid = loads._thread.native_id
+        deadline = time.monotonic() + 5
+        while os.getpriority(os.PRIO_PROCESS, tid) != min(mine + 7, 19) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the thread nices itself when it starts
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(mine + 7, 19)
+        time.sleep(0.3)  # past a quarter of the load's 1 s
+        loads.finished()
+        if os.geteuid() != 0:
+            pytest.skip("lowering a niceness needs root or CAP_SYS_NICE")
+        assert os.getpriority(os.PRIO_PROCESS, tid) == mine and loads.nice == 0
+        released.set()
+        assert poll(loads, bool) == ({"r"}, set())
+    finally:
+        released.set()
+        loads.close()

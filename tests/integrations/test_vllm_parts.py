@@ -63,6 +63,10 @@ def test_layout_checks():
     assert (config.model_id, config.cache.chunk_size) == ("m@1", 128)
     with pytest.raises(ConfigError):
         ConnectorConfig.from_extra({"chunk_sizes": 128})
+    assert config.load_nice == 19 and ConnectorConfig.from_extra({"load_nice": 0}).load_nice == 0
+    for bad in (-1, 20, 5.0, True):
+        with pytest.raises(ConfigError):
+            ConnectorConfig.from_extra({"load_nice": bad})
 
 
 def test_lookup_socket_answers_from_the_workers_cache(tmp_path):

@@ -4,11 +4,13 @@ vLLM starts its engine and workers in new processes, so each engine of the tests
 interpreter: ``python vllm_engine.py SPEC.json OUT.json``. SPEC holds ``model``, ``prompts`` (token id
 lists), ``max_tokens``, ``kvtier`` (the connector's extra config, or null for plain vLLM) and ``steps``:
 
-* ``"gen:<label>"``  generate greedily; record each prompt's output token ids and ``num_cached_tokens``;
+* ``"gen:<label>"``  generate greedily; record each prompt's output token ids and ``num_cached_tokens``
+  (``"gen:<label>:<i>,<j>"``: only those prompts);
 * ``"reset"``        reset vLLM's own prefix cache (retried while finished requests' saves still hold blocks);
 * ``"corrupt:<p>:<c>"`` (in-process engines only) overwrite the token ids stored in chunk ``c`` of prompt
   ``p`` in the worker's memory tier, as a bit flip would, so that chunk no longer verifies;
 * ``"metrics:<label>"`` (in-process engines only) record the worker's kvtier counters;
+* ``"sleep:<seconds>"`` wait (a load cut short by its deadline may still be reading a slow tier);
 * ``"prom:<label>"``  record the ``vllm:kvtier_*`` series of vLLM's Prometheus registry (needs ``log_stats``);
 * ``"scrape:<label>"`` record the text a worker serves on the connector's ``metrics_port`` (over HTTP);
 * ``"admin:<label>"`` make the calls ``SPEC["admin"][label]`` (``[method, path, body or null, key or null]``) to
@@ -185,10 +187,14 @@ def main(spec_path: str, out_path: str) -> None:
     for step in spec["steps"]:
         kind, _, arg = step.partition(":")
         if kind == "gen":
-            results = llm.generate(prompts, params, use_tqdm=False)
+            arg, _, only = arg.partition(":")
+            chosen = [prompts[int(i)] for i in only.split(",")] if only else prompts
+            results = llm.generate(chosen, params, use_tqdm=False)
             out[arg] = [{"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens} for r in results]
         elif kind == "reset":
             _reset(llm)
+        elif kind == "sleep":
+            time.sleep(float(arg))
         elif kind == "metrics":
             out[arg] = _worker_cache().metrics.snapshot()
         elif kind == "prom":

@@ -17,6 +17,11 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
   the forward pass of the step that computes the rest of its prompt (every request in that step waits).
 * ``load_timeout_s``: an asynchronous load not done this long after the worker received it is cut short:
   whatever had not arrived verified is reported as load errors and recomputed by vLLM.
+* ``load_nice``: the niceness (0-19, default 19) of the worker's loading thread and of the threads it starts
+  (the retrieve pipeline's and the tiers' readers, on Linux): on a CPU build the forward pass keeps the cores
+  while a load competes for them (docs/benchmarks/vllm-serve.md); 0 loads at the engine's own priority. A load
+  still running a quarter of the way to its deadline (starved by other processes) ends the niceness for good,
+  where the OS allows lowering it (root, CAP_SYS_NICE).
 * ``lookup_timeout_s``: a request's first lookup not answered this long after the request arrived is a miss.
 * ``event_media``: ``{tier name: medium}``, the medium each tier's events carry in vLLM's KV events (when
   ``--kv-events-config`` enables them) over the defaults (``memory`` -> ``CPU``, ``disk`` -> ``DISK``, a shared
@@ -49,6 +54,7 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     lookup_timeout_s: float = 1.0
     event_media: dict[str, str] | None = None
+    load_nice: int = 19
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -68,10 +74,13 @@ class ConnectorConfig:
                 isinstance(k, str) and isinstance(v, str) and 0 < len(v) <= 64 for k, v in media.items())):
             raise ConfigError("kv_connector_extra_config.event_media maps tier names to media names (strings of at "
                               f"most 64 characters), got {media!r}")
+        nice = values.pop("load_nice", 19)
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ConfigError(f"kv_connector_extra_config.load_nice must be an integer from 0 to 19, got {nice!r}")
         timeouts = {key: _seconds(key, values.pop(key)) for key in ("load_timeout_s", "lookup_timeout_s")
                     if key in values}
         return cls(cache=CacheConfig.from_dict(values), metrics_port=port, load_mode=mode, event_media=media,
-                   **timeouts, **own)
+                   load_nice=nice, **timeouts, **own)
 
     @staticmethod
     def check_model(model_config: Any) -> None:

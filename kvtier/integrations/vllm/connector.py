@@ -106,7 +106,7 @@ class KVTierConnector(KVConnectorBase_V1):
         path = socket_path(self.config.socket_dir, self.engine_id, rank)
         # a lookup never covers more than a whole request: a longer one is not the scheduler asking
         self._worker = WorkerSide(paged, cache, path, self._vllm_config.model_config.max_model_len,
-                                  self.config.load_timeout_s)
+                                  self.config.load_timeout_s, self.config.load_nice)
         self._feed = MetricsFeed(cache.metrics)
         events = self._vllm_config.kv_events_config
         if rank == 0 and events is not None and events.enable_kv_cache_events:

@@ -13,11 +13,15 @@ Contract with vLLM (0.32, ``get_num_new_matched_tokens`` returning ``(n, True)``
   already queued are waited for. A closed load is reported at once; the retrieve may run on inside a slow tier,
   but it can no longer touch vLLM's blocks, which vLLM may then reuse.
 * A load is reported exactly once, with its error blocks in the same ``finished()`` answer.
+* A load reads only the chunks from the one holding ``first_token`` (:func:`retrieve_spec`): the chunks below
+  it are vLLM's own prefix-cache hit, so they are neither read nor counted in ``kvtier_hit_tokens_total``. A
+  closed load's sink refuses writes by raising, so the retrieve ends without counting any of that load's hits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import sys
 import threading
@@ -34,6 +38,42 @@ from kvtier.integrations.vllm.paged import PagedKV, PagedSink
 log = logging.getLogger(__name__)
 
 
+class _Closed(Exception):
+    """A write into a closed load: the retrieve ends here and counts none of this load's hits."""
+
+
+class _Shifted:
+    """A KVSink for a retrieve that starts ``base`` tokens into the request: writes go to ``sink`` shifted."""
+
+    def __init__(self, sink, base: int) -> None:
+        self.sink, self.base = sink, base
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.sink.write(start + self.base, end + self.base, chunk)
+
+    def settle(self) -> None:
+        settle = getattr(self.sink, "settle", None)  # a sink without it reads nothing after ``write`` returns
+        if settle is not None:
+            settle()
+
+
+def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
+    """Retrieve ``spec``'s chunks from the one holding ``spec.first_token`` into ``sink`` (absolute token
+    positions); returns the end of the verified run from token 0 (the chunks before the first read count as
+    present: vLLM holds them). Only the chunks read count as hits in kvtier's metrics; the tiers' eviction order
+    learns the whole chain, the chunks not read included (a chain's root must not leave before its tail)."""
+    tokens, size = unpack_tokens(spec.tokens), cache.chunk_size
+    skip = spec.first_token // size
+    chain = cache.keys(tokens, salt=spec.salt)
+    keys = chain[skip:]
+    if not keys:
+        return skip * size
+    good = cache.retrieve_keyed(keys, tokens[skip * size : (skip + len(keys)) * size], _Shifted(sink, skip * size))
+    if skip and good:  # the request used its whole chain: its root must not leave a tier before the chunks read
+        cache.chain.order_chain(chain[: skip + good])
+    return (skip + good) * size
+
+
 @dataclass
 class _Load:
     """One request's load: its sink, guarded so it can be closed from another thread."""
@@ -42,6 +82,7 @@ class _Load:
     sink: PagedSink
     chunk_size: int
     deadline: float
+    late_at: float = float("inf")  # a quarter of the way to the deadline: a niced load this slow is starved
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
     reason: str = ""
@@ -50,7 +91,7 @@ class _Load:
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
         with self.lock:
             if self.closed:
-                return  # closed: vLLM may own these blocks again
+                raise _Closed(self.spec.req_id)  # vLLM may own these blocks again
             self.sink.write(start, end, chunk)
             self.written.add(start)
 
@@ -66,8 +107,8 @@ class _Load:
             return True
 
     def written_prefix(self) -> int:
-        """Tokens from 0 covered by written chunks, without a gap."""
-        end = 0
+        """Tokens from 0 covered by vLLM's own hit and the written chunks after it, without a gap."""
+        end = self.spec.first_token - self.spec.first_token % self.chunk_size
         while end in self.written:
             end += self.chunk_size
         return end
@@ -76,9 +117,11 @@ class _Load:
 class AsyncLoads:
     """This rank's asynchronous loads: ``submit`` from ``start_load_kv``, ``finished`` from ``get_finished``."""
 
-    def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float) -> None:
+    def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float, *, nice: int = 0) -> None:
+        """``nice``: the loading thread's niceness (Linux, per thread); threads it starts inherit it. The first
+        load still running a quarter of the way to its deadline ends the niceness (``_unnice``)."""
         self.paged, self.cache = paged, cache
-        self.default_timeout_s = default_timeout_s
+        self.default_timeout_s, self.nice = default_timeout_s, nice
         self._queue: queue.Queue[_Load | None] = queue.Queue()
         self._active: dict[str, _Load] = {}  # submitted, not reported yet (main thread only)
         self._lock = threading.Lock()  # guards _done and _counts, shared with the loading thread
@@ -90,12 +133,18 @@ class AsyncLoads:
 
     def submit(self, spec: LoadSpec) -> None:
         timeout = spec.timeout_s if spec.timeout_s is not None else self.default_timeout_s
+        now = time.monotonic()
         load = _Load(spec, PagedSink(self.paged, spec.block_ids, spec.first_token), self.cache.chunk_size,
-                     time.monotonic() + timeout)
+                     now + timeout, now + timeout / 4)
         self._active[spec.req_id] = load
         self._queue.put(load)
 
     def _run(self) -> None:
+        if self.nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except (OSError, AttributeError) as exc:  # not Linux, or not allowed: load at the usual priority
+                log.info("kvtier: loading thread keeps its priority (%s)", exc)
         # vLLM's KV tensors are inference tensors: only code in inference mode may write them (per thread)
         with torch.inference_mode():
             while (load := self._queue.get()) is not None:
@@ -103,8 +152,7 @@ class AsyncLoads:
                     continue  # past its deadline or cancelled while queued: reported already
                 got = 0
                 try:
-                    _, got = self.cache.retrieve(unpack_tokens(load.spec.tokens), load, salt=load.spec.salt,
-                                                 max_tokens=len(load.spec.tokens) // 4)
+                    got = retrieve_spec(self.cache, load.spec, load)
                 except Exception as exc:  # a bug or a sink error: what did not arrive is recomputed
                     if load.closed or _interpreter_exiting(exc):  # reported already, or the process is ending
                         log.debug("kvtier: closed load of request %s ended in an error", load.spec.req_id)
@@ -121,6 +169,8 @@ class AsyncLoads:
         Loads past their deadline and loads of requests in ``finished_req_ids`` (vLLM finished them while they
         loaded: aborted) are closed and reported here too."""
         now = time.monotonic()
+        if self.nice and any(now > load.late_at for load in self._active.values()):
+            self._unnice()
         closed = []
         for req_id, load in self._active.items():
             reason = "aborted" if finished_req_ids and req_id in finished_req_ids else (
@@ -151,6 +201,22 @@ class AsyncLoads:
             log.warning("kvtier: request %s got %d of %d promised tokens (%s); %d blocks will be recomputed",
                         spec.req_id, loaded, spec.end - spec.first_token, load.reason, len(bad))
         return bad
+
+    def _unnice(self) -> None:
+        """A niced load ran late (other processes take the cores): every thread at the loader's niceness (the
+        loading thread and those it started; nothing else in the process sets it) goes back to this thread's
+        priority for good, where the OS allows it (root or CAP_SYS_NICE); else they stay niced."""
+        nice, self.nice = self.nice, 0
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{tid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()  # after the thread's name: state, ppid, ...
+                if int(fields[16]) == nice:  # field 19 of stat: the niceness
+                    os.setpriority(os.PRIO_PROCESS, int(tid), mine)
+            log.info("kvtier: a load ran late at niceness %d; loading threads back at the engine's priority", nice)
+        except OSError as exc:  # not Linux, or not allowed to lower a niceness: loads stay niced
+            log.info("kvtier: a load ran late at niceness %d and its threads stay niced (%s)", nice, exc)
 
     def take_counts(self) -> Counter[str]:
         with self._lock:

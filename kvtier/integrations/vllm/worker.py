@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from kvtier.core.cache import KVCache
-from kvtier.integrations.vllm.loader import AsyncLoads
+from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
 from kvtier.integrations.vllm.lookup import LookupLimits, LookupServer
 from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
@@ -49,10 +49,10 @@ class _JobSource(PagedSource):
 
 class WorkerSide:
     def __init__(self, paged: PagedKV, cache: KVCache, socket_path: str, max_lookup_tokens: int,
-                 load_timeout_s: float = 30.0) -> None:
+                 load_timeout_s: float = 30.0, load_nice: int = 0) -> None:
         self.paged, self.cache = paged, cache
         self.block_size = paged.block_size
-        self.loads = AsyncLoads(paged, cache, load_timeout_s)
+        self.loads = AsyncLoads(paged, cache, load_timeout_s, nice=load_nice)
         self._failed: set[int] = set()
         self._cond = threading.Condition()  # guards everything below, shared with the saving thread
         self._counts: Counter[str] = Counter()
@@ -73,9 +73,7 @@ class WorkerSide:
         self.paged.synchronize()
 
     def _load_one(self, spec: LoadSpec) -> None:
-        tokens = unpack_tokens(spec.tokens)
-        sink = PagedSink(self.paged, spec.block_ids, spec.first_token)
-        _, got = self.cache.retrieve(tokens, sink, salt=spec.salt, max_tokens=len(tokens))
+        got = retrieve_spec(self.cache, spec, PagedSink(self.paged, spec.block_ids, spec.first_token))
         loaded = max(min(got, spec.end) - spec.first_token, 0)
         bs = self.block_size
         bad = spec.block_ids[max(got, spec.first_token) // bs : -(-spec.end // bs)] if got < spec.end else []
