@@ -106,3 +106,17 @@ def test_session_epsilon_is_configured_and_checked():
     assert FleetConfig.from_dict({"sticky": True, "session_epsilon": 0.25}).routing.session_epsilon == 0.25
     with pytest.raises(ConfigError):
         StickySessions(RoundRobin(), session_epsilon=-0.1)
+
+
+def test_route_takes_the_session_bound_slack_from_its_flags():
+    import argparse
+
+    from kvtier.apps.route.cli import add_parser, router_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    config = router_config(parser.parse_args(["route", "--replica", "http://r:1", "--session-epsilon", "0.5"]))
+    assert config.routing.session_epsilon == 0.5
+    assert router_config(parser.parse_args(["route", "--replica", "http://r:1"])).routing.session_epsilon == 0
+    with pytest.raises(ConfigError, match="negative"):
+        router_config(parser.parse_args(["route", "--replica", "http://r:1", "--session-epsilon", "-1"]))
