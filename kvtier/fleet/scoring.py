@@ -28,22 +28,26 @@ Policies:
   that replica is above the load bound (or gone); then an inner policy chooses and the break is counted.
   A session without a home (a new one, or a break) is placed by the inner policy among the replicas within
   the *session bound*: a replica may home one more session only if its homed sessions, plus this one, stay
-  within ``ceil((1 + session_epsilon) x (all homed sessions + 1) / replicas)`` (sessions counted among the
-  remembered ones, on the replicas present). Without it a prefix every conversation starts with (a shared
-  system prompt), cached first on one replica, makes that replica the cheapest for every new session, and
-  stickiness keeps them all there while the in-flight bound does not bind (one or two requests in flight):
-  the fleet herds. A prefix that only one replica holds still draws a new session there while that replica
-  is within the session bound; requests without a session are not bounded by it. When the in-flight bound
-  and the session bound leave no replica in common, the in-flight bound wins. A replica that joins homes
+  within ``max((1 + session_epsilon) x m, ceil(m))``, ``m = (all homed sessions + 1) / replicas`` (sessions
+  counted among the remembered ones, on the replicas present): a relative slack for many sessions, where new
+  sessions sharing long prefixes keep their hits, and no more than an even share (rounded up) for a few.
+  Without it a prefix every conversation starts with (a shared system prompt), cached first on one replica,
+  makes that replica the cheapest for every new session, and stickiness keeps them all there while the
+  in-flight bound does not bind (one or two requests in flight): the fleet herds. Among replicas that cost
+  the same (all holding the system prompt), the one homing fewest sessions takes a new one. A prefix that
+  only one replica holds still draws a new session there while that replica is within the session bound;
+  requests without a session are not bounded by it. When the in-flight bound and the session bound leave
+  no replica in common, the in-flight bound wins. A replica that joins homes
   nothing, so new sessions go to it (within the in-flight bound) until it catches up with the others.
 
-Ties (no replica holds anything, or several cost the same) are broken by load, then by rendezvous hashing of
-the request's first chunk key and the replica's name, so a new prefix has a stable home from its first
-request on, whichever replicas are up.
+Ties (no replica holds anything, or several cost the same) are broken by load, then by sessions homed (a new
+sticky session), then by rendezvous hashing of the request's first chunk key and the replica's name, so a new
+prefix has a stable home from its first request on, whichever replicas are up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import math
@@ -70,6 +74,8 @@ class ReplicaView:
     decode_streams: int = 0
     #: a stable name (sessions and rendezvous homes follow it when the list of replicas changes); "" = index
     name: str = ""
+    #: sessions homed on the replica (filled in by ``StickySessions`` for a session without a home)
+    sessions: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,11 +160,12 @@ class CostModel:
     decode_stream_tokens: float = 0.0
 
     def best(self, request: RouteRequest, replicas: Sequence[ReplicaView], candidates: Sequence[int]) -> int:
-        """The cheapest candidate; ties go to the one saving more, the least loaded, the rendezvous winner."""
+        """The cheapest candidate; ties go to the one saving more, the least loaded, the one homing fewest
+        sessions, the rendezvous winner."""
         def rank(i: int):
             view = replicas[i]
             return (-prefill_cost(request, view, self.tier_weights, self.decode_stream_tokens),
-                    expected_saved_tokens(view, self.tier_weights), -view.load,
+                    expected_saved_tokens(view, self.tier_weights), -view.load, -view.sessions,
                     rendezvous_rank(request.first_key, replica_name(replicas, i)))
 
         return max(candidates, key=rank)
@@ -243,11 +250,10 @@ class StickySessions(_Policy):
 
     ``breaks`` counts requests whose session had a replica that could not take them (above the bound, or no
     longer among the replicas). A session without a home is placed within the session bound (module
-    docstring); ``session_epsilon`` is its slack (0: sessions dealt out evenly, cache deciding among the
-    replicas homing fewest)."""
+    docstring); ``session_epsilon`` is its relative slack."""
 
     def __init__(self, inner: RoutingPolicy, epsilon: float = 0.25, max_sessions: int = 100_000,
-                 session_epsilon: float = 0.0) -> None:
+                 session_epsilon: float = 0.25) -> None:
         if session_epsilon < 0:
             raise ConfigError(f"session epsilon must not be negative, got {session_epsilon}")
         self.inner = inner
@@ -265,7 +271,8 @@ class StickySessions(_Policy):
     def within_session_bound(self, replicas: Sequence[ReplicaView]) -> list[int]:
         """Indices of the replicas that may home one more session; never empty."""
         counts = [self.homed(replica_name(replicas, i)) for i in range(len(replicas))]
-        bound = math.ceil((1 + self.session_epsilon) * (sum(counts) + 1) / len(replicas))
+        mean = (sum(counts) + 1) / len(replicas)
+        bound = max((1 + self.session_epsilon) * mean, math.ceil(mean))
         allowed = [i for i, count in enumerate(counts) if count + 1 <= bound]
         return allowed or [min(range(len(replicas)), key=counts.__getitem__)]
 
@@ -278,7 +285,11 @@ class StickySessions(_Policy):
                 self._homes.move_to_end(session)
                 return Decision(index, Reason.STICKY)
             self.breaks += 1
-        candidates = self.within_session_bound(replicas) if session is not None else None
+        candidates = None
+        if session is not None:
+            candidates = self.within_session_bound(replicas)
+            replicas = [dataclasses.replace(view, sessions=self.homed(replica_name(replicas, i)))
+                        for i, view in enumerate(replicas)]
         decision = self.inner.decide(request, replicas, candidates)
         if session is not None:
             self.remember(session, replica_name(replicas, decision.replica))
@@ -326,7 +337,7 @@ class RoutingConfig:
     seed: int = 0
     decode_stream_tokens: float = 0.0
     max_sessions: int = 100_000
-    session_epsilon: float = 0.0
+    session_epsilon: float = 0.25
 
     def build(self) -> RoutingPolicy:
         weights = dict(self.tier_weights)

@@ -39,8 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--sticky", action=argparse.BooleanOptionalAction, default=True,
                    help="send a session (X-Session-ID or the user field) back to its replica (default on)")
     r.add_argument("--epsilon", type=float, default=0.25, help="load bound: no replica above (1+eps) x mean")
-    r.add_argument("--session-epsilon", type=float, default=0.0,
-                   help="session bound: a new session only on a replica homing at most (1+eps) x mean sessions")
+    r.add_argument("--session-epsilon", type=float, default=0.25,
+                   help="session bound: a new session only on a replica homing at most max((1+eps) x mean, ceil(mean)) "
+                        "sessions")
     r.add_argument("--tier-weight", action="append", default=[], metavar="TIER=W",
                    help="worth of a cached token in TIER (memory 1.0, disk 0.9, redis 0.8 by default; vLLM media: "
                         "GPU 1.0, CPU 0.8, DISK and STORAGE 0.7, SHARED 0.6)")
