@@ -26,14 +26,28 @@ Policies:
   the mean while the others idle, whatever the prefix sharing.
 * ``StickySessions``: a session's later requests go back to the replica that served its last one, unless
   that replica is above the load bound (or gone); then an inner policy chooses and the break is counted.
+  A session without a home (a new one, or a break) is placed by the inner policy among the replicas within
+  the *session bound*: a replica may home one more session only if its homed sessions, plus this one, stay
+  within ``max((1 + session_epsilon) x m, ceil(m))``, ``m = (all homed sessions + 1) / replicas`` (sessions
+  counted among the remembered ones, on the replicas present): a relative slack for many sessions, where new
+  sessions sharing long prefixes keep their hits, and no more than an even share (rounded up) for a few.
+  Without it a prefix every conversation starts with (a shared system prompt), cached first on one replica,
+  makes that replica the cheapest for every new session, and stickiness keeps them all there while the
+  in-flight bound does not bind (one or two requests in flight): the fleet herds. Among replicas that cost
+  the same (all holding the system prompt), the one homing fewest sessions takes a new one. A prefix that
+  only one replica holds still draws a new session there while that replica is within the session bound;
+  requests without a session are not bounded by it. When the in-flight bound and the session bound leave
+  no replica in common, the in-flight bound wins. A replica that joins homes
+  nothing, so new sessions go to it (within the in-flight bound) until it catches up with the others.
 
-Ties (no replica holds anything, or several cost the same) are broken by load, then by rendezvous hashing of
-the request's first chunk key and the replica's name, so a new prefix has a stable home from its first
-request on, whichever replicas are up.
+Ties (no replica holds anything, or several cost the same) are broken by load, then by sessions homed (a new
+sticky session), then by rendezvous hashing of the request's first chunk key and the replica's name, so a new
+prefix has a stable home from its first request on, whichever replicas are up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import math
@@ -60,6 +74,8 @@ class ReplicaView:
     decode_streams: int = 0
     #: a stable name (sessions and rendezvous homes follow it when the list of replicas changes); "" = index
     name: str = ""
+    #: sessions homed on the replica (filled in by ``StickySessions`` for a session without a home)
+    sessions: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +95,7 @@ class Reason(enum.Enum):
     CACHED = "cached"  #: the cheapest replica, and it holds part of the prompt
     SPREAD = "spread"  #: no replica holds any of the prompt: least loaded, then the rendezvous home
     BOUND = "bound"  #: a replica holding more of the prompt was above the load bound
+    BALANCE = "balance"  #: a new session: a replica holding more of the prompt homed too many sessions
     STICKY = "sticky"  #: the session's last replica
     STICKY_BREAK = "sticky-break"  #: the session's last replica was above the bound or gone
     ROUND_ROBIN = "round-robin"
@@ -92,8 +109,10 @@ class Decision:
 
 
 class RoutingPolicy(Protocol):
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
-        """The replica (an index into ``replicas``, never empty) that serves ``request``, and why."""
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               candidates: Sequence[int] | None = None) -> Decision:
+        """The replica (an index into ``replicas``, never empty) that serves ``request``, and why; with
+        ``candidates`` (indices, never empty), one of them unless a policy's own load bound rules them all out."""
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
         """``decide(...).replica``."""
@@ -141,11 +160,12 @@ class CostModel:
     decode_stream_tokens: float = 0.0
 
     def best(self, request: RouteRequest, replicas: Sequence[ReplicaView], candidates: Sequence[int]) -> int:
-        """The cheapest candidate; ties go to the one saving more, the least loaded, the rendezvous winner."""
+        """The cheapest candidate; ties go to the one saving more, the least loaded, the one homing fewest
+        sessions, the rendezvous winner."""
         def rank(i: int):
             view = replicas[i]
             return (-prefill_cost(request, view, self.tier_weights, self.decode_stream_tokens),
-                    expected_saved_tokens(view, self.tier_weights), -view.load,
+                    expected_saved_tokens(view, self.tier_weights), -view.load, -view.sessions,
                     rendezvous_rank(request.first_key, replica_name(replicas, i)))
 
         return max(candidates, key=rank)
@@ -155,7 +175,8 @@ class CostModel:
 
 
 class _Policy:
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               candidates: Sequence[int] | None = None) -> Decision:
         raise NotImplementedError
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
@@ -166,9 +187,12 @@ class RoundRobin(_Policy):
     def __init__(self) -> None:
         self._next = 0
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               candidates: Sequence[int] | None = None) -> Decision:
         index = self._next % len(replicas)
         self._next = index + 1
+        if candidates is not None and index not in candidates:  # the next candidate after it, in turn
+            index = min(candidates, key=lambda i: (i - index) % len(replicas))
         return Decision(index, Reason.ROUND_ROBIN)
 
 
@@ -176,8 +200,10 @@ class RandomChoice(_Policy):
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
-        return Decision(self._rng.randrange(len(replicas)), Reason.RANDOM)
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               candidates: Sequence[int] | None = None) -> Decision:
+        pool = list(range(len(replicas))) if candidates is None else list(candidates)
+        return Decision(pool[self._rng.randrange(len(pool))], Reason.RANDOM)
 
 
 class PrefixAffinity(_Policy):
@@ -185,9 +211,10 @@ class PrefixAffinity(_Policy):
         self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens)
         self.tier_weights = self.cost.tier_weights
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
-        best = self.cost.best(request, replicas, range(len(replicas)))
-        return Decision(best, Reason.CACHED if self.cost.saved(replicas[best]) > 0 else Reason.SPREAD)
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               candidates: Sequence[int] | None = None) -> Decision:
+        best = self.cost.best(request, replicas, range(len(replicas)) if candidates is None else candidates)
+        return _explain(self.cost, replicas, best, Reason.BALANCE)
 
 
 class LoadBoundedAffinity(_Policy):
@@ -199,13 +226,22 @@ class LoadBoundedAffinity(_Policy):
         self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens)
         self.tier_weights = self.cost.tier_weights
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
+               candidates: Sequence[int] | None = None) -> Decision:
         allowed = within_bound(replicas, self.epsilon)
-        chosen = self.cost.best(request, replicas, allowed)
-        most = max(self.cost.saved(view) for view in replicas)
-        if self.cost.saved(replicas[chosen]) < most:
-            return Decision(chosen, Reason.BOUND)
-        return Decision(chosen, Reason.CACHED if most > 0 else Reason.SPREAD)
+        pool = allowed if candidates is None else [i for i in allowed if i in candidates] or allowed
+        chosen = self.cost.best(request, replicas, pool)
+        if self.cost.saved(replicas[chosen]) < max(self.cost.saved(replicas[i]) for i in allowed):
+            return Decision(chosen, Reason.BALANCE)
+        return _explain(self.cost, replicas, chosen, Reason.BOUND)
+
+
+def _explain(cost: CostModel, replicas: Sequence[ReplicaView], chosen: int, narrowed: Reason) -> Decision:
+    """Why ``chosen``: ``narrowed`` when a replica not considered holds more of the prompt."""
+    saved = cost.saved(replicas[chosen])
+    if saved < max(cost.saved(view) for view in replicas):
+        return Decision(chosen, narrowed)
+    return Decision(chosen, Reason.CACHED if saved > 0 else Reason.SPREAD)
 
 
 class StickySessions(_Policy):
@@ -213,14 +249,32 @@ class StickySessions(_Policy):
     passes fixed-size digests as sessions, so the table's memory is bounded by its count).
 
     ``breaks`` counts requests whose session had a replica that could not take them (above the bound, or no
-    longer among the replicas)."""
+    longer among the replicas). A session without a home is placed within the session bound (module
+    docstring); ``session_epsilon`` is its relative slack."""
 
-    def __init__(self, inner: RoutingPolicy, epsilon: float = 0.25, max_sessions: int = 100_000) -> None:
+    def __init__(self, inner: RoutingPolicy, epsilon: float = 0.25, max_sessions: int = 100_000,
+                 session_epsilon: float = 0.25) -> None:
+        if session_epsilon < 0:
+            raise ConfigError(f"session epsilon must not be negative, got {session_epsilon}")
         self.inner = inner
         self.epsilon = epsilon
+        self.session_epsilon = session_epsilon
         self.max_sessions = max_sessions
         self.breaks = 0
         self._homes: OrderedDict[str, str] = OrderedDict()
+        self._homed: dict[str, int] = {}  # replica name -> remembered sessions homed there
+
+    def homed(self, replica: str) -> int:
+        """Remembered sessions whose home is ``replica``."""
+        return self._homed.get(replica, 0)
+
+    def within_session_bound(self, replicas: Sequence[ReplicaView]) -> list[int]:
+        """Indices of the replicas that may home one more session; never empty."""
+        counts = [self.homed(replica_name(replicas, i)) for i in range(len(replicas))]
+        mean = (sum(counts) + 1) / len(replicas)
+        bound = max((1 + self.session_epsilon) * mean, math.ceil(mean))
+        allowed = [i for i, count in enumerate(counts) if count + 1 <= bound]
+        return allowed or [min(range(len(replicas)), key=counts.__getitem__)]
 
     def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
         session = request.session
@@ -231,17 +285,34 @@ class StickySessions(_Policy):
                 self._homes.move_to_end(session)
                 return Decision(index, Reason.STICKY)
             self.breaks += 1
-        decision = self.inner.decide(request, replicas)
+        candidates = None
+        if session is not None:
+            candidates = self.within_session_bound(replicas)
+            replicas = [dataclasses.replace(view, sessions=self.homed(replica_name(replicas, i)))
+                        for i, view in enumerate(replicas)]
+        decision = self.inner.decide(request, replicas, candidates)
         if session is not None:
             self.remember(session, replica_name(replicas, decision.replica))
         return Decision(decision.replica, Reason.STICKY_BREAK) if home is not None else decision
 
     def remember(self, session: str, replica: str) -> None:
         """``session`` was served by ``replica`` (a retry may serve it elsewhere than decided)."""
+        old = self._homes.get(session)
+        if old != replica:
+            if old is not None:
+                self._unhome(old)
+            self._homed[replica] = self._homed.get(replica, 0) + 1
         self._homes[session] = replica
         self._homes.move_to_end(session)
         while len(self._homes) > self.max_sessions:
-            self._homes.popitem(last=False)
+            self._unhome(self._homes.popitem(last=False)[1])
+
+    def _unhome(self, replica: str) -> None:
+        left = self._homed[replica] - 1
+        if left:
+            self._homed[replica] = left
+        else:
+            del self._homed[replica]
 
 
 class Routing(enum.Enum):
@@ -256,7 +327,8 @@ class RoutingConfig:
     """``routing``: the policy; ``epsilon``: the load bound's slack; ``sticky``: keep sessions on one replica;
     ``tier_weights``: what a cached token of each tier is worth against one in the fastest (default 1.0);
     ``decode_stream_tokens``: what one decoding request costs a replica, in prefill tokens; ``max_sessions``:
-    the sticky sessions remembered (least recently used forgotten first)."""
+    the sticky sessions remembered (least recently used forgotten first); ``session_epsilon``: the session
+    bound's slack (sticky only)."""
 
     routing: Routing = Routing.LOAD_BOUNDED
     epsilon: float = 0.25
@@ -265,6 +337,7 @@ class RoutingConfig:
     seed: int = 0
     decode_stream_tokens: float = 0.0
     max_sessions: int = 100_000
+    session_epsilon: float = 0.25
 
     def build(self) -> RoutingPolicy:
         weights = dict(self.tier_weights)
@@ -274,4 +347,6 @@ class RoutingConfig:
             Routing.PREFIX: lambda: PrefixAffinity(weights, self.decode_stream_tokens),
             Routing.LOAD_BOUNDED: lambda: LoadBoundedAffinity(self.epsilon, weights, self.decode_stream_tokens),
         }[self.routing]()
-        return StickySessions(policy, self.epsilon, self.max_sessions) if self.sticky else policy
+        if not self.sticky:
+            return policy
+        return StickySessions(policy, self.epsilon, self.max_sessions, self.session_epsilon)

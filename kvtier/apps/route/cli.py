@@ -39,6 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--sticky", action=argparse.BooleanOptionalAction, default=True,
                    help="send a session (X-Session-ID or the user field) back to its replica (default on)")
     r.add_argument("--epsilon", type=float, default=0.25, help="load bound: no replica above (1+eps) x mean")
+    r.add_argument("--session-epsilon", type=float, default=0.25,
+                   help="session bound: a new session only on a replica homing at most max((1+eps) x mean, ceil(mean)) "
+                        "sessions")
     r.add_argument("--tier-weight", action="append", default=[], metavar="TIER=W",
                    help="worth of a cached token in TIER (memory 1.0, disk 0.9, redis 0.8 by default; vLLM media: "
                         "GPU 1.0, CPU 0.8, DISK and STORAGE 0.7, SHARED 0.6)")
@@ -84,11 +87,12 @@ def router_config(args: argparse.Namespace):
         if not sep or not tier.strip():
             raise ConfigError(f"--tier-weight takes TIER=WEIGHT, got {item!r}")
     routing = dataclasses.replace(default_routing(), routing=Routing(args.policy), sticky=args.sticky,
-                                  epsilon=args.epsilon, tier_weights=tuple(weights.items()))
+                                  epsilon=args.epsilon, session_epsilon=args.session_epsilon,
+                                  tier_weights=tuple(weights.items()))
     if args.decode_stream_tokens is not None:
         routing = dataclasses.replace(routing, decode_stream_tokens=args.decode_stream_tokens)
-    if routing.epsilon < 0:
-        raise ConfigError("--epsilon must not be negative")
+    if routing.epsilon < 0 or routing.session_epsilon < 0:
+        raise ConfigError("--epsilon and --session-epsilon must not be negative")
     return RouterConfig(
         replicas=tuple(parse_replica(item) for item in args.replica), routing=routing,
         proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts),

@@ -6,6 +6,7 @@ YAML (every key optional)::
     routing: load-bounded       # round-robin | random | prefix | load-bounded
     load_epsilon: 0.25          # load-bounded: no replica above ceil((1 + eps) x mean in-flight requests)
     sticky: false               # keep each session (bench JSON: conversation / document) on one replica
+    session_epsilon: 0.25       # sticky: a new session's replica homes at most max((1 + eps) x mean, ceil(mean))
     tier_weights: {disk: 0.9}   # what a cached token in each tier is worth to the router (default 1.0)
     kv_bytes_per_token: 131072  # the served model's KV per token (Llama-3-8B, bf16): turns bytes into chunks
     prefill_tokens_per_s: 20000 # each replica's prefill rate (prefills run one at a time) ...
@@ -120,6 +121,7 @@ class FleetConfig:
             "routing": values.pop("routing", Routing.LOAD_BOUNDED.value),
             "epsilon": values.pop("load_epsilon", 0.25),
             "sticky": values.pop("sticky", False),
+            "session_epsilon": values.pop("session_epsilon", 0.25),
             "tier_weights": tuple(dict(values.pop("tier_weights", None) or {}).items()),
         }
         values["routing"] = build_dataclass(RoutingConfig, routing, "fleet.routing")
