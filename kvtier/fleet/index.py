@@ -114,6 +114,10 @@ class ShardedKeys:
         shards, self.shards = self.shards, [set() for _ in self.shards]
         release(shards)
 
+    def clear(self) -> None:
+        """Empty this set (as ``release``: a large one is freed over several loop turns)."""
+        self.release()
+
 
 class ExpiringKeys:
     """Keys with a deadline, oldest first, at most ``max_keys`` (the oldest go first beyond that)."""

@@ -39,7 +39,7 @@ import torch
 from kvtier.base.keys import ChunkHash, Namespace, chunk_hashes
 from kvtier.base.layout import KVSpec
 from kvtier.events.wire import Batch, WireEvent
-from kvtier.fleet.index import PreparedSnapshot, ReplicaHoldings
+from kvtier.fleet.index import PreparedSnapshot, ReplicaHoldings, ShardedKeys
 from kvtier.fleet.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, VllmBatch
 
 #: vLLM's own name for its device cache (``vllm.distributed.kv_events.MEDIUM_GPU``; on CPU builds too).
@@ -88,7 +88,7 @@ class VllmReplicaIndex:
         """Forget everything: the replica's state is unknown (start, restart, a gap replay could not fill)."""
         self._blocks.clear()
         self._mapped = 0
-        local = {m: set() for m in self.media if m not in self.shared}
+        local = {m: ShardedKeys(self.max_keys) for m in self.media if m not in self.shared}
         shared = {m: (self.shared[m], []) for m in self.media if m in self.shared}
         self.holdings.reset(PreparedSnapshot(list(self.media), local, shared, 0))
 
