@@ -89,11 +89,14 @@ def used_cache(tmp_path: Path) -> KVCache:
                             admission="always"))
     cache = KVCache(SPEC, "m@1", CacheConfig(chunk_size=16, tiers=tiers))
     prompts = [list(range(i * 100, i * 100 + 48)) for i in range(3)]
+    disk = cache.tiers[1]
     for tokens in prompts:
         cache.store(tokens, torch.zeros(SPEC.chunk_shape(48), dtype=SPEC.dtype))
+        disk.flush()  # demotions on disk before the next step: a busy writer queue would skip them (and the hits)
     for tokens in prompts:
         cache.lookup(tokens)
         cache.retrieve(tokens + [7] * 16)
+        disk.flush()
     return cache
 
 
