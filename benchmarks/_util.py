@@ -1,12 +1,15 @@
-"""Small helpers shared by the benchmarks: timing, and the RESULT line."""
+"""Small helpers shared by the benchmarks: timing, the RESULT line, and a `kvtier route` process."""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from kvtier.apps.calibrate.measure import timed  # noqa: F401  (re-exported: every benchmark times with it)
 
@@ -59,3 +62,44 @@ def plain_read(path: str, block: int) -> float:
         while fh.readinto(buf):
             pass
     return time.perf_counter() - start
+
+
+@contextmanager
+def router_process(cmd: list[str], url: str, log_path: Path) -> Iterator[str]:
+    """``kvtier route`` started with ``cmd`` (its output to ``log_path``); yields ``url`` once its ``/health``
+    answers, stops it on exit."""
+    import httpx
+
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvtier route exited with {proc.returncode}; see {log.name}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("kvtier route did not come up")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def routed_per_replica(url: str) -> dict[str, int]:
+    """Requests each replica served (the router's counts, every reason together)."""
+    import httpx
+
+    out: dict[str, int] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvtier_router_routed_total{"):
+            series, _, value = line.rpartition(" ")
+            replica = series.partition('replica="')[2].partition('"')[0]
+            out[replica] = out.get(replica, 0) + int(float(value))
+    return out

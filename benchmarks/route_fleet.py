@@ -29,13 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
-import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import httpx
+from _util import routed_per_replica, router_process
 
 from kvtier.apps.bench import report
 from kvtier.apps.bench.cli import bench
@@ -62,38 +60,8 @@ def router(replicas: list[Target], flags: list[str], model: str | None, log_dir:
         cmd += ["--replica", replica.url]
     if model:
         cmd += ["--model", model]
-    log = open(log_dir / f"route-{flags[1]}-{port}.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvtier route exited with {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("kvtier route did not come up")
-            time.sleep(0.5)
+    with router_process(cmd, f"http://127.0.0.1:{port}", log_dir / f"route-{flags[1]}-{port}.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
-def routed_per_replica(url: str) -> dict[str, int]:
-    """Requests each replica served (the router's counts, every reason together)."""
-    out: dict[str, int] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("kvtier_router_routed_total{"):
-            series, _, value = line.rpartition(" ")
-            replica = series.partition('replica="')[2].partition('"')[0]
-            out[replica] = out.get(replica, 0) + int(float(value))
-    return out
 
 
 def plot(runs: dict, summaries: dict, single: dict, path: Path) -> None:

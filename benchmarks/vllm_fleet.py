@@ -32,7 +32,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -42,7 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import httpx  # noqa: E402
+
+from _util import routed_per_replica, router_process  # noqa: E402
 
 from kvtier.apps.bench import report  # noqa: E402
 from kvtier.apps.bench.client import Target  # noqa: E402
@@ -95,37 +95,8 @@ def router(replicas: list[Replica], flags: list[str], media: str | None, model: 
            *flags]
     for replica in replicas:
         cmd += ["--replica", replica.entry(media)]
-    log = open(out / f"route-{label}.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvtier route exited with {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("kvtier route did not come up")
-            time.sleep(0.5)
+    with router_process(cmd, f"http://127.0.0.1:{port}", out / f"route-{label}.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
-def routed_per_replica(url: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("kvtier_router_routed_total{"):
-            series, _, value = line.rpartition(" ")
-            replica = series.partition('replica="')[2].partition('"')[0]
-            out[replica] = out.get(replica, 0) + int(float(value))
-    return out
 
 
 def run_arms(targets: list[Target], specs: list[MultiRoundSpec], concurrency: int):
