@@ -39,6 +39,27 @@ def drop_caches() -> bool:
         return False
 
 
+def evict_page_cache(folder: str | Path) -> str:
+    """Drop the page cache (root), else evict ``folder``'s files from it (posix_fadvise DONTNEED, which any
+    user may do for files they can open); says which."""
+    if drop_caches():
+        return "drop_caches"
+    for root, _dirs, files in os.walk(folder):
+        for file in files:
+            try:
+                fd = os.open(os.path.join(root, file), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return "fadvise"
+
+
 def plain_write(path: str, parts: Iterable[bytes | memoryview]) -> float:
     """Seconds to write ``parts`` sequentially to one new file with a single fsync: the disk's write limit."""
     start = time.perf_counter()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -122,21 +121,3 @@ def itl_under_load(url: str, name: str, loads: list[list[int]], streams: list[li
             "samples_loading": len(gaps["loading"]), "samples_quiet": len(gaps["quiet"]),
             "samples_control": len(gaps["control"]), "load_request_s": float(np.median(load_s))}
 
-
-def evict_page_cache(folder: Path) -> str:
-    """Drop the page cache (root), else evict ``folder``'s files from it (posix_fadvise DONTNEED, which any
-    user may do for files they can open); says which."""
-    from _util import drop_caches
-
-    if drop_caches():
-        return "drop_caches"
-    for root, _dirs, files in os.walk(folder):
-        for file in files:
-            with contextlib.suppress(OSError):
-                fd = os.open(os.path.join(root, file), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-    return "fadvise"

@@ -20,7 +20,6 @@ so the pool is that module's ``HostPool``: the same tensor, in the same layout.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import best, drop_caches, result  # noqa: E402
+from _util import best, evict_page_cache, result  # noqa: E402
 
 from tests.integrations.sglang_pool import HostPool, backend, page_keys, storage_config  # noqa: E402
 
@@ -43,15 +42,7 @@ def timed(fn):
 
 
 def _drop(path: str) -> None:
-    if drop_caches():
-        return
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    evict_page_cache(path)
 
 
 def raw_redis_gets(url: str, pool: HostPool, n: int, reps: int) -> list[float]:

@@ -44,17 +44,9 @@ class _Discard:
 
 
 def _evict(folder: str) -> None:
-    from _util import drop_caches
+    from _util import evict_page_cache
 
-    if drop_caches():
-        return
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    evict_page_cache(folder)  # root drops the page cache, others evict the folder's files
 
 
 def main() -> None:

@@ -42,8 +42,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-from _util import result  # noqa: E402
-from _vllm_serve_client import evict_page_cache, itl_under_load, summarize, vllm_bench  # noqa: E402
+from _util import (
+    evict_page_cache,  # noqa: E402
+    result,  # noqa: E402
+)
+from _vllm_serve_client import itl_under_load, summarize, vllm_bench  # noqa: E402
 from _vllm_serve_report import plot, print_table, targets  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
