@@ -34,6 +34,7 @@ import zmq  # noqa: E402
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
+from tests.apps.route.fleet import scrape  # noqa: E402
 from tests.harness import wait_for  # noqa: E402
 from tests.integrations.vllm_server import ROOT, VllmServer  # noqa: E402
 
@@ -234,15 +235,6 @@ def start_router(fleet, port: int) -> subprocess.Popen:
                "--health-interval", "0.5"]
     env = {"PYTHONPATH": str(ROOT), "KVTIER_METRICS_STRICT": "1", "PATH": "/usr/bin:/bin"}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def scrape(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            out[series] = float(value)
-    return out
 
 
 def chunks(metrics: dict[str, float], replica: Replica, medium: str) -> float:
