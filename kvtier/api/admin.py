@@ -10,7 +10,7 @@ Who may do what (``authorize``), by the ``Authorization: Bearer <key>`` header:
 * no header (or a malformed one): 401, for every admin route;
 * the **admin key** (``--admin-key-file``, else ``KVTIER_ADMIN_KEY``; compared in constant time): everything;
 * any other key is a **tenant key**, the same key the tenant sends with its completions: it may look up and
-  clear its own tenant's entries (the cache salt its key derives, kvtier.web.tenants), nothing else. Naming a
+  clear its own tenant's entries (the cache salt its key derives, kvtier.api.tenants), nothing else. Naming a
   tenant, clearing beyond its own entries, pinning, unpinning and stats are 403. A server with no admin key
   configured answers 403 to every admin-only call.
 

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic_core import from_json
 from starlette.requests import Request
 
-from kvtier.web.errors import RequestError
+from kvtier.api.errors import RequestError
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 _MAX_LENGTH_DIGITS = 18  # any longer Content-Length is past every cap (and int() of it may be refused)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.web.admin import ADMIN_KEY_ENV
+from kvtier.api.admin import ADMIN_KEY_ENV
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """``kvtier route``'s admin API: each ``/admin/v1/...`` call fanned out to every replica, answers merged.
 
-The routes and bodies are kvtier serve's (kvtier.web.admin): the router checks what it can without a replica (a
+The routes and bodies are kvtier serve's (kvtier.api.admin): the router checks what it can without a replica (a
 bearer key is present, the body is well formed: 401 / 400, forwarded nowhere) and forwards the caller's
 ``Authorization`` header and body unchanged, so each replica decides who may do what with its own admin key.
 The answer::
@@ -25,12 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvtier.api.admin import PREFIX, ROUTES, openapi, parse_body
+from kvtier.api.errors import RequestError, error_body
+from kvtier.api.tenants import api_key
 from kvtier.apps.route.replicas import Replica
 from kvtier.apps.route.service import Router
-from kvtier.web.admin import PREFIX, ROUTES, openapi, parse_body
 from kvtier.web.body import read_body
-from kvtier.web.errors import RequestError, error_body
-from kvtier.web.tenants import api_key
 
 MAX_ADMIN_BODY = 16 << 20
 TIMEOUT_S = 120.0  #: a clear of a large disk or shared store may take a while

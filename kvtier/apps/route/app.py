@@ -31,13 +31,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from kvtier.api.errors import RequestError, error_body
 from kvtier.apps.route.admin import admin_routes
 from kvtier.apps.route.admission import Overloaded
 from kvtier.apps.route.metrics import CANCELLED, REJECTED, REQUESTS
 from kvtier.apps.route.requests import parse_request
 from kvtier.apps.route.service import Router
 from kvtier.web.body import read_body
-from kvtier.web.errors import RequestError, error_body
 from kvtier.web.http_limits import guarded_protocol
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvtier.api.errors import RequestError
+from kvtier.api.tenants import api_key, tenant_salt
 from kvtier.web.body import decode_json
-from kvtier.web.errors import RequestError
-from kvtier.web.tenants import api_key, tenant_salt
 
 SESSION_HEADER = "x-session-id"
 MAX_SESSION_ID_BYTES = 256  #: a conversation or user id; longer ones are refused, not kept

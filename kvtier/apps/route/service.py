@@ -25,6 +25,7 @@ from typing import Protocol
 import zmq.asyncio
 from starlette.responses import JSONResponse, Response
 
+from kvtier.api.errors import error_body
 from kvtier.apps.route.admission import Admission, Slot
 from kvtier.apps.route.config import RouterConfig
 from kvtier.apps.route.health import Health
@@ -55,7 +56,6 @@ from kvtier.events.keys import default_key_file, load_or_create
 from kvtier.events.subscriber import SubscriberConfig
 from kvtier.fleet.index import FleetIndex
 from kvtier.fleet.scoring import Reason, RouteRequest, StickySessions
-from kvtier.web.errors import error_body
 
 log = logging.getLogger(__name__)
 

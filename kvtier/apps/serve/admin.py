@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse
 
 from kvtier.api.admin import PREFIX, ROUTES
 from kvtier.api.admin_ops import AdminOps
+from kvtier.api.errors import RequestError, error_body
 from kvtier.apps.serve.backend import Backend
 from kvtier.web.body import read_body
-from kvtier.web.errors import RequestError, error_body
 
 MAX_ADMIN_BODY = 16 << 20
 

@@ -25,6 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvtier.api.errors import RequestError, error_body
+from kvtier.api.tenants import api_key
 from kvtier.apps.serve.admin import add_admin_routes
 from kvtier.apps.serve.backend import Backend, tenant_salt
 from kvtier.apps.serve.engine import Event, EventKind, Job, Overloaded
@@ -43,9 +45,7 @@ from kvtier.base.metrics import CONTENT_TYPE
 from kvtier.integrations.sampling import SamplingParams
 from kvtier.integrations.transformers import Span
 from kvtier.web.body import decode_json, read_body
-from kvtier.web.errors import RequestError, error_body
 from kvtier.web.http_limits import guarded_protocol
-from kvtier.web.tenants import api_key
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.api.errors import RequestError
+from kvtier.api.tenants import tenant_salt  # noqa: F401  (re-exported: app.py and others import it from here)
 from kvtier.apps.serve.engine import Engine
 from kvtier.apps.serve.prompt_limits import encode_within, refuse_overlong_chat
 from kvtier.apps.serve.segmenter import NoSegments, Segmenter
@@ -21,9 +23,7 @@ from kvtier.core.config import CacheConfig
 from kvtier.integrations.blend import BlendConfig, BlendedLM
 from kvtier.integrations.transformers import PrefixCachedLM, cache_spec, model_identity, prefix_cached_lm
 from kvtier.web.body import DEFAULT_MAX_BODY_BYTES
-from kvtier.web.errors import RequestError
 from kvtier.web.http_limits import HttpLimits
-from kvtier.web.tenants import tenant_salt  # noqa: F401  (re-exported: app.py and others import it from here)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ServerConfig:
     ``blend`` (needs a cache) turns on reuse of cached segments; ``blend_separator`` splits text prompts.
     ``http``: what one client may cost the HTTP server before a request reaches the app (see
     kvtier.web.http_limits; ``app.server_config`` enforces it). ``admin_key``: the key of the admin API
-    (kvtier.web.admin; None: no admin, tenant keys may still look up and clear their own entries).
+    (kvtier.api.admin; None: no admin, tenant keys may still look up and clear their own entries).
     """
 
     model_path: Path | None = None

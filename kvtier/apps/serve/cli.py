@@ -17,10 +17,10 @@ import dataclasses
 import logging
 import sys
 
+from kvtier.api.admin import admin_key_from
 from kvtier.base.errors import ConfigError
 from kvtier.core.config import CacheConfig, parse_size
 from kvtier.integrations.blend.config import BlendConfig
-from kvtier.web.admin import admin_key_from
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
 from kvtier.web.startup import freeze_startup_objects
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.api.errors import RequestError
 from kvtier.integrations.tokenize import CUT_MARGIN, FIRST_WINDOW_CHARS_PER_TOKEN, PromptTooLong
-from kvtier.web.errors import RequestError
 
 __all__ = ["CUT_MARGIN", "FIRST_WINDOW_CHARS_PER_TOKEN", "encode_within", "refuse_overlong_chat"]
 

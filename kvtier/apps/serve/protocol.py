@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvtier.api.errors import RequestError
 from kvtier.integrations.sampling import SEED_MAX, SEED_MIN, SamplingParams
-from kvtier.web.errors import RequestError
 
 
 class StreamOptions(BaseModel):

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from kvtier.api.errors import RequestError
 from kvtier.apps.route.requests import PREFIX_BYTES, TOKEN_ID_LIMIT, WHOLE_BODY_BYTES, parse_request
-from kvtier.web.errors import RequestError
 
 REFUSED = [
     (False, {"prompt": "x", "max_tokens": True}, "max_tokens"),

@@ -15,9 +15,9 @@ PROMPT = "the cache keeps a prefix of every prompt so the server answers faster 
 
 
 def start(model_dir, *, admin_key: str | None = ADMIN, pin_budget: str = "1MiB") -> LiveServer:
+    from kvtier.api.tenants import tenant_salt
     from kvtier.apps.serve.backend import Backend, ServerConfig
     from kvtier.core.config import CacheConfig
-    from kvtier.web.tenants import tenant_salt
 
     cache = CacheConfig.from_dict({"chunk_size": 16, "tenants": {"bob": tenant_salt(BOB).hex()}, "tiers": [
         {"kind": "memory", "capacity_bytes": "32MiB", "prefault": False, "pin_budget_bytes": pin_budget}]})

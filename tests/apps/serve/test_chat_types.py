@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.api.errors import RequestError
 from kvtier.apps.serve.protocol import ChatRequest, parse
-from kvtier.web.errors import RequestError
 
 
 @pytest.mark.parametrize("messages", [

@@ -7,11 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from kvtier.api.errors import RequestError
 from kvtier.apps.serve.backend import tenant_salt
 from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
 from kvtier.apps.serve.textstream import TextStream
 from kvtier.base.errors import ConfigError
-from kvtier.web.errors import RequestError
 from tests.apps.serve.conftest import WORDS
 
 
