@@ -25,7 +25,7 @@ average; a table, ``results/vllm_serve/vllm_serve.png`` and ``.json``, and ``RES
 against vLLM alone in the same run and each target of issue 33 (pass / fail).
 
     python benchmarks/vllm_serve.py [--quick] [--out results/vllm_serve]
-    (parts alone: --itl-only sync,async,async-nice [--itl-loads N]; --scaling 8,4,8,4; --redis-only)
+    (parts alone: --itl-only sync,async,async-nice [--itl-loads N]; --scaling 8,4,8,4; --redis-only; --random-only)
 """
 
 from __future__ import annotations
@@ -205,6 +205,8 @@ def main() -> None:
                         "workload at these numbers of requests in flight, with vLLM's preemptions per run")
     parser.add_argument("--redis-only", nargs="?", const="sync,async", metavar="ARMS", help="only the Redis tier (a "
                         "real redis-server), one server per arm (default sync,async), at 4 in flight")
+    parser.add_argument("--random-only", action="store_true", help="only the random prompts: vLLM alone and the "
+                        "memory tier in interleaved pairs")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
     if args.report:
@@ -228,8 +230,8 @@ def main() -> None:
     if args.itl_only:
         itl_only(size, out, args.itl_only.split(","))
         return
-    if args.scaling or args.redis_only:
-        tier_rows(size, out, "redis" if args.redis_only else "memory",
+    if args.scaling or args.redis_only or args.random_only:
+        tier_rows(size, out, "redis" if args.redis_only else "random" if args.random_only else "memory",
                   [int(c) for c in args.scaling.split(",")] if args.scaling else [4],
                   args.redis_only.split(",") if args.redis_only else [])
         return
@@ -328,14 +330,24 @@ def itl_only(size: dict, out: Path, arms: list[str]) -> None:
 
 
 def tier_rows(size: dict, out: Path, tier: str, levels: list[int], arms: list[str]) -> None:
-    """The prefix workload on one tier alone, no vLLM alone: the memory tier (asynchronous loads), or Redis with
-    synchronous and asynchronous loads (one server each over one redis-server); each server warmed once, then
-    run at each level of requests in flight in the order given."""
+    """The prefix workload on one tier, no vLLM alone: the memory tier (asynchronous loads), or Redis with sync and
+    async loads (one server each over one redis-server), warmed once, then at each level of requests in flight in
+    order. ``random``: vLLM alone and the memory tier on random prompts, interleaved pairs, alternating order."""
     from tests.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-tier-") as tmp, ExitStack() as stack:
         bench = Bench(size, out, Path(tmp))
-        if tier == "memory":
+        if tier == "random":
+            servers = {"vLLM alone": bench.server("alone", None, None),
+                       "kvtier memory": bench.server("memory", [{"kind": "memory", "capacity_bytes": "4GiB"}], None)}
+            _start(stack, *servers.values(), notes=bench.notes)
+            pairs = list(servers.items())
+            for rep in range(size["random_reps"]):
+                for label, server in pairs[::-1] if rep % 2 else pairs:
+                    row = bench.run(server, label, "random", 4, seed=100 + rep)
+                    print(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}), flush=True)
+            servers = {}
+        elif tier == "memory":
             servers = {"async": bench.server("memory", [{"kind": "memory", "capacity_bytes": "4GiB"}], None)}
         else:
             redis = RedisServer(maxmemory="6gb").start()
