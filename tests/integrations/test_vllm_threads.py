@@ -14,11 +14,11 @@ linux_smp = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sc
                                reason="needs Linux and at least 2 CPUs to bind threads")
 
 
-def test_forward_pass_cpus_read_vllms_form_only() -> None:
-    assert forward_pass_cpus("{0,1,2}") == {0, 1, 2}
-    assert forward_pass_cpus("{5}") == {5}
-    assert forward_pass_cpus("") == set()
-    assert forward_pass_cpus("{0:4}") == set()  # another OpenMP form: not vLLM's, nothing is assumed
+def test_forward_pass_cpus_read_vllms_forms_only() -> None:
+    assert forward_pass_cpus({"OMP_PLACES": "{0,1,2}"}) == {0, 1, 2}
+    assert forward_pass_cpus({"GOMP_CPU_AFFINITY": "3 5"}) == {3, 5}
+    assert forward_pass_cpus({}) == set()
+    assert forward_pass_cpus({"OMP_PLACES": "{0:4}"}) == set()  # other OpenMP forms: nothing is assumed
 
 
 def _in_thread(fn):
@@ -30,10 +30,14 @@ def _in_thread(fn):
 
 
 @linux_smp
-def test_a_named_thread_leaves_the_forward_pass_core_and_its_children_follow(monkeypatch) -> None:
+@pytest.mark.parametrize("env", [{}, {"OMP_PLACES": "{%d}"}], ids=["inherited binding", "and OMP_PLACES"])
+def test_a_named_thread_leaves_the_forward_pass_core_and_its_children_follow(monkeypatch, env) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     forward = cpus[0]
-    monkeypatch.setenv("OMP_PLACES", f"{{{forward}}}")
+    monkeypatch.delenv("OMP_PLACES", raising=False)
+    monkeypatch.delenv("GOMP_CPU_AFFINITY", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value % forward)
 
     def run() -> dict:
         os.sched_setaffinity(0, {forward})  # as vLLM binds the worker: every thread it starts inherits this
@@ -51,8 +55,7 @@ def test_a_named_thread_leaves_the_forward_pass_core_and_its_children_follow(mon
 
 
 @linux_smp
-def test_without_vllms_binding_a_thread_stays_where_it_was(monkeypatch) -> None:
-    monkeypatch.delenv("OMP_PLACES", raising=False)
+def test_without_vllms_binding_a_thread_stays_where_it_was() -> None:
     before = os.sched_getaffinity(0)
     got = _in_thread(lambda: (name_os_thread("kvtier-test"), {"cpus": os.sched_getaffinity(0)})[1])
     assert got["cpus"] == before
