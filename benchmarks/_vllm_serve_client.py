@@ -126,8 +126,9 @@ def itl_under_load(url: str, name: str, loads: list[list[int]], streams: list[li
 def server_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) the server process ``pid`` and its descendants have used so far, all threads
     (``total``) and kvtier's own threads (``kvtier``: those the connector names ``kvtier-*``, and the threads
-    they started, which inherit the name; kvtier.integrations.vllm.threads), read from /proc. The scheduler
-    hooks kvtier runs on vLLM's engine thread are in ``total`` only. Zeros where /proc is missing."""
+    they started, which inherit the name; kvtier.integrations.vllm.threads), and ``by:PROCESS/THREAD`` per
+    process and thread name, read from /proc. The hooks kvtier runs on vLLM's own threads are in ``total`` and
+    under vLLM's names only. Zeros where /proc is missing."""
     import os
 
     tick = os.sysconf("SC_CLK_TCK")
@@ -154,9 +155,27 @@ def server_cpu(pid: int) -> dict[str, float]:
             fields = stat.rsplit(")", 1)[1].split()
             seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
             cpu["total"] += seconds
+            key = f"by:{_comm(f'/proc/{p}/comm')}/{comm}"  # process name / thread name
+            cpu[key] = cpu.get(key, 0.0) + seconds
             if comm.startswith("kvtier-"):
                 cpu["kvtier"] += seconds
     return cpu
+
+
+def _comm(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float], requests: int) -> dict:
+    """Row fields from two :func:`server_cpu` readings: the server's CPU seconds per request, kvtier's threads',
+    and ``cpu_by`` (per ``process/thread`` name, the ones that used any)."""
+    per = {k: (v - before.get(k, 0.0)) / requests for k, v in after.items()}
+    return {"cpu_s_per_req": per["total"], "kvtier_cpu_s_per_req": per["kvtier"],
+            "cpu_by": {k[3:]: round(v, 4) for k, v in per.items() if k.startswith("by:") and v > 0}}
 
 
 def server_counter(url: str, prefix: str) -> float:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 from _util import evict_page_cache, result  # noqa: E402
-from _vllm_serve_client import itl_under_load, omp_binding, server_counter, server_cpu, summarize, vllm_bench  # noqa: E402
+from _vllm_serve_client import cpu_delta, itl_under_load, omp_binding, server_counter, server_cpu, summarize, vllm_bench  # noqa: E402
 from _vllm_serve_report import plot, print_table, targets  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
@@ -145,9 +145,7 @@ class Bench:
         row["loaded_share"] = (_hits(server) - hits) / row["prompt_tokens"]
         # vLLM's own counter: scheduling under a small cache
         row["preemptions"] = server_counter(server.url, "vllm:num_preemptions_total") - preempted
-        after = server_cpu(server.proc.pid)  # the server's CPU seconds per request: all of it, and kvtier's threads
-        row["cpu_s_per_req"] = (after["total"] - cpu["total"]) / row["requests"]
-        row["kvtier_cpu_s_per_req"] = (after["kvtier"] - cpu["kvtier"]) / row["requests"]
+        row.update(cpu_delta(cpu, server_cpu(server.proc.pid), row["requests"]))  # all, kvtier's, by thread
         row["_texts"] = raw["generated_texts"]  # compared with vLLM alone's at the end, then dropped
         self.rows.append(row)
         return row
