@@ -121,3 +121,92 @@ def itl_under_load(url: str, name: str, loads: list[list[int]], streams: list[li
             "samples_loading": len(gaps["loading"]), "samples_quiet": len(gaps["quiet"]),
             "samples_control": len(gaps["control"]), "load_request_s": float(np.median(load_s))}
 
+
+
+def server_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) the server process ``pid`` and its descendants have used so far, all threads
+    (``total``) and kvtier's own threads (``kvtier``: those the connector names ``kvtier-*``, and the threads
+    they started, which inherit the name; kvtier.integrations.vllm.threads), and ``by:PROCESS/THREAD`` per
+    process and thread name, read from /proc. The hooks kvtier runs on vLLM's own threads are in ``total`` and
+    under vLLM's names only. Zeros where /proc is missing."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    seen, todo, cpu = set(), [pid], {"total": 0.0, "kvtier": 0.0}
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{p}/task/{tid}/comm") as f:
+                    comm = f.read().strip()
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            cpu["total"] += seconds
+            key = f"by:{_comm(f'/proc/{p}/comm')}/{comm}"  # process name / thread name
+            cpu[key] = cpu.get(key, 0.0) + seconds
+            if comm.startswith("kvtier-"):
+                cpu["kvtier"] += seconds
+    return cpu
+
+
+def _comm(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float], requests: int) -> dict:
+    """Row fields from two :func:`server_cpu` readings: the server's CPU seconds per request, kvtier's threads',
+    and ``cpu_by`` (per ``process/thread`` name, the ones that used any)."""
+    per = {k: (v - before.get(k, 0.0)) / requests for k, v in after.items()}
+    return {"cpu_s_per_req": per["total"], "kvtier_cpu_s_per_req": per["kvtier"],
+            "cpu_by": {k[3:]: round(v, 4) for k, v in per.items() if k.startswith("by:") and v > 0}}
+
+
+def server_counter(url: str, prefix: str) -> float:
+    """The sum of every sample of a Prometheus counter whose name starts with ``prefix`` on ``url``/metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+
+
+def omp_binding(pid: int) -> str:
+    """The OpenMP threads and places vLLM gave the forward pass of the server ``pid`` (its processes' environment:
+    vLLM's CPU build sets them for its workers), e.g. ``OMP_NUM_THREADS=1 OMP_PLACES={0}``; ``?`` if unreadable."""
+    import os
+
+    found, todo, seen = set(), [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        if b"OMP_PLACES" in env or b"OMP_NUM_THREADS" in env:
+            found.add(" ".join(f"{k}={env[k.encode()].decode()}" for k in ("OMP_NUM_THREADS", "OMP_PLACES")
+                               if k.encode() in env))
+    return "; ".join(sorted(found)) or "?"

@@ -14,7 +14,8 @@ process), greedy with fixed output lengths:
   then vLLM's prefix cache is reset (``/reset_prefix_cache``), the page cache dropped (disk), and the
   measured run follows. vLLM alone's cache is reset before each run the same way.
 * **random**: ``random`` prompts (1,024 tokens, never repeated) at 4 in flight: what lookups and saves cost
-  when nothing hits; vLLM alone and the memory tier alternate, twice each.
+  when nothing hits: vLLM alone and the memory tier in interleaved pairs on the same prompts (a new seed per
+  pair), the order alternating; with the CPU seconds per request of the server and of kvtier's own threads.
 * **ITL while loading**: on each disk-tier server, streams decode while prompts whose 4,096-token prefix the
   disk tier holds (page cache dropped) arrive one by one: the streams' ITL p99 while a load runs vs with none.
 
@@ -24,7 +25,7 @@ average; a table, ``results/vllm_serve/vllm_serve.png`` and ``.json``, and ``RES
 against vLLM alone in the same run and each target of issue 33 (pass / fail).
 
     python benchmarks/vllm_serve.py [--quick] [--out results/vllm_serve]
-    (parts alone: --itl-only sync,async,async-nice [--itl-loads N]; --scaling 8,4,8,4; --redis-only)
+    (parts alone: --itl-only sync,async,async-nice [--itl-loads N]; --scaling 8,4,8,4; --redis-only; --random-only)
 """
 
 from __future__ import annotations
@@ -42,11 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-from _util import (
-    evict_page_cache,  # noqa: E402
-    result,  # noqa: E402
-)
-from _vllm_serve_client import itl_under_load, summarize, vllm_bench  # noqa: E402
+from _util import evict_page_cache, result  # noqa: E402
+from _vllm_serve_client import cpu_delta, itl_under_load, omp_binding, server_counter, server_cpu, summarize, vllm_bench  # noqa: E402
 from _vllm_serve_report import plot, print_table, targets  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
@@ -54,31 +52,25 @@ from tests.integrations.vllm_server import VllmServer  # noqa: E402
 
 NAME, BLOCK, CHUNK, VOCAB = "smollm2", 32, 256, 49152
 FULL = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=36, concurrency=(1, 4, 8),
-            random_len=1024, random_prompts=16, random_reps=2, itl_prefix=4096, itl_loads=3, streams=3,
+            random_len=1024, random_prompts=16, random_reps=4, itl_prefix=4096, itl_loads=3, streams=3,
             stream_tokens=600)
-#: the full run's prefix sizes and ITL probe with fewer prompts, at 4 in flight: sync vs async loads in ~20 min
-MEDIUM = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=16, concurrency=(4,),
-              random_len=1024, random_prompts=8, random_reps=1, itl_prefix=4096, itl_loads=3, streams=3,
+#: the full run's prefix sizes and ITL probe with fewer prompts (12: one per prefix) and 4 pairs of random runs:
+#: every row of the full run in about 30 minutes on 2 cores
+MEDIUM = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=16, concurrency=(1, 4, 8),
+              random_len=1024, random_prompts=8, random_reps=4, itl_prefix=4096, itl_loads=3, streams=3,
               stream_tokens=300)
+#: every server's environment. ``VLLM_CPU_NUM_OF_RESERVED_CPU``: vLLM's CPU build keeps cores out of the forward
+#: pass's OpenMP threads for its scheduler process: one without a KV connector, one more with any
+#: ``--kv-transfer-config`` (it assumes a P/D transfer connector). On 2 cores vLLM alone then ran 1 OpenMP thread
+#: and every kvtier server 2 (2 reserved >= 2 cores: vLLM reserves none), which made kvtier look up to 1.9x faster
+#: on prompts that never hit. Fixing it at 1 gives every arm the same binding: 1 core for the forward pass.
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 #: the arms of ``--itl-only`` and ``--redis-only``: one server each, with these connector settings added
 ITL_ARMS = {"sync": {"load_mode": "sync"}, "async": {"load_mode": "async", "load_nice": 0},
             "async-nice": {"load_mode": "async", "load_nice": 19}}
 QUICK = dict(prefixes=8, prefix_len=512, suffix_len=32, output_len=8, prompts=16, concurrency=(4,),
              random_len=512, random_prompts=8, random_reps=1, itl_prefix=512, itl_loads=1, streams=2,
              stream_tokens=100)
-
-
-def load_modes() -> list[str]:
-    """["sync", "async"] where the connector takes ``load_mode``; ["sync"] (today's loads, key not sent) where
-    its config still refuses the key."""
-    from kvtier.base.errors import ConfigError
-    from kvtier.integrations.vllm.config import ConnectorConfig
-
-    try:
-        ConnectorConfig.from_extra({"load_mode": "sync"})
-    except ConfigError:
-        return ["sync"]
-    return ["sync", "async"]
 
 
 class Bench:
@@ -111,7 +103,7 @@ class Bench:
                 "--num-gpu-blocks-override", str(self.blocks))
         log = self.out / f"server-{label.replace(' ', '-')}.log"
         return VllmServer(self.model, free_port(), log, kvtier=kvtier, args=args,
-                          env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"})
+                          env=SERVER_ENV)
 
     def dataset(self, workload: str) -> list[str]:
         s = self.size
@@ -144,14 +136,16 @@ class Bench:
     def run(self, server: VllmServer, label: str, workload: str, concurrency: int, seed: int,
             disk: Path | None = None) -> dict:
         self.settle(server, disk)
-        hits, preempted = _hits(server), _preemptions(server)
-        load = os.getloadavg()[0]
+        hits, preempted = _hits(server), server_counter(server.url, "vllm:num_preemptions_total")
+        load, cpu = os.getloadavg()[0], server_cpu(server.proc.pid)
         raw = vllm_bench(server.url, NAME, self.model, self.dataset(workload), concurrency, seed, self.log)
         time.sleep(1.0)  # the last step's kvtier counters reach /metrics with its output
         row = {"workload": workload, "label": label, "concurrency": concurrency, "seed": seed, **summarize(raw),
                "loadavg": (load + os.getloadavg()[0]) / 2, "duration_s": raw["duration"]}
         row["loaded_share"] = (_hits(server) - hits) / row["prompt_tokens"]
-        row["preemptions"] = _preemptions(server) - preempted  # vLLM's own counter: scheduling under a small cache
+        # vLLM's own counter: scheduling under a small cache
+        row["preemptions"] = server_counter(server.url, "vllm:num_preemptions_total") - preempted
+        row.update(cpu_delta(cpu, server_cpu(server.proc.pid), row["requests"]))  # all, kvtier's, by thread
         row["_texts"] = raw["generated_texts"]  # compared with vLLM alone's at the end, then dropped
         self.rows.append(row)
         return row
@@ -176,26 +170,17 @@ class Bench:
 
 
 def _hits(server: VllmServer) -> float:
-    if server.kvtier is None:
-        return 0.0
-    return sum(v for k, v in server.metrics().items() if k.startswith("kvtier_hit_tokens_total"))
+    return server_counter(server.url, "vllm:kvtier_hit_tokens_total") if server.kvtier is not None else 0.0
 
 
-def _preemptions(server: VllmServer) -> float:
-    """``vllm:num_preemptions_total`` from the server's /metrics (0 where vLLM has not reported it)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_preemptions_total"))
-
-
-def _start(stack: ExitStack, *servers: VllmServer) -> None:
+def _start(stack: ExitStack, *servers: VllmServer, notes: list[str] | None = None) -> None:
     for server in servers:
         stack.callback(server.stop)
         server.launch()
     for server in servers:
         server.wait_ready()
+        if notes is not None:  # every arm's forward pass on the same cores (SERVER_ENV)
+            notes.append(f"{server.log.stem}: {omp_binding(server.proc.pid)}")
 
 
 def main() -> None:
@@ -206,7 +191,7 @@ def main() -> None:
                         "it is compute-bound here, so 4 alone keeps a full run near 30 minutes); the ratios of the "
                         "memory tier at other levels are against the nearest one run")
     parser.add_argument("--medium", action="store_true",
-                        help="the full run's prefix sizes and ITL probe, fewer prompts, 4 in flight")
+                        help="the full run's prefix sizes and ITL probe, fewer prompts and random runs (~30 min)")
     parser.add_argument("--no-redis", action="store_true", help="leave out the Redis rows")
     parser.add_argument("--itl-prefix", type=int, metavar="TOKENS",
                         help="prefix length of the ITL-while-loading probe (the full run's 4,096 in a --quick run)")
@@ -218,6 +203,8 @@ def main() -> None:
                         "workload at these numbers of requests in flight, with vLLM's preemptions per run")
     parser.add_argument("--redis-only", nargs="?", const="sync,async", metavar="ARMS", help="only the Redis tier (a "
                         "real redis-server), one server per arm (default sync,async), at 4 in flight")
+    parser.add_argument("--random-only", action="store_true", help="only the random prompts: vLLM alone and the "
+                        "memory tier in interleaved pairs")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
     if args.report:
@@ -241,17 +228,15 @@ def main() -> None:
     if args.itl_only:
         itl_only(size, out, args.itl_only.split(","))
         return
-    if args.scaling or args.redis_only:
-        tier_rows(size, out, "redis" if args.redis_only else "memory",
+    if args.scaling or args.redis_only or args.random_only:
+        tier_rows(size, out, "redis" if args.redis_only else "random" if args.random_only else "memory",
                   [int(c) for c in args.scaling.split(",")] if args.scaling else [4],
                   args.redis_only.split(",") if args.redis_only else [])
         return
-    modes = load_modes()
+    modes = ["sync", "async"]
     memory = [{"kind": "memory", "capacity_bytes": "4GiB"}]
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-serve-") as tmp:
         bench = Bench(size, out, Path(tmp))
-        if modes == ["sync"]:
-            bench.notes.append("this connector has no load_mode yet: its loads are synchronous; async rows skipped")
         alone_at = sorted({int(c) for c in args.alone_at.split(",")} & set(size["concurrency"])) or [4]
         steps = len(size["concurrency"]) + len(alone_at) + 2 * size["random_reps"] + 4 * len(modes)
         with Progress(TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -262,7 +247,7 @@ def main() -> None:
                 progress.update(task, description=text)
 
             alone, mem = bench.server("alone", None, None), bench.server("memory", memory, None)
-            _start(phase, alone, mem)
+            _start(phase, alone, mem, notes=bench.notes)
             step("warming kvtier memory")
             bench.warm(mem)
             for c in size["concurrency"]:
@@ -272,8 +257,9 @@ def main() -> None:
                     step(f"prefix, {c} in flight: {label}")
                     bench.run(server, label, "prefix", c, seed=0)
                     progress.advance(task)
-            for rep in range(size["random_reps"]):
-                for server, label in ((alone, "vLLM alone"), (mem, "kvtier memory")):
+            for rep in range(size["random_reps"]):  # interleaved pairs, the order alternating
+                pair = ((alone, "vLLM alone"), (mem, "kvtier memory"))
+                for server, label in pair[::-1] if rep % 2 else pair:
                     step(f"random prompts, rep {rep + 1}: {label}")
                     bench.run(server, label, "random", 4, seed=100 + rep)
                     progress.advance(task)
@@ -282,9 +268,9 @@ def main() -> None:
             disk_dir = {mode: bench.work / f"disk-{mode}" for mode in modes}
             servers = {mode: bench.server(f"disk {mode}", [{"kind": "disk", "path": str(disk_dir[mode]),
                                                              "capacity_bytes": "16GiB", "write_queue_depth": 64}],
-                                          mode if len(modes) > 1 else None) for mode in modes}
+                                          mode) for mode in modes}
             step("starting kvtier disk servers")
-            _start(phase, *servers.values())
+            _start(phase, *servers.values(), notes=bench.notes)
             for mode, server in servers.items():
                 step(f"disk {mode}: warming")
                 bench.warm(server)
@@ -301,9 +287,9 @@ def main() -> None:
                 phase.callback(redis.stop)
                 servers = {mode: bench.server(f"redis {mode}", [{"kind": "redis", "url": redis.url, "timeout_s": 30.0,
                                                                   "key_prefix": f"bench-{mode}:"}],
-                                              mode if len(modes) > 1 else None) for mode in modes}
+                                              mode) for mode in modes}
                 step("starting kvtier redis servers")
-                _start(phase, *servers.values())
+                _start(phase, *servers.values(), notes=bench.notes)
                 for mode, server in servers.items():
                     step(f"redis {mode}: warming")
                     bench.warm(server)
@@ -331,7 +317,7 @@ def itl_only(size: dict, out: Path, arms: list[str]) -> None:
         servers = {arm: bench.server(f"itl {arm}", [{"kind": "disk", "path": str(disks[arm]),
                                                       "capacity_bytes": "16GiB", "write_queue_depth": 64}],
                                      ITL_ARMS[arm]) for arm in arms}
-        _start(stack, *servers.values())
+        _start(stack, *servers.values(), notes=bench.notes)
         for arm, server in servers.items():
             load = os.getloadavg()[0]
             bench.itl_probe(server, arm, disks[arm])
@@ -342,14 +328,24 @@ def itl_only(size: dict, out: Path, arms: list[str]) -> None:
 
 
 def tier_rows(size: dict, out: Path, tier: str, levels: list[int], arms: list[str]) -> None:
-    """The prefix workload on one tier alone, no vLLM alone: the memory tier (asynchronous loads), or Redis with
-    synchronous and asynchronous loads (one server each over one redis-server); each server warmed once, then
-    run at each level of requests in flight in the order given."""
+    """The prefix workload on one tier, no vLLM alone: the memory tier (asynchronous loads), or Redis with sync and
+    async loads (one server each over one redis-server), warmed once, then at each level of requests in flight in
+    order. ``random``: vLLM alone and the memory tier on random prompts, interleaved pairs, alternating order."""
     from tests.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-tier-") as tmp, ExitStack() as stack:
         bench = Bench(size, out, Path(tmp))
-        if tier == "memory":
+        if tier == "random":
+            servers = {"vLLM alone": bench.server("alone", None, None),
+                       "kvtier memory": bench.server("memory", [{"kind": "memory", "capacity_bytes": "4GiB"}], None)}
+            _start(stack, *servers.values(), notes=bench.notes)
+            pairs = list(servers.items())
+            for rep in range(size["random_reps"]):
+                for label, server in pairs[::-1] if rep % 2 else pairs:
+                    row = bench.run(server, label, "random", 4, seed=100 + rep)
+                    print(json.dumps({k: v for k, v in row.items() if not k.startswith("_")}), flush=True)
+            servers = {}
+        elif tier == "memory":
             servers = {"async": bench.server("memory", [{"kind": "memory", "capacity_bytes": "4GiB"}], None)}
         else:
             redis = RedisServer(maxmemory="6gb").start()
@@ -357,7 +353,7 @@ def tier_rows(size: dict, out: Path, tier: str, levels: list[int], arms: list[st
             servers = {mode: bench.server(f"redis {mode}", [{"kind": "redis", "url": redis.url, "timeout_s": 30.0,
                                                               "key_prefix": f"bench-{mode}:"}], ITL_ARMS[mode])
                        for mode in arms}
-        _start(stack, *servers.values())
+        _start(stack, *servers.values(), notes=bench.notes)
         for mode, server in servers.items():
             bench.warm(server)
             for c in levels:

@@ -34,6 +34,7 @@ import torch
 from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.metadata import LoadSpec, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink
+from kvtier.integrations.vllm.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class AsyncLoads:
         self._queue.put(load)
 
     def _run(self) -> None:
+        name_os_thread("kvtier-load")
         if self.nice:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)

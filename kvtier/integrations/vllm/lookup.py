@@ -36,6 +36,7 @@ import numpy as np
 from kvtier.base.errors import ConfigError
 from kvtier.base.keys import token_array
 from kvtier.core.cache import KVCache
+from kvtier.integrations.vllm.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class LookupServer:
         threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True).start()
 
     def _accept(self) -> None:
+        name_os_thread("kvtier-lookup")  # its connections' threads inherit the name
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()

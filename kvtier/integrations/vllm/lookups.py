@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.integrations.vllm.lookup import LookupClient
+from kvtier.integrations.vllm.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Lookups:
         self._entries.pop(req_id, None)
 
     def _run(self) -> None:
+        name_os_thread("kvtier-lookups")
         while (job := self._queue.get()) is not None:
             entry, tokens, salt = job
             try:

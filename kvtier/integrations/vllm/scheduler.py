@@ -3,7 +3,9 @@
 * ``matched_tokens`` answers from the request's lookup (lookups.py: asked when the request arrived, cached,
   a miss past its deadline) and promises vLLM the part beyond its own prefix-cache hit, always leaving at least
   one token for vLLM to compute. It answers ``None`` ("ask again") only while chunks vLLM lacks are being
-  loaded or saved for another request: once they land, vLLM's prefix cache or kvtier has them.
+  loaded or saved for another request (once they land, vLLM's prefix cache or kvtier has them), and, for an
+  asynchronous load, while vLLM's free blocks cannot hold the request's prompt and first output token beside
+  what the loads already promised still need and one block per running request (``_room_for``).
 * Asynchronous loads (the default): vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` with its blocks
   allocated; the :class:`LoadSpec` goes to the workers in the next step's metadata, and the request stays
   "loading" (its chunks in flight) until every rank reported it in ``finished_recving``. Synchronous loads
@@ -86,6 +88,9 @@ class SchedulerSide:
         self._req_jobs: Counter[str] = Counter()  # req_id -> its jobs not over on every rank
         self._next_job = 0
         self._ttls: dict[str, float | None] = {}  # req_id -> its stores' retention time (request_ttl)
+        self._parked: dict[str, int] = {}  # req_id -> blocks its promised load lacks to run, until it is scheduled
+        self._running = 0  # requests vLLM scheduled in the last step
+        self.deferred_loads = 0  #: hits answered "ask again" because vLLM's cache lacked room for them then
         self.ignored_params = 0  #: requests whose kv_transfer_params for kvtier were malformed (ignored)
 
     def _keys(self, tokens: list[int], salt: bytes) -> list[ChunkHash]:
@@ -117,8 +122,31 @@ class SchedulerSide:
         end = min(hit, request.num_tokens - 1)  # vLLM must compute at least one token
         if end <= num_computed_tokens:
             return 0, False
+        if self.load_async and not self._room_for(request):
+            return None, False  # parked now, it would overfill the cache: running requests would preempt others
         self._plans[request.request_id] = (num_computed_tokens, end)
         return end - num_computed_tokens, self.load_async
+
+    def _blocks_to_run(self, request: Request) -> int:
+        """Blocks the request holds once its prompt and first output token are in vLLM's cache."""
+        return -(-(request.num_tokens + 1) // self.block_size)
+
+    def _room_for(self, request: Request) -> bool:
+        """Whether to promise the request an asynchronous load now. vLLM parks a promised load with its prompt's
+        blocks allocated and goes on admitting; when the loads land, the running requests' next blocks may find
+        none free, and vLLM preempts one of them, which then loads its prefix again. A synchronous load never
+        overfills: it runs at once, or waits while vLLM lacks blocks. So a load is promised only if the free
+        blocks hold this request's prompt and first output token, what the loads already promised lack to run,
+        and one block per running request to decode into. While nothing holds blocks that it will give back
+        (no promised load, nothing running), the hit is promised as vLLM would admit it."""
+        manager = self.kv_cache_manager
+        if manager is None or not (self._parked or self._running):
+            return True
+        free = manager.block_pool.get_num_free_blocks()
+        if free - sum(self._parked.values()) - self._running >= self._blocks_to_run(request):
+            return True
+        self.deferred_loads += 1
+        return False
 
     def after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         plan = self._plans.pop(request.request_id, None)
@@ -130,6 +158,7 @@ class SchedulerSide:
             self._sync_loads[request.request_id] = (request, first, end)
             return
         spec = self._load_spec(request, block_ids, first, end)
+        self._parked[request.request_id] = max(self._blocks_to_run(request) - len(block_ids), 0)
         keys = self._keys(self._usable(request)[: -(-end // self.chunk_size) * self.chunk_size], spec.salt)
         keys = keys[first // self.chunk_size :]
         self._loading[request.request_id] = keys
@@ -156,6 +185,9 @@ class SchedulerSide:
                 meta.loads.append(self._sync_spec(req_id, cached.new_block_ids[i][0]))
         self._sync_loads.clear()
         self._plans.clear()
+        for req_id in out.num_scheduled_tokens:
+            self._parked.pop(req_id, None)  # running: vLLM allocated its blocks
+        self._running = len(out.num_scheduled_tokens)
         if self.kv_cache_manager is not None:
             for req_id in out.num_scheduled_tokens:
                 request = self._requests.get(req_id)
@@ -213,6 +245,7 @@ class SchedulerSide:
         self._ttls.pop(req_id, None)
         self._ordered.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
+        self._parked.pop(req_id, None)
         self._recompute.discard(req_id)
         if req_id in self._loading or self._req_jobs[req_id] <= 0:
             return False

@@ -28,6 +28,7 @@ from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
 from kvtier.integrations.vllm.lookup import LookupLimits, LookupServer
 from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
+from kvtier.integrations.vllm.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class WorkerSide:
         self.paged.synchronize_saves()
 
     def _save_loop(self) -> None:
+        name_os_thread("kvtier-save")
         while True:
             with self._cond:
                 while not self._jobs:
