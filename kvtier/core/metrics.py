@@ -18,6 +18,13 @@ ADMISSION_REFUSED = declare_counter(
     "kvtier_admission_refused_total",
     "Entries a tier's admission policy kept out, by tier and reason (unseen: second-hit had not sighted them "
     "twice; rate: over the tier's byte-rate cap).", ("reason", "tier"))
+ENGINE_DEFERRED_LOADS = declare_counter(
+    "kvtier_engine_deferred_loads_total",
+    "Times an engine asked for a request's hit and was told to ask again because its cache lacked the room to run "
+    "the request once loaded (vLLM: an asynchronous load would have overfilled its blocks).")
+ENGINE_IGNORED_PARAMS = declare_counter(
+    "kvtier_engine_ignored_params_total",
+    "Requests whose kvtier parameters (vLLM: kv_transfer_params' kvtier object) were malformed and ignored.")
 LOOKUP_SECONDS = declare_histogram("kvtier_lookup_seconds", "Latency of lookup().")
 RETRIEVE_SECONDS = declare_histogram("kvtier_retrieve_seconds", "Latency of retrieve().")
 STORE_SECONDS = declare_histogram("kvtier_store_seconds", "Latency of store().")

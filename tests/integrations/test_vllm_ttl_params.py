@@ -46,6 +46,9 @@ def test_the_scheduler_ignores_a_malformed_ttl_once_per_request_with_a_warning(t
         with caplog.at_level(logging.WARNING, logger="kvtier.integrations.vllm.scheduler"):
             assert [side._ttl(bad), side._ttl(bad), side._ttl(good)] == [None, None, 60.0]
         assert side.ignored_params == 1
+        # vLLM exports what the scheduler's connector counted, once: an ignored request is never lost or doubled
+        assert side.take_counters() == [["kvtier_engine_ignored_params_total", {}, 1]]
+        assert side.take_counters() == []
         assert [r.getMessage() for r in caplog.records if "bad" in r.getMessage()] != []
         assert len(caplog.records) == 1
     finally:

@@ -164,6 +164,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierWorkerMeta(jobs) if jobs else None
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
+        if self._scheduler is not None:
+            counters = self._scheduler.take_counters()
+            return KVTierStats(data={"counters": counters}) if counters else None
         if self._worker is None or self._feed is None:
             return None
         data = {**self._worker.take_counts(), **self._feed.take()}

@@ -92,6 +92,16 @@ class SchedulerSide:
         self._running = 0  # requests vLLM scheduled in the last step
         self.deferred_loads = 0  #: hits answered "ask again" because vLLM's cache lacked room for them then
         self.ignored_params = 0  #: requests whose kv_transfer_params for kvtier were malformed (ignored)
+        self._reported = (0, 0)  # (deferred_loads, ignored_params) at the last take_counters()
+
+    def take_counters(self) -> list[list[Any]]:
+        """How much ``deferred_loads`` and ``ignored_params`` grew since the last call, as KVTierStats counter
+        series (vLLM asks the scheduler's connector for its stats every step and exports them)."""
+        now = (self.deferred_loads, self.ignored_params)
+        names = ("kvtier_engine_deferred_loads_total", "kvtier_engine_ignored_params_total")
+        grown = [[name, {}, new - old] for name, new, old in zip(names, now, self._reported) if new > old]
+        self._reported = now
+        return grown
 
     def _keys(self, tokens: list[int], salt: bytes) -> list[ChunkHash]:
         """Scheduler-local chunk identities, only compared with each other (not kvtier's keys)."""
