@@ -3,10 +3,16 @@
 Each ``attack(fleet, big)`` returns ``{"codes": Counter of answers, "size": what was sent, "ok": the attack's own
 target (None: only the fleet-wide ones), "note": figures}``. An answer is an HTTP status, or a word for what is
 not one: ``reset`` (closed without an answer), ``none`` (no answer within the bound), ``error``.
+
+Whatever an attacker sends runs in a process of its own at ``ATTACKER_NICE`` (``in_attacker``: building a 31 MB
+body or reading a 1 GiB answer in the benchmark's process would hold the GIL its /health probes need, and its CPU
+would compete at the servers' priority). The benchmark's own process only probes, orchestrates, and plays the
+bystanders and victims (R-7's client, B-1's other client), at the servers' priority.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import resource
@@ -22,8 +28,34 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.apps.route.fleet import scrape
+from tests.apps.route.fleet import ROOT, scrape
 from tests.apps.serve.test_hostile import MALFORMED_JSON
+
+#: Attacker processes run this much nicer than the servers, standing in for clients on other hosts: on 2 cores the
+#: CPU an attacker burns on its own side (opening 19,488 connections costs it ~9x what refusing them costs the
+#: router) would otherwise decide every process's latency, which no server setting can bound (a cgroup can). The
+#: servers' own work is not deprioritized. hostile_fleet checks every process it did not start as a server.
+ATTACKER_NICE = 10
+ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+
+
+def attacker_priority() -> None:
+    """This process at ``ATTACKER_NICE`` (absolute: calling it twice is harmless). On Linux a thread's nice is its
+    own: call it before any thread starts (``preexec_fn``, or first thing in a forked child), and every thread
+    started afterwards inherits it."""
+    os.setpriority(os.PRIO_PROCESS, 0, ATTACKER_NICE)
+
+
+def in_attacker(name: str, *args, timeout_s: float = 900) -> dict:
+    """``name(*args)`` (a function of this module, or ``module.function`` of another in benchmarks/; JSON arguments
+    and result) run in an attacker process of its own at ``ATTACKER_NICE``; its result."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/_hostile_attacks.py"), "call", name,
+                           json.dumps(args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=ENV,
+                          preexec_fn=attacker_priority)
+    if proc.returncode:
+        raise RuntimeError(f"attacker {name} exited {proc.returncode}: {proc.stderr[-400:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: kvtier\r\nContent-Type: application/json\r\n"
 MB = 1_000_000
@@ -54,38 +86,50 @@ def series(url: str, prefix: str, **labels: str) -> float:
 
 
 # -- R-1 ----------------------------------------------------------------------------------------------------
-def r1_malformed(fleet, big: bool) -> dict:
-    """kvtier serve's own malformed bodies, token ids out of range, non-ASCII header bytes: 400s, never a 500."""
+def r1_client(url: str) -> dict:
+    """The R-1 requests (run by ``in_attacker``): their answers, and the non-ASCII header's."""
     codes = Counter()
     for p in MALFORMED_JSON:
         path, body = p.values
-        codes[code(post(fleet.url, path, content=body, headers={"content-type": "application/json"}))] += 1
+        codes[code(post(url, path, content=body, headers={"content-type": "application/json"}))] += 1
     for ids in ([1 << 64], [1 << 32], [-1]):
-        codes[code(post(fleet.url, "/v1/completions", json={"prompt": ids}))] += 1
-    header = post(fleet.url, "/v1/completions", json={"prompt": "the cache"}, headers={"x-echo": b"caf\xe9 \xff"})
-    codes[code(header)] += 1
-    return {"codes": codes, "size": f"{len(MALFORMED_JSON)} bodies, 3 token ids, 1 header", "ok": None,
-            "note": f"non-ASCII header answered {code(header)}"}
+        codes[code(post(url, "/v1/completions", json={"prompt": ids}))] += 1
+    header = code(post(url, "/v1/completions", json={"prompt": "the cache"}, headers={"x-echo": b"caf\xe9 \xff"}))
+    codes[header] += 1
+    return {"codes": codes, "header": header}
+
+
+def r1_malformed(fleet, big: bool) -> dict:
+    """kvtier serve's own malformed bodies, token ids out of range, non-ASCII header bytes: 400s, never a 500."""
+    out = in_attacker("r1_client", fleet.url)
+    return {"codes": Counter(out["codes"]), "size": f"{len(MALFORMED_JSON)} bodies, 3 token ids, 1 header",
+            "ok": None, "note": f"non-ASCII header answered {out['header']}"}
 
 
 # -- R-2 ----------------------------------------------------------------------------------------------------
-def r2_huge_prompts(fleet, big: bool) -> dict:
-    """A 31 MB text prompt (over the router's 8 MiB cap), a 7 MB one (under it: a bounded prefix tokenized, the
-    replica judges the context), a chat of 840k messages (over the cap), and one of 240k messages (7.9 MB, just
-    under it: the most checking, rendering and tokenizing one body can ask of the router)."""
-    sizes = (31 * MB, 7 * MB, 840_000, 240_000) if big else (9 * MB, 3 * MB, 100_000, 100_000)
+def r2_client(url: str, session: str, sizes: list[int]) -> dict:
+    """The R-2 bodies (run by ``in_attacker``): built and sent here, where their CPU is the attacker's."""
     codes, times = Counter(), []
-    session = home_on(fleet, fleet.replicas[0].name)  # a real replica's, not the compromised one's stub answers
     for body, path in (({"prompt": sized_text(sizes[0])}, "/v1/completions"),
                        ({"prompt": sized_text(sizes[1])}, "/v1/completions"),
                        ({"messages": [{"role": "user", "content": "hi"}] * sizes[2]}, "/v1/chat/completions"),
                        ({"messages": [{"role": "user", "content": "hi"}] * sizes[3]}, "/v1/chat/completions")):
         sent = time.perf_counter()
-        codes[code(post(fleet.url, path, json=body, headers={"x-session-id": session or "r2"}))] += 1
+        codes[code(post(url, path, json=body, headers={"x-session-id": session}))] += 1
         times.append(time.perf_counter() - sent)
-    return {"codes": codes, "size": f"text {sizes[0] / MB:.0f} MB, text {sizes[1] / MB:.0f} MB, "
+    return {"codes": codes, "times": times}
+
+
+def r2_huge_prompts(fleet, big: bool) -> dict:
+    """A 31 MB text prompt (over the router's 8 MiB cap), a 7 MB one (under it: a bounded prefix tokenized, the
+    replica judges the context), a chat of 840k messages (over the cap), and one of 240k messages (7.9 MB, just
+    under it: the most checking, rendering and tokenizing one body can ask of the router)."""
+    sizes = (31 * MB, 7 * MB, 840_000, 240_000) if big else (9 * MB, 3 * MB, 100_000, 100_000)
+    session = home_on(fleet, fleet.replicas[0].name)  # a real replica's, not the compromised one's stub answers
+    out = in_attacker("r2_client", fleet.url, session or "r2", sizes)
+    return {"codes": Counter(out["codes"]), "size": f"text {sizes[0] / MB:.0f} MB, text {sizes[1] / MB:.0f} MB, "
             f"chats of {sizes[2]:,} and {sizes[3]:,} messages", "ok": None,
-            "note": "answered in " + ", ".join(f"{t:.1f}s" for t in times)}
+            "note": "answered in " + ", ".join(f"{t:.1f}s" for t in out["times"])}
 
 
 # -- R-3 ----------------------------------------------------------------------------------------------------
@@ -107,7 +151,8 @@ def _answer(sock: socket.socket, timeout: float) -> str:
 
 
 def huge_header(url: str, size: int) -> tuple[str, int]:
-    """Send a head whose one header value is ``size`` bytes, in 1 MiB pieces; the answer and bytes sent."""
+    """Send a head whose one header value is ``size`` bytes, in 1 MiB pieces (run by ``in_attacker``); the answer
+    and bytes sent."""
     host, port = url.removeprefix("http://").split(":")
     sent = 0
     with socket.create_connection((host, int(port)), timeout=30) as s:
@@ -126,7 +171,7 @@ def huge_header(url: str, size: int) -> tuple[str, int]:
 def r3_header(target: str, size_big: int):
     def attack(fleet, big: bool) -> dict:
         size = size_big if big else 16 << 20
-        status, sent = huge_header(fleet.target_url(target), size)
+        status, sent = in_attacker("huge_header", fleet.target_url(target), size)
         refused = series(fleet.url, "kvtier_router_requests_total", endpoint="http", status="431") \
             if target == "router" else None
         return {"codes": Counter([status]), "size": f"one {size >> 20} MiB header value to the {target}",
@@ -137,8 +182,9 @@ def r3_header(target: str, size_big: int):
 
 
 # -- R-4 ----------------------------------------------------------------------------------------------------
-def half_heads(url: str, n: int, hold_s: float) -> tuple[Counter, int]:
-    """Open ``n`` connections each sending half a head; collect their answers for ``hold_s`` seconds."""
+def half_heads(url: str, n: int, hold_s: float) -> tuple[Counter, int, float]:
+    """Open ``n`` connections each sending half a head; collect their answers for ``hold_s`` seconds (run by
+    ``in_attacker``). The answers, connections opened, and the CPU seconds this process used."""
     host, port = url.removeprefix("http://").split(":")
     sel, socks, codes, opened = selectors.DefaultSelector(), [], Counter(), 0
     try:
@@ -172,7 +218,7 @@ def half_heads(url: str, n: int, hold_s: float) -> tuple[Counter, int]:
         for s in socks:
             s.close()
         sel.close()
-    return codes, opened
+    return codes, opened, cpu_s(os.getpid())
 
 
 def cpu_s(pid: int) -> float:
@@ -185,28 +231,6 @@ def cpu_s(pid: int) -> float:
         return 0.0
 
 
-#: Attacker processes run this much nicer than the servers: on 2 cores the CPU an attacker burns on its own side
-#: (opening 19,488 connections costs it ~9x what refusing them costs the router) would otherwise decide every
-#: process's latency, which no server setting can bound (a cgroup can). The servers' own work is not deprioritized.
-ATTACKER_NICE = 10
-
-
-def attacker_priority() -> None:
-    os.nice(ATTACKER_NICE)
-
-
-def heads_in_process(url: str, n: int, hold_s: float) -> tuple[Counter, int, float]:
-    """``half_heads`` run by a process of its own (so its work does not hold this process's GIL, where the
-    /health probes run): its answers, connections opened and the CPU seconds it used."""
-    from tests.apps.route.fleet import ROOT
-
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/_hostile_attacks.py"), "heads", url, str(n),
-                           str(hold_s)], cwd=ROOT, capture_output=True, text=True, timeout=hold_s + 300,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, preexec_fn=attacker_priority)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return Counter(out["codes"]), out["opened"], out["cpu_s"]
-
-
 def r4_half_heads(target: str):
     def attack(fleet, big: bool) -> dict:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -214,17 +238,20 @@ def r4_half_heads(target: str):
         n = min(want if big else 1_000, soft - 512)
         if target == "sink":  # the control: the same attacker against a listener that does nothing
             sink = subprocess.Popen([sys.executable, __file__, "sink", str(n)], stdout=subprocess.PIPE, text=True)
+            fleet.servers.add(sink.pid)  # it stands in for a server: not niced
             url, pid = sink.stdout.readline().strip(), sink.pid
         else:
             url, pid = fleet.target_url(target), fleet.router.pid if target == "router" else fleet.replicas[0].proc.pid
         used = cpu_s(pid)
         try:
-            codes, opened, attacker_s = heads_in_process(url, n, hold_s=14.0)
+            got, opened, attacker_s = in_attacker("half_heads", url, n, 14.0)
+            codes = Counter(got)
             used = cpu_s(pid) - used
         finally:
             if target == "sink":
                 sink.kill()
                 sink.wait(timeout=10)
+                fleet.servers.discard(pid)
         return {"codes": codes, "size": f"{n:,} half-sent heads to the {target} (fd limit {soft:,}), held 14 s",
                 "ok": codes["none"] == 0 if target != "sink" else None,
                 "note": f"{opened:,} connected; CPU s: attacker {attacker_s:.1f}, {target} {used:.1f}"}
@@ -249,14 +276,18 @@ def sink(n: int) -> None:
 
 
 # -- R-5 ----------------------------------------------------------------------------------------------------
+def r5_client(url: str, n: int) -> dict:
+    """``n`` requests whose ``user`` is 1 MB, 4 at a time (run by ``in_attacker``)."""
+    body = {"prompt": "the cache", "user": "u" * MB}
+    with ThreadPoolExecutor(4) as pool:
+        return {"codes": Counter(pool.map(lambda _: code(post(url, "/v1/completions", json=body)), range(n)))}
+
+
 def r5_sessions(fleet, big: bool) -> dict:
     """400 requests whose ``user`` is 1 MB: each a 400, none kept in the sticky table."""
     n = 400 if big else 40
-    user = "u" * MB
-    with ThreadPoolExecutor(4) as pool:
-        codes = Counter(pool.map(lambda _: code(post(fleet.url, "/v1/completions",
-                                                     json={"prompt": "the cache", "user": user})), range(n)))
-    return {"codes": codes, "size": f"{n} requests, user of 1 MB", "ok": None, "note": ""}
+    return {"codes": Counter(in_attacker("r5_client", fleet.url, n)["codes"]), "size": f"{n} requests, user of 1 MB",
+            "ok": None, "note": ""}
 
 
 # -- R-6 ----------------------------------------------------------------------------------------------------
@@ -269,6 +300,19 @@ def home_on(fleet, name: str, tries: int = 40) -> str | None:
     return None
 
 
+def r6_client(url: str) -> tuple[int, str, str | None]:
+    """Ask for the huge answer and read it all (run by ``in_attacker``): bytes read, status, replica."""
+    got = 0
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "HUGE"}, timeout=httpx.Timeout(60)) as r:
+            status, by = str(r.status_code), r.headers.get("x-kvtier-replica")
+            for piece in r.iter_raw():
+                got += len(piece)
+    except httpx.HTTPError as exc:
+        status, by = type(exc).__name__, None
+    return got, status, by
+
+
 def r6_huge_answer(fleet, big: bool) -> dict:
     """The compromised replica answers a non-streamed 1 GiB body: the router passes it on as it arrives. (The
     router never picks it for new sessions while the real replicas are idle, so they are SIGSTOPped until ejected.)"""
@@ -276,18 +320,11 @@ def r6_huge_answer(fleet, big: bool) -> dict:
     fleet.paused.update(r.name for r in real)
     for r in real:
         r.proc.send_signal(signal.SIGSTOP)
-    got, status = 0, "none"
     try:
         deadline = time.monotonic() + 30
         while any(fleet.replica_state(r.name) == "up" for r in real) and time.monotonic() < deadline:
             time.sleep(0.1)
-        with httpx.stream("POST", fleet.url + "/v1/completions", json={"prompt": "HUGE"},
-                          timeout=httpx.Timeout(60)) as r:
-            status, by = str(r.status_code), r.headers.get("x-kvtier-replica")
-            for piece in r.iter_raw():
-                got += len(piece)
-    except httpx.HTTPError as exc:
-        status, by = type(exc).__name__, None
+        got, status, by = in_attacker("r6_client", fleet.url)
     finally:
         for r in real:
             r.proc.send_signal(signal.SIGCONT)
@@ -352,13 +389,11 @@ def r7_stopped_replica(fleet, big: bool) -> dict:
             "note": f"ejected after {eject_s:.1f}s, answered after {wait_s:.1f}s by {by}"}
 
 
-# -- E-1, E-2 -----------------------------------------------------------------------------------------------
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "heads":  # heads URL N HOLD_S: R-4's attacker, a process of its own
+    if sys.argv[1] == "call":  # call [MODULE.]NAME JSON_ARGS: an attacker's part, a process of its own (in_attacker)
         resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
-        got, n_open = half_heads(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
-        print(json.dumps({"codes": got, "opened": n_open, "cpu_s": cpu_s(os.getpid())}))
+        module, _, name = sys.argv[2].rpartition(".")
+        where = vars(importlib.import_module(module)) if module else globals()
+        print(json.dumps(where[name](*json.loads(sys.argv[3]))))
     elif sys.argv[1] == "sink":
         sink(int(sys.argv[2]))

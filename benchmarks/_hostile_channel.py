@@ -16,18 +16,16 @@ import time
 from collections import Counter
 
 import httpx
-from _hostile_attacks import attacker_priority, code, post, series, sized_text
+from _hostile_attacks import ENV, attacker_priority, code, in_attacker, post, series, sized_text
 
-from tests.apps.route.fleet import scrape
+from tests.apps.route.fleet import ROOT, scrape
 
 
 def hostile_peer(*args: str, wait_s: float) -> str:
-    """Run tests.events.hostile with ``args`` for ``wait_s`` seconds after it is ready; its first line."""
-    from tests.apps.route.fleet import ROOT
-
+    """Run tests.events.hostile with ``args`` (an attacker process, niced) for ``wait_s`` seconds after it is ready;
+    its first line."""
     proc = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-                            preexec_fn=attacker_priority)
+                            stdout=subprocess.PIPE, text=True, env=ENV, preexec_fn=attacker_priority)
     try:
         ready = proc.stdout.readline().strip()
         time.sleep(wait_s)
@@ -112,8 +110,6 @@ def e3_flood(fleet, big: bool) -> dict:
 def e4_impostor(fleet, big: bool) -> dict:
     """A replica is killed and a process binds its (fixed) event ports at once, serving fake keys with a key pair
     of its own: the router adopts none; the replica restarts on other ports and is followed again."""
-    from tests.apps.route.fleet import ROOT
-
     n = 1_000_000 if big else 100_000
     replica = fleet.replicas[1]
     snapshots = series(fleet.url, "kvtier_router_events_total", replica=replica.name, what="snapshot")
@@ -121,7 +117,7 @@ def e4_impostor(fleet, big: bool) -> dict:
     replica.stop(signal.SIGKILL)
     impostor = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", "impostor", str(replica.events_port),
                                  str(replica.control_port), str(n)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                                env=ENV, preexec_fn=attacker_priority)
     try:
         ready = impostor.stdout.readline().strip()
         peak, deadline = 0.0, time.monotonic() + 6
@@ -153,27 +149,63 @@ def e4_impostor(fleet, big: bool) -> dict:
 
 
 # -- B-1 ----------------------------------------------------------------------------------------------------
+def blend_work(url: str) -> dict[str, float]:
+    """A replica's counters of the blending work it did (kvtier.integrations.blend.lm)."""
+    return {"passes": series(url, "kvtier_blend_segment_passes_total"),
+            "pass_tokens": series(url, "kvtier_blend_segment_pass_tokens_total"),
+            "skipped": series(url, "kvtier_blend_skipped_segment_tokens_total")}
+
+
+def b1_client(url: str, prompts: list[str]) -> list[dict]:
+    """Each prompt in turn (run by ``in_attacker``): its answer, seconds, prompt tokens, and the blending work the
+    replica counted for it (``blend_work``'s counters, differences)."""
+    out = []
+    for prompt in prompts:
+        before, sent = blend_work(url), time.perf_counter()
+        r = post(url, "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        seconds, after = time.perf_counter() - sent, blend_work(url)
+        tokens = r.json()["usage"]["prompt_tokens"] if code(r) == "200" else 0
+        out.append({"code": code(r), "s": seconds, "tokens": tokens, **{k: after[k] - before[k] for k in after}})
+    return out
+
+
 def b1_blend(fleet, big: bool) -> dict:
-    """``"a\\n\\n" * 2000 + "Question: what?"`` to a --blend-separator replica, against the same length without
-    separators; another client's small request meanwhile."""
-    copies = 2000 if big else 500
-    url = fleet.replicas[0].url
-    attack, plain = "a\n\n" * copies + "Question: what?", "a  " * copies + "Question: what?"
-    times, codes, other = {}, Counter(), []
+    """``"a\\n\\n" * 2000 + "Question: what?"`` to a --blend-separator replica (more than MAX_SEGMENTS pieces: no
+    segments, a plain prefill), and the most blending one prompt can ask for: 64 distinct pieces of 1-2 tokens,
+    each a segment computed alone after the first token unless the work bound stops it. Each against a plain twin
+    of as many tokens (tabs for the separator); another client's small requests meanwhile. The target is the work
+    counted (a pass as ``pass_tokens`` plus its tokens: lm.py's bound), at most ``WORK_BOUND`` x the twin's; times
+    are reported (on this tiny model a pass costs ~90 tokens' time, more than ``pass_tokens`` says)."""
+    from kvtier.integrations.blend.config import BlendConfig
+    from kvtier.integrations.blend.lm import WORK_BOUND
+
+    copies, p = (2000 if big else 500), BlendConfig().pass_tokens
+    pieces = [f"{i}" for i in range(64)]  # MAX_SEGMENTS
+    prompts = ["a\t\t" * copies + "Question: what?", "a\n\n" * copies + "Question: what?",
+               "\t\t".join(pieces) + "\t\tQuestion: what?", "\n\n".join(pieces) + "\n\nQuestion: what?"]
+    url, stop, waits = fleet.replicas[0].url, threading.Event(), []
 
     def bystander() -> None:
-        sent = time.perf_counter()
-        post(url, "/v1/completions", json={"prompt": "the cache", "max_tokens": 1})
-        other.append(time.perf_counter() - sent)
+        while not stop.is_set():
+            sent = time.perf_counter()
+            post(url, "/v1/completions", json={"prompt": "the cache", "max_tokens": 1})
+            waits.append(time.perf_counter() - sent)
+            time.sleep(0.05)
 
-    for label, prompt in (("plain", plain), ("attack", attack)):
-        thread = threading.Thread(target=bystander)
-        sent = time.perf_counter()
-        thread.start()
-        codes[code(post(url, "/v1/completions", json={"prompt": prompt, "max_tokens": 1}))] += 1
-        times[label] = time.perf_counter() - sent
+    thread = threading.Thread(target=bystander)
+    thread.start()
+    try:
+        got = in_attacker("_hostile_channel.b1_client", url, prompts)
+    finally:
+        stop.set()
         thread.join()
-    ratio = times["attack"] / times["plain"]
-    return {"codes": codes, "size": f'"a\\n\\n" * {copies:,} + question (and its plain twin)', "ok": ratio <= 2.0,
-            "note": f"attack {times['attack']:.2f}s vs plain {times['plain']:.2f}s (x{ratio:.2f}); "
-                    f"bystander waited {max(other):.2f}s"}
+    work = [p * (1 + g["passes"]) + g["tokens"] + g["pass_tokens"] for g in got]
+    ratios = [work[1] / work[0], work[3] / work[2]]
+    same = got[0]["tokens"] == got[1]["tokens"] and got[2]["tokens"] == got[3]["tokens"]
+    return {"codes": Counter(g["code"] for g in got), "size": f'"a\\n\\n" * {copies:,} + question; 64 short '
+            "pieces + question (each with a plain twin)",
+            "ok": same and got[1]["passes"] == 0 and max(ratios) <= WORK_BOUND,
+            "note": f"work x{ratios[0]:.2f} and x{ratios[1]:.2f} a plain prefill (bound {WORK_BOUND}; tokens "
+                    f"{got[1]['tokens']:,}, {got[3]['tokens']}; segment passes {got[3]['passes']:.0f}, skipped "
+                    f"{got[3]['skipped']:.0f} tokens); time x{got[1]['s'] / got[0]['s']:.2f} and "
+                    f"x{got[3]['s'] / got[2]['s']:.2f}; bystander's worst wait {max(waits, default=0):.2f}s"}

@@ -16,7 +16,8 @@ HTTP is tests.apps.route.stub_replica's (``/health`` 200, small completions), pl
 
 The event publisher is a process of its own (forked before anything else starts): building and sending
 millions of events must not hold this process's GIL, or its HTTP ``/health`` stalls, the router ejects it
-and forgets its index, and the flood never reaches the index it is aimed at.
+and forgets its index, and the flood never reaches the index it is aimed at. Both run at the attackers' nice
+(``_hostile_attacks.ATTACKER_NICE``): this process is started niced, and the publisher inherits it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _hostile_attacks import attacker_priority  # noqa: E402
 
 from kvtier.core.events import TierHolding  # noqa: E402
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, WireEvent, encode_batch, encode_snapshot  # noqa: E402
@@ -97,7 +100,7 @@ class Publisher(multiprocessing.Process):
             self.control.send_multipart((client_id, SNAPSHOT_REQUEST, snapshot))
 
     def run(self) -> None:
-        os.nice(10)  # an attacker's own CPU, niced like the others (benchmarks/_hostile_attacks.ATTACKER_NICE)
+        attacker_priority()  # inherited from this whole process already (hostile_fleet starts it niced); made sure
         self._bind()
         while os.getppid() == self._parent:  # dies with the replica it belongs to (E-3 kills that one)
             self._answer_snapshots()

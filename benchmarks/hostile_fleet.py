@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import statistics
@@ -53,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _hostile_attacks as attacks  # noqa: E402
 import _hostile_channel as channel  # noqa: E402
+from _hostile_procs import lowest_nice, rss_mb, schedstat_ms, unniced  # noqa: E402
 from _util import result  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
@@ -96,6 +98,7 @@ class Fleet:
         self.replicas = [Replica(model, work).start(), Replica(model, work).start()]
         self.huge_bytes = (1 << 30) if big else (64 << 20)
         self.paused: set[str] = set()
+        self.servers: set[int] = set()  #: pids of other processes that stand in for servers (not niced)
         self.procs: list[subprocess.Popen] = []
         for r in self.replicas:
             r.wait_healthy()
@@ -103,7 +106,7 @@ class Fleet:
         port = free_port()
         self.hostile_url, self.hostile_name = f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"
         self.hostile = self._spawn([str(ROOT / "benchmarks/_hostile_replica.py"), str(port), str(work / "info.json"),
-                                    str(self.huge_bytes)], work / "hostile.log")
+                                    str(self.huge_bytes)], work / "hostile.log", attacker=True)
         router_port = free_port()
         self.url, self.name = f"http://127.0.0.1:{router_port}", "router"
         urls = [r.url for r in self.replicas] + [self.hostile_url]
@@ -113,10 +116,10 @@ class Fleet:
         self.replica_key_cap = min(2_000_000, 8_000_000 // len(urls))  # kvtier.fleet.index.FleetIndex's defaults
         self.wait_all_up(following=True)
 
-    def _spawn(self, args: list[str], log: Path) -> subprocess.Popen:
+    def _spawn(self, args: list[str], log: Path, attacker: bool = False) -> subprocess.Popen:
         with open(log, "ab") as out:
             proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                                    env=attacks.ENV, preexec_fn=attacks.attacker_priority if attacker else None)
         self.procs.append(proc)
         return proc
 
@@ -146,6 +149,9 @@ class Fleet:
         return {"router": lambda: self.router.pid,
                 **{r.name: (lambda r=r: r.proc.pid) for r in self.replicas}}
 
+    def server_pids(self) -> set[int]:
+        return {get() for get in self.watched().values()} | self.servers
+
     def urls(self) -> dict[str, str]:
         return {"router": self.url, **{r.name: r.url for r in self.replicas}}
 
@@ -160,24 +166,6 @@ class Fleet:
             proc.wait(timeout=10)
 
 
-def schedstat_ms(pid: int) -> tuple[float, float]:
-    """Of ``pid``'s main thread: ms it has run on a CPU, ms it has waited on a run queue."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as fh:
-            ran, waited, _ = fh.read().split()
-        return int(ran) / 1e6, int(waited) / 1e6
-    except (OSError, ValueError):
-        return float("nan"), float("nan")
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS")) / 1024
-    except (OSError, StopIteration):
-        return float("nan")
-
-
 class Monitor:
     """Probes every /health and samples every RSS in threads of their own until ``stop()``."""
 
@@ -186,6 +174,7 @@ class Monitor:
         self.probes: dict[str, list[tuple[float, float, bool]]] = {n: [] for n in fleet.urls()}
         self.rss: dict[str, list[tuple[float, float]]] = {n: [] for n in fleet.watched()}
         self.sched: dict[str, list[tuple[float, float, float]]] = {n: [] for n in fleet.watched()}
+        self.unniced: list[tuple[float, str]] = []  #: (when, process) of attacker-side processes seen not niced
         self.threads = [threading.Thread(target=self._probe, args=(n, u), daemon=True) for n, u in fleet.urls().items()]
         self.threads.append(threading.Thread(target=self._sample, daemon=True))
         for t in self.threads:
@@ -207,10 +196,15 @@ class Monitor:
                 time.sleep(PROBE_S)
 
     def _sample(self) -> None:
+        turn = 0
         while not self.stopped.is_set():
             for name, pid in self.fleet.watched().items():
                 self.rss[name].append((time.perf_counter() - self.t0, rss_mb(pid())))
                 self.sched[name].append((time.perf_counter() - self.t0, *schedstat_ms(pid())))
+            if turn % 5 == 0:  # every 0.5 s: every process this one started that is not a server is niced
+                bad = unniced(os.getpid(), self.fleet.server_pids(), attacks.ATTACKER_NICE)
+                self.unniced.extend((self.now(), proc) for proc in bad)
+            turn += 1
             time.sleep(0.1)
 
     def now(self) -> float:
@@ -268,8 +262,10 @@ def replay(fleet: Fleet, monitor: Monitor, name: str, attack, big: bool, idle: d
     health = all(not p["health_max_ms"] >= HEALTH_MS and p["health_failed"] == 0 for p in procs.values())
     rss = all(p["rss_after_mb"] - p["rss_before_mb"] <= RSS_MB for p in procs.values())
     own = out["ok"] is not False
+    bad = sorted({proc for t, proc in monitor.unniced if start <= t <= end})
     return {"name": name, "size": out["size"], "note": out["note"], "codes": codes, "procs": procs,
-            "answered": answered, "health": health, "rss": rss, "own": own, "pass": answered and health and rss and own}
+            "answered": answered, "health": health, "rss": rss, "own": own, "pass": answered and health and rss and own,
+            "unniced": bad}
 
 
 def idle_health(fleet: Fleet, n: int = 40) -> dict[str, float]:
@@ -298,6 +294,8 @@ def table(rows: list[dict], names: dict[str, str]) -> None:
                   f"{p['worst_ran_ms']:>11.0f}/{p['worst_waited_ms']:<6.0f}/{p['worst_window_ms']:<8.0f}  "
                   f"{flags if i == 0 else ''}")
         print(f"{'':20} size: {row['size']}; {row['note']}")
+        if row["unniced"]:
+            print(f"{'':20} NOT NICED (the row does not count): {', '.join(row['unniced'])}")
 
 
 def plot(monitor: Monitor, rows: list[dict], names: dict[str, str], out: Path) -> None:
@@ -337,6 +335,7 @@ def main() -> None:
                 body = {"prompt": attacks.sized_text(600 + i), "max_tokens": 1}
                 attacks.post(fleet.url, "/v1/completions", json=body, headers={"x-session-id": f"warm{i}"})
             idle = idle_health(fleet)
+            servers_nice = {names[n]: lowest_nice(get()) for n, get in fleet.watched().items()}
             monitor = Monitor(fleet)
             rows = []
             for name, attack in chosen:
@@ -346,6 +345,7 @@ def main() -> None:
             monitor.stop()
         finally:
             fleet.close()
+    print(f"nice: servers {servers_nice}, attackers {attacks.ATTACKER_NICE}")
     print("idle /health median ms: " + ", ".join(f"{names[n]} {v:.1f}" for n, v in idle.items()))
     table(rows, names)
     plot(monitor, rows, names, out)
@@ -359,7 +359,10 @@ def main() -> None:
                                                              ("worst_ran_ms", "worst_waited_ms", "worst_window_ms")],
                         "rss_after_minus_before_mb": round(max(p["rss_after_mb"] - p["rss_before_mb"]
                                                                for p in row["procs"].values()), 1)}
-    figures["all_targets_met"] = all(row["pass"] for row in rows if not row["name"].endswith(CONTROL))
+    figures["attackers_niced"] = not any(row["unniced"] for row in rows)
+    figures["servers_nice"] = servers_nice
+    figures["all_targets_met"] = figures["attackers_niced"] and \
+        all(row["pass"] for row in rows if not row["name"].endswith(CONTROL))
     result(figures)
 
 

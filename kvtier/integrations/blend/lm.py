@@ -10,11 +10,21 @@ For a prompt ``[prefix][segment A][segment B]...[query]`` whose segments are giv
    prefix chunks, never the blended KV after it, and every segment that missed is computed alone at the base
    position and stored, ready for the next prompt that holds it, in any position.
 
-What one request can cost is bounded relative to a plain prefill of the same prompt: the blended pass computes
-at most every token of it once per layer; a prompt of more than ``MAX_SEGMENTS`` segments is not blended (a
-plain prefill, counted as ``reason="too_many_segments"``); and the segments computed alone afterwards are the
-distinct ones no tier holds yet (a segment repeated in the prompt, or already stored, is not computed again),
-so their tokens add at most the prompt's length, in at most ``MAX_SEGMENTS`` passes.
+The work one request causes is at most ``WORK_BOUND`` (3) times a plain prefill of the same prompt, counting a
+forward pass as ``BlendConfig.pass_tokens`` plus the tokens it computes (a plain prefill of ``n`` tokens:
+``pass_tokens + n``):
+
+* its prefill is one pass over at most the prompt's uncached tokens (the blended pass runs each layer over at
+  most those, in up to 8 blocks of at least 32 tokens that narrow attention, not add work); a prompt of more
+  than ``MAX_SEGMENTS`` segments is not blended (a plain prefill, ``reason="too_many_segments"``);
+* the segments computed alone afterwards are the distinct ones no tier holds (one repeated in the prompt, or
+  stored meanwhile, is not computed again), longest first, each charged ``pass_tokens`` plus its length against
+  what the bound leaves (twice a plain prefill, plus the prompt's cached tokens). One that does not fit is not
+  computed (``kvtier_blend_skipped_segment_tokens_total``): a later prompt holding it stores it. Many tiny
+  segments are what this stops: 63 one-token segments were 63 passes after a prompt of ~130 tokens, 18x a plain
+  prefill's work. Twice, not once: segments cover most of a RAG prompt, so computing them alone costs about
+  one more prefill plus their passes, and at first sight a prompt's documents should all be stored.
+``kvtier_blend_segment_passes_total`` and ``kvtier_blend_segment_pass_tokens_total`` count that work.
 
 A model blending does not support (see rope.py) gets a full prefill for every prompt: logged once at start,
 counted per prompt in ``kvtier_blend_fallback_tokens_total{reason="unsupported"}``.
@@ -54,6 +64,15 @@ RECOMPUTED_TOKENS = declare_counter("kvtier_blend_recomputed_tokens_total",
 FALLBACK_TOKENS = declare_counter("kvtier_blend_fallback_tokens_total",
                                   "Segment tokens given a full prefill instead, by reason (deviation, unsupported).",
                                   ("reason",))
+SEGMENT_PASSES = declare_counter("kvtier_blend_segment_passes_total",
+                                 "Segments computed alone after the first token, to be stored (a pass each).")
+SEGMENT_PASS_TOKENS = declare_counter("kvtier_blend_segment_pass_tokens_total",
+                                      "Tokens of the segments computed alone after the first token.")
+SKIPPED_TOKENS = declare_counter("kvtier_blend_skipped_segment_tokens_total",
+                                 "Tokens of missing segments not computed: past the request's work bound.")
+
+#: One request's work (passes at ``pass_tokens`` each, plus their tokens) against a plain prefill's (module doc).
+WORK_BOUND = 3
 
 
 @dataclass(frozen=True)
@@ -152,12 +171,27 @@ class BlendedLM(PrefixCachedLM):
         if not isinstance(prefill, BlendPrefill) or not prefill.missing:
             return
         start = time.perf_counter()
-        distinct = list({tuple(prompt[s:e]): None for s, e in prefill.missing})  # a repeated segment: once
+        distinct = sorted(dict.fromkeys(tuple(prompt[s:e]) for s, e in prefill.missing), key=len, reverse=True)
         held = self.segments.contains(distinct, salt=salt)  # stored meanwhile (by another request): not again
+        budget = self.segment_budget(len(prompt), stats.cached_tokens)
         for tokens, hit in zip(distinct, held):
-            if not hit:
-                self.segments.store(tokens, self.segment_kv(list(tokens)), salt=salt)
+            if hit:
+                continue
+            cost = self.config.pass_tokens + len(tokens)
+            if cost > budget:
+                self.metrics.inc(SKIPPED_TOKENS, len(tokens))
+                continue
+            budget -= cost
+            self.segments.store(tokens, self.segment_kv(list(tokens)), salt=salt)
+            self.metrics.inc(SEGMENT_PASSES)
+            self.metrics.inc(SEGMENT_PASS_TOKENS, len(tokens))
         stats.store_s += time.perf_counter() - start
+
+    def segment_budget(self, n_tokens: int, n_cached: int) -> int:
+        """What segments computed alone may cost (passes and tokens) after a prefill of an ``n_tokens`` prompt
+        whose first ``n_cached`` came from the cache: the bound less what the prefill computed."""
+        plain = self.config.pass_tokens + n_tokens
+        return WORK_BOUND * plain - (self.config.pass_tokens + n_tokens - n_cached)
 
     @torch.inference_mode()
     def segment_kv(self, tokens: list[int]) -> torch.Tensor:
