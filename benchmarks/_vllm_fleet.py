@@ -233,6 +233,8 @@ def kill_phase(replicas: list[Replica], arm: Arm, spec: MultiRoundSpec, follow: 
         record["routed_after_restart"] = sum(router_series(url, "kvtier_router_routed_total", name).values()) - \
             routed_before
         record["retries"] = router_series(url, "kvtier_router_retries_total", name)
+        record["ejections"] = router_series(url, "kvtier_router_ejections_total", name)
+        record["readmissions"] = sum(router_series(url, "kvtier_router_readmissions_total", name).values())
     failed = [r for r in run.results if not (r.status == 200 and r.ttft_s is not None)]
     record.update(requests=len(run.results), failed=len(failed), follow_requests=len(after.results),
                   follow_failed=sum(1 for r in after.results if not (r.status == 200 and r.ttft_s is not None)))
