@@ -259,11 +259,14 @@ def sim_fleet(arm: Arm, replicas: int, device_chunks: int, tier_chunks: int, sha
 
 
 def sim_predict(arm_file: Path, label: str, fleet: dict) -> dict:
-    """``kvtier sim``'s token hit ratio and requests per replica for one arm's recorded requests."""
+    """``kvtier sim``'s token hit ratio and requests per replica for one arm's recorded requests (chunks of 128
+    tokens, as kvtier stores them)."""
     from kvtier.apps.sim.bench_replay import read_bench_json
     from kvtier.apps.sim.fleet import FleetConfig
     from kvtier.apps.sim.replay import replay
 
+    # the fleet file beside the arm's requests (JSON is YAML): `kvtier sim arm-L.json --fleet fleet-L.yaml`
+    arm_file.with_name(f"fleet-{label}.yaml").write_text(json.dumps(fleet, indent=1))
     requests = read_bench_json(arm_file, chunk_tokens=CHUNK, target=label)
     result = replay(requests, FleetConfig.from_dict(fleet), CHUNK, label=label)
     return {"token_hit_ratio": result.token_hit_ratio, "requests": [r.requests for r in result.replicas]}
