@@ -161,7 +161,9 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--device-blocks", type=int, default=160,
                    help="vLLM's own cache per replica, in blocks of 32 tokens (at least max-model-len's 96)")
-    p.add_argument("--memory", default="1GiB", help="kvtier's memory tier per replica (private phase)")
+    p.add_argument("--memory", default="2GiB",
+                   help="kvtier's memory tier per replica (private phase): enough for every conversation a replica "
+                        "sees, as the disk tier below admits a chunk only when sighted twice")
     p.add_argument("--disk", default="4GiB", help="kvtier's disk tier per replica (private phase)")
     p.add_argument("--shared-memory", default="128MiB", help="kvtier's memory tier per replica (shared phase)")
     p.add_argument("--redis-bytes", default="3GiB", help="the shared redis-server's maxmemory")
