@@ -282,8 +282,10 @@ def result_line(rows, places, killed, load, wall, args) -> dict:
                                                  3)
     if killed:
         out.update({f"kill_{k}": v for k, v in killed.items() if isinstance(v, (int, float))})
-        out["kill_restarts_seen"] = killed.get("events_after", {}).get("restart", 0) + \
-            killed.get("events_after", {}).get("reset", 0)
+        # the router stops a replica's subscriber when it ejects it and starts a fresh one on readmission: the
+        # resync shows as batches of the new process applied after the restart
+        out["kill_batches_after_restart"] = killed.get("events_after", {}).get("batch", 0) - \
+            killed.get("events_before", {}).get("batch", 0)
     out["failed_requests"] = sum(r["failed"] for r in rows.values())
     out["places"] = places
     out.update({f"load_average_{k}": round(v, 2) for k, v in load.items()})
