@@ -1,194 +1,296 @@
-"""A fleet of vLLM replicas behind `kvtier route` (issue 28, item 3, first cut): round-robin against routing from
-the replicas' KV events, with vLLM's device cache only and with kvtier's tiers too.
+"""A fleet of vLLM replicas behind `kvtier route` (issue 28): round-robin, sticky sessions, routing from vLLM's
+device cache only, and tier-aware routing, against one replica that sees every request; then a shared Redis
+tier; a replica killed mid-run; and `kvtier sim`'s prediction of every arm next to the measurement.
 
 Three `kvtier vllm serve` replicas of SmolLM2-135M-Instruct (float32, blocks of 32 tokens, one OpenMP thread
-each, unbound: the machine is shared), each with the kvtier connector over a memory tier (chunks of 128 tokens)
-and vLLM's KV events on (ZMQ PUB + replay socket). vLLM's own cache is held small (``--num-gpu-blocks-override``
-72: 2,304 tokens) so that kvtier's tier matters. In front of the same three replicas, one `kvtier route`
-process per arm:
+each: three replicas share this machine's two cores), each with the kvtier connector over private tiers (memory,
+then disk; chunks of 128 tokens) and vLLM's KV events on (ZMQ PUB + replay socket). In front of the same three
+replicas, one `kvtier route` process per arm, each with its own conversations (another seed per arm), run
+interleaved behind one bound of ``--concurrency`` requests in flight, so load from elsewhere on this shared
+machine falls on every arm alike:
 
 * **round-robin**: ``--policy round-robin --no-sticky``, no events;
 * **sticky**: a session's later requests back to its first replica (round-robin for first requests), no events;
-* **device-only**: the default policy (load-bounded prefix affinity, sticky sessions) from the events, vLLM's
-  ``GPU`` medium only (what a router that does not know kvtier's media sees);
-* **tier-aware**: the same, with kvtier's ``CPU`` medium too (and with ``--shared``, the fleet's Redis tier as
-  one ``SHARED`` store: a chunk any replica stored there counts for all).
+* **device-only**: load-bounded prefix affinity from the events, vLLM's ``GPU`` medium only, *no* session
+  stickiness: what llm-d's precise prefix scorer does today (device prefix + load; it has no session affinity);
+* **tier-aware**: kvtier route's default (load-bounded prefix affinity, sticky sessions under the session bound)
+  with kvtier's ``CPU`` and ``DISK`` media too;
+* **single**: one replica (the first) that sees every request of its arm: the reference for cached share.
 
-Each router gets its own multi-round chat workload (`kvtier bench`'s generator, users sharing a system prompt
-and growing their histories; another seed per router, so no router profits from another's prompts), and the
-arms run interleaved (``--concurrency`` requests in flight in all), so load from elsewhere on this shared
-machine falls on every arm alike. Per arm: TTFT p50/p99 (client-measured), request throughput over the shared
-wall time, the share of prompt tokens vLLM reported cached (its device cache and kvtier's loads together), and
-the busiest replica's requests over the mean. Writes JSON under --out (``arm-LABEL.json``: each arm's run as
-`kvtier bench` writes it, for ``kvtier sim``); last line ``RESULT {json}``.
+The workload is shaped so that TTFT measures what the targets are about (docs/benchmarks/fleet.md says why):
+each conversation carries its own long context (``context_words``, about 2k tokens) and a short shared system
+prompt, then short turns and 4-token answers, so prefill dominates TTFT; 4 rounds, so round-robin (which with 3
+replicas and private tiers misses on a session's first visit to each replica) hits in one round of four and its
+median request is a miss; vLLM's device cache is held to ``--device-blocks`` (about two requests' worth), and
+the 5 arms' 25 conversations pass through it between a conversation's rounds, so by its next round a session's
+blocks have left the device and sit only in kvtier's tiers of the replica that served it.
 
-    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--concurrency 3] [--out results/vllm_fleet]
+``--phases``: ``private`` (the arms above), ``kill`` (the tier-aware arm again, one replica SIGKILLed a third of
+the way in and started again, then new conversations once the router has it back), ``shared`` (the replicas
+restarted with a small memory tier and one redis-server behind it: round-robin, sticky and tier-aware, the last
+knowing the ``SHARED`` medium as one store of the fleet). Writes JSON under --out (``arm-LABEL.json``: each
+arm's run as `kvtier bench` writes it, which ``kvtier sim`` replays), a PNG (``--png``); last line
+``RESULT {json}``.
+
+    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,kill,shared] [--out results/vllm_fleet]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
-from contextlib import ExitStack, contextmanager
-from functools import partial
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-
-from _util import routed_per_replica, router_process  # noqa: E402
+from _util import routed_per_replica  # noqa: E402
+from _vllm_fleet import (  # noqa: E402
+    BLOCK,
+    CHUNK,
+    PRIVATE_ARMS,
+    SHARED_ARMS,
+    Replica,
+    Tiers,
+    kill_phase,
+    router,
+    run_arms,
+    sim_fleet,
+    sim_predict,
+    start_replicas,
+    with_seed,
+)
 
 from kvtier.apps.bench import report  # noqa: E402
 from kvtier.apps.bench.client import Target  # noqa: E402
-from kvtier.apps.bench.progress import BenchProgress  # noqa: E402
-from kvtier.apps.bench.runner import run_workload  # noqa: E402
-from kvtier.fleet import workloads as wl  # noqa: E402
+from kvtier.core.config import parse_size  # noqa: E402
 from kvtier.fleet.workloads import MultiRoundSpec  # noqa: E402
-from kvtier.net.ports import free_port  # noqa: E402
-from tests.integrations.vllm_server import VllmServer  # noqa: E402
+from tests.apps.route.fleet import scrape  # noqa: E402
 
-NAME, BLOCK, CHUNK = "smollm2", 32, 128
-ARMS = {
-    "round-robin": (["--policy", "round-robin", "--no-sticky"], None),
-    "sticky": (["--policy", "round-robin", "--sticky"], None),
-    "device-only": (["--policy", "load-bounded", "--sticky"], "GPU"),
-    "tier-aware": (["--policy", "load-bounded", "--sticky"], "GPU:CPU"),
-}
-FULL = dict(users=8, rounds=5, system_words=300, turn_words=120, max_tokens=8)
-QUICK = dict(users=6, rounds=3, system_words=200, turn_words=80, max_tokens=8)
+FULL = dict(users=5, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
+QUICK = dict(users=4, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64, float32
+#: the simulator's prefill rate for its in-flight counts (one OpenMP thread, two shared cores, measured roughly)
+PREFILL_TOKENS_PER_S = 250.0
 
 
-class Replica:
-    def __init__(self, model: str, out: Path, label: str, device_blocks: int, tier_bytes: str,
-                 redis_url: str | None = None) -> None:
-        self.events, self.replay = free_port(), free_port()
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
-                  "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": f"kv@{label}@{NAME}"}
-        args = ("--served-model-name", NAME, "--block-size", str(BLOCK), "--max-model-len", "2048", "--dtype",
-                "float32", "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details", "--max-num-seqs", "4",
-                "--num-gpu-blocks-override", str(device_blocks), "--kv-events-config", json.dumps(events))
-        tiers = [{"kind": "memory", "capacity_bytes": tier_bytes}]
-        if redis_url is not None:  # one store for the fleet: its medium is SHARED (the connector's default)
-            tiers.append({"kind": "redis", "url": redis_url, "timeout_s": 30.0})
-        kvtier = {"chunk_size": CHUNK, "tiers": tiers}
-        env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.server = VllmServer(model, free_port(), out / f"{label}.log", kvtier=kvtier, args=args, env=env)
-
-    def entry(self, media: str | None) -> str:
-        if media is None:
-            return self.server.url
-        shared = ",shared=fleet-redis" if "SHARED" in media else ""
-        return (f"{self.server.url},events=tcp://127.0.0.1:{self.events},replay=tcp://127.0.0.1:{self.replay},"
-                f"block-size={BLOCK},media={media}{shared}")
+def run_phase(arms, replicas, specs, model, out, concurrency):
+    """The arms side by side; per arm its RunResult, requests per replica, and kvtier's hits by tier (all arms)."""
+    before = [r.hit_tokens() for r in replicas]
+    with ExitStack() as stack:
+        urls = {arm.label: stack.enter_context(router(replicas, arm, model, out)) for arm in arms}
+        runs = run_arms([Target(label, url) for label, url in urls.items()], specs, concurrency)
+        served = {label: routed_per_replica(url) for label, url in urls.items()}
+        breaks = {label: scrape(url).get("kvtier_router_sticky_breaks_total", 0.0) for label, url in urls.items()}
+    hits: dict[str, float] = {}
+    for replica, was in zip(replicas, before):
+        for tier, value in replica.hit_tokens().items():
+            hits[tier] = hits.get(tier, 0.0) + value - was.get(tier, 0.0)
+    for run, spec in zip(runs, specs):  # one bench JSON per arm, which `kvtier sim` replays
+        report.write_json([run], out / f"arm-{run.target}.json", {"workload": "multiround", "spec": spec.__dict__})
+    return runs, served, hits, breaks
 
 
-@contextmanager
-def router(replicas: list[Replica], flags: list[str], media: str | None, model: str, out: Path, label: str):
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--log-level", "warning", "--model", model,
-           *flags]
+def fleet_up(stack: ExitStack, model: str, out: Path, n: int, device_blocks: int, tiers: Tiers) -> list[Replica]:
+    replicas = [Replica(model, out, f"r{i}", device_blocks, tiers) for i in range(n)]
     for replica in replicas:
-        cmd += ["--replica", replica.entry(media)]
-    with router_process(cmd, f"http://127.0.0.1:{port}", out / f"route-{label}.log") as url:
-        yield url
+        shutil.rmtree(out / f"{replica.label}-disk", ignore_errors=True)
+        stack.callback(replica.server.stop)
+    start_replicas(replicas)
+    return replicas
 
 
-def run_arms(targets: list[Target], specs: list[MultiRoundSpec], concurrency: int):
-    """The arms side by side behind one bound of ``concurrency`` requests, each with its own workload."""
-    with BenchProgress() as progress:
-        rows = [progress.row(f"multiround @ {t.label}", wl.count("multiround", s)) for t, s in zip(targets, specs)]
+def summarize(arms, runs, served, breaks, n_replicas, sims) -> dict:
+    rows = {}
+    for arm, run in zip(arms, runs):
+        s = report.summarize(run)
+        counts = served[arm.label]
+        n = len(arm.replicas) if arm.replicas is not None else n_replicas
+        busiest = max(counts.values()) / (sum(counts.values()) / n) if counts else None
+        sim = sims.get(arm.label, {})
+        rows[arm.label] = {"ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"],
+                           "requests_per_s": s["requests_per_s"], "cached_share": s["cached_share"],
+                           "failed": s["failed"] + s["rejected_429"], "busiest_over_mean": busiest,
+                           "per_replica": sorted(counts.values(), reverse=True), "sticky_breaks": breaks[arm.label],
+                           "sim_cached_share": sim.get("token_hit_ratio"), "sim_per_replica": sim.get("requests")}
+    return rows
 
-        async def together():
-            limit = asyncio.Semaphore(max(1, concurrency))
-            return await asyncio.gather(*(
-                run_workload(t, "multiround", partial(wl.multiround, spec=s), row, limit=limit)
-                for t, s, row in zip(targets, specs, rows)))
 
-        return asyncio.run(together())
+def plot(rows: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax1.bar(labels, [rows[k]["ttft_p50_s"] for k in labels], color="tab:blue", label="p50")
+    ax1.scatter(labels, [rows[k]["ttft_p99_s"] for k in labels], color="tab:red", marker="_", s=300, label="p99")
+    ax1.set_ylabel("TTFT, client-measured (s)")
+    ax1.legend()
+    x = range(len(labels))
+    ax2.bar([i - 0.2 for i in x], [rows[k]["cached_share"] for k in labels], width=0.4, label="measured (vLLM)")
+    ax2.bar([i + 0.2 for i in x], [rows[k]["sim_cached_share"] or 0 for k in labels], width=0.4,
+            label="kvtier sim", color="tab:gray")
+    ax2.set_xticks(list(x), labels)
+    ax2.set_ylabel("share of prompt tokens cached")
+    ax2.set_ylim(0, 1)
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=30)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="a smaller workload (a few minutes)")
+    p.add_argument("--quick", action="store_true", help="4 conversations per arm instead of 5")
+    p.add_argument("--phases", default="private,kill,shared")
     p.add_argument("--concurrency", type=int, default=3, help="requests in flight, all arms together")
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--device-blocks", type=int, default=72,
-                   help="vLLM's own cache per replica, in blocks (vLLM keeps one; 2,048 tokens need 65)")
-    p.add_argument("--tier-bytes", default="768MiB", help="kvtier's memory tier per replica")
-    p.add_argument("--shared", action="store_true",
-                   help="add one redis-server as a shared tier behind every replica's memory tier (the tier-aware "
-                        "router then knows its SHARED medium as one store of the fleet)")
+    p.add_argument("--device-blocks", type=int, default=160,
+                   help="vLLM's own cache per replica, in blocks of 32 tokens (at least max-model-len's 96)")
+    p.add_argument("--memory", default="2GiB",
+                   help="kvtier's memory tier per replica (private phase): enough for every conversation a replica "
+                        "sees, as the disk tier below admits a chunk only when sighted twice")
+    p.add_argument("--disk", default="4GiB", help="kvtier's disk tier per replica (private phase)")
+    p.add_argument("--shared-memory", default="128MiB", help="kvtier's memory tier per replica (shared phase)")
+    p.add_argument("--redis-bytes", default="3GiB", help="the shared redis-server's maxmemory")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/vllm_fleet")
+    p.add_argument("--png", default="docs/vllm_fleet.png")
     args = p.parse_args()
     from kvtier.integrations.models import ensure_smollm2
 
     model = args.model or str(ensure_smollm2())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    size = QUICK if args.quick else FULL
-    base = MultiRoundSpec(sessions=True, **size)
-    specs = [dataclasses.replace(base, seed=100 + i) for i in range(len(ARMS))]
-    load_before = os.getloadavg()
-    arms = dict(ARMS)
-    with ExitStack() as stack:
-        redis_url = None
-        if args.shared:
-            from tests.redis_server import RedisServer
+    phases = [x for x in args.phases.split(",") if x]
+    base = MultiRoundSpec(sessions=True, **(QUICK if args.quick else FULL))
+    chunk_bytes = KV_BYTES_PER_TOKEN * CHUNK
+    rows: dict = {}
+    places: dict = {}
+    killed: dict = {}
+    load = {"before": os.getloadavg()[0]}
+    started = time.monotonic()
+    if {"private", "kill"} & set(phases):
+        with ExitStack() as stack:
+            tiers = Tiers(args.memory, args.disk)
+            replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
+            if "private" in phases:
+                specs = [with_seed(base, 100 + i) for i in range(len(PRIVATE_ARMS))]
+                runs, served, hits, breaks = run_phase(PRIVATE_ARMS, replicas, specs, model, out, args.concurrency)
+                tier_chunks = (parse_size(args.memory) + parse_size(args.disk)) // chunk_bytes
+                device = args.device_blocks * BLOCK // CHUNK // len(PRIVATE_ARMS)
+                sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
+                                               sim_fleet(arm, args.replicas, device, tier_chunks, None,
+                                                         PREFILL_TOKENS_PER_S))
+                        for arm in PRIVATE_ARMS}
+                rows.update(summarize(PRIVATE_ARMS, runs, served, breaks, args.replicas, sims))
+                places["private"] = place_shares(runs, hits)
+                save(out, rows, places, killed)
+                load["after_private"] = os.getloadavg()[0]
+            if "kill" in phases:
+                arm = next(a for a in PRIVATE_ARMS if a.label == "tier-aware")
+                spec = dataclasses.replace(base, seed=200, rounds=base.rounds + 2)
+                killed = kill_phase(replicas, arm, spec, dataclasses.replace(base, seed=201, rounds=1), model, out,
+                                    min(args.concurrency, 2))
+                load["after_kill"] = os.getloadavg()[0]
+                save(out, rows, places, killed)
+    if "shared" in phases:
+        from tests.redis_server import RedisServer
 
-            redis = RedisServer(maxmemory="2gb").start()
+        with ExitStack() as stack:
+            redis = RedisServer(maxmemory=str(parse_size(args.redis_bytes))).start()
             stack.callback(redis.stop)
-            redis_url = redis.url
-            arms["tier-aware"] = (ARMS["tier-aware"][0], "GPU:CPU:SHARED")
-        replicas = [Replica(model, out, f"r{i}", args.device_blocks, args.tier_bytes, redis_url)
-                    for i in range(args.replicas)]
-        for replica in replicas:
-            stack.callback(replica.server.stop)
-            replica.server.launch()
-        for replica in replicas:
-            replica.server.wait_ready()
-        urls = {label: stack.enter_context(router(replicas, flags, media, model, out, label))
-                for label, (flags, media) in arms.items()}
-        started = time.monotonic()
-        runs = run_arms([Target(label, url) for label, url in urls.items()], specs, args.concurrency)
-        wall = time.monotonic() - started
-        served = {label: routed_per_replica(url) for label, url in urls.items()}
-    load_after = os.getloadavg()
-    report.print_tables(runs)
-    summaries = {label: report.summarize(run) for label, run in zip(urls, runs)}
-    busiest = {label: max(v.values()) / (sum(v.values()) / args.replicas) if v else None
-               for label, v in served.items()}
-    for label, s in summaries.items():
-        print(f"{label:>12}: TTFT p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s, {s['requests_per_s']:.2f} "
-              f"req/s, cached share {s['cached_share']:.3f}, busiest/mean {busiest[label]:.2f}, "
-              f"requests per replica {sorted(served[label].values(), reverse=True)}")
-    report.write_json(runs, out / "vllm_fleet.json", {"size": size, "served": served, "wall_s": wall,
-                                                      "device_blocks": args.device_blocks,
-                                                      "load_before": load_before, "load_after": load_after})
-    for run, spec in zip(runs, specs):  # one bench JSON per arm, which `kvtier sim` replays
-        report.write_json([run], out / f"arm-{run.target}.json", {"workload": "multiround", "spec": spec.__dict__})
-    rr, dev, tier = (summaries[k] for k in ("round-robin", "device-only", "tier-aware"))
-    result = {
-        "benchmark": "vllm_fleet", "quick": args.quick, "shared": args.shared, "replicas": args.replicas,
-        "concurrency": args.concurrency,
-        **{f"ttft_p50_s_{k}": round(s["ttft_p50_s"], 3) for k, s in summaries.items()},
-        **{f"ttft_p99_s_{k}": round(s["ttft_p99_s"], 3) for k, s in summaries.items()},
-        **{f"requests_per_s_{k}": round(s["requests_per_s"], 3) for k, s in summaries.items()},
-        **{f"cached_share_{k}": round(s["cached_share"], 3) for k, s in summaries.items()},
-        **{f"busiest_over_mean_{k}": round(v, 2) for k, v in busiest.items() if v is not None},
-        "ttft_p50_speedup_vs_round_robin": round(rr["ttft_p50_s"] / tier["ttft_p50_s"], 2),
-        "ttft_p50_speedup_vs_device_only": round(dev["ttft_p50_s"] / tier["ttft_p50_s"], 2),
-        "failed_requests": sum(s["failed"] + s["rejected_429"] for s in summaries.values()),
-        "load_average_before": round(load_before[0], 2), "load_average_after": round(load_after[0], 2),
-        "wall_s": round(wall, 1),
-    }
+            replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks,
+                                Tiers(args.shared_memory, redis_url=redis.url))
+            specs = [with_seed(base, 300 + i) for i in range(len(SHARED_ARMS))]
+            runs, served, hits, breaks = run_phase(SHARED_ARMS, replicas, specs, model, out, args.concurrency)
+            n = len(SHARED_ARMS)
+            private = parse_size(args.shared_memory) // chunk_bytes // n
+            shared = parse_size(args.redis_bytes) // chunk_bytes // n
+            device = args.device_blocks * BLOCK // CHUNK // n
+            sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
+                                           sim_fleet(arm, args.replicas, device, private, shared,
+                                                     PREFILL_TOKENS_PER_S))
+                    for arm in SHARED_ARMS}
+            rows.update(summarize(SHARED_ARMS, runs, served, breaks, args.replicas, sims))
+            places["shared"] = place_shares(runs, hits)
+            load["after_shared"] = os.getloadavg()[0]
+    wall = time.monotonic() - started
+    for label, r in rows.items():
+        sim = "-" if r["sim_cached_share"] is None else f"{r['sim_cached_share']:.3f}"
+        print(f"{label:>20}: TTFT p50 {r['ttft_p50_s']:.3f} s, p99 {r['ttft_p99_s']:.3f} s, "
+              f"{r['requests_per_s']:.3f} req/s, cached share {r['cached_share']:.3f} (sim {sim}), busiest/mean "
+              f"{r['busiest_over_mean']:.2f}, requests per replica {r['per_replica']} (sim {r['sim_per_replica']}), "
+              f"sticky breaks {r['sticky_breaks']:.0f}")
+    print("places:", json.dumps(places))
+    if killed:
+        print("kill:", json.dumps(killed))
+    result = result_line(rows, places, killed, load, wall, args)
+    save(out, rows, places, killed, result)
+    if rows:
+        plot(rows, Path(args.png), f"3 vLLM CPU replicas behind kvtier route, {base.users} x {base.rounds} per arm "
+                                   f"(load average {load['before']:.1f}-{max(load.values()):.1f})")
     print("RESULT " + json.dumps(result))
+
+
+def save(out: Path, rows: dict, places: dict, killed: dict, result: dict | None = None) -> None:
+    """What the run has measured so far (a later phase that fails leaves the earlier ones on disk)."""
+    doc = {"rows": rows, "places": places, "kill": killed, "result": result}
+    (out / "vllm_fleet.json").write_text(json.dumps(doc, indent=1, default=str))
+
+
+def place_shares(runs, hits: dict[str, float]) -> dict:
+    """Where the phase's cached prompt tokens came from, as shares of all its prompt tokens: kvtier's tiers
+    (its loads, by tier) and vLLM's device cache (the rest of what vLLM reported cached)."""
+    prompt = sum(report.summarize(r)["prompt_tokens"] for r in runs)
+    cached = sum(report.summarize(r)["cached_tokens"] for r in runs)
+    out = {f"kvtier_{tier}": round(v / prompt, 3) for tier, v in hits.items() if prompt}
+    out["device"] = round((cached - sum(hits.values())) / prompt, 3) if prompt else 0.0
+    return out
+
+
+def result_line(rows, places, killed, load, wall, args) -> dict:
+    out: dict = {"benchmark": "vllm_fleet", "quick": args.quick, "phases": args.phases, "replicas": args.replicas,
+                 "concurrency": args.concurrency}
+    for label, r in rows.items():
+        for key in ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "cached_share", "busiest_over_mean",
+                    "sim_cached_share"):
+            if r[key] is not None:
+                out[f"{key}_{label}"] = round(r[key], 3)
+        if r["sim_cached_share"] is not None and r["cached_share"]:
+            out[f"sim_error_{label}"] = round(r["sim_cached_share"] / r["cached_share"] - 1, 3)
+    if {"round-robin", "device-only", "tier-aware"} <= set(rows):
+        tier = rows["tier-aware"]["ttft_p50_s"]
+        out["ttft_p50_speedup_vs_round_robin"] = round(rows["round-robin"]["ttft_p50_s"] / tier, 2)
+        out["ttft_p50_speedup_vs_device_only"] = round(rows["device-only"]["ttft_p50_s"] / tier, 2)
+    if {"sticky+shared", "single"} <= set(rows):
+        out["sticky_shared_over_single"] = round(rows["sticky+shared"]["cached_share"] / rows["single"]["cached_share"],
+                                                 3)
+    if killed:
+        out.update({f"kill_{k}": v for k, v in killed.items() if isinstance(v, (int, float))})
+        # the router stops a replica's subscriber when it ejects it and starts a fresh one on readmission: the
+        # resync shows as batches of the new process applied after the restart
+        out["kill_batches_after_restart"] = killed.get("events_after", {}).get("batch", 0) - \
+            killed.get("events_before", {}).get("batch", 0)
+    out["failed_requests"] = sum(r["failed"] for r in rows.values())
+    out["places"] = places
+    out.update({f"load_average_{k}": round(v, 2) for k, v in load.items()})
+    out["wall_s"] = round(wall, 1)
+    return out
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ def find_workload_file(name: str, path: str | None = None) -> Path:
 @dataclass(frozen=True)
 class MultiRoundSpec:
     """``users`` conversations of ``rounds`` turns sharing one system prompt; each turn adds ``turn_words``.
-    ``sessions``: each request names its conversation in OpenAI's ``user`` field (for session-sticky routers)."""
+    ``context_words`` (0: ``turn_words``): the length of each conversation's first user message, its own
+    context (a document pasted in) that every later round carries. ``sessions``: each request names its
+    conversation in OpenAI's ``user`` field (for session-sticky routers)."""
 
     users: int = 2
     rounds: int = 4
@@ -77,13 +79,14 @@ class MultiRoundSpec:
     max_tokens: int = 16
     seed: int = 0
     sessions: bool = False
+    context_words: int = 0
 
 
 async def multiround(runner, spec: MultiRoundSpec) -> None:
     rng = random.Random(spec.seed)
     system = "You are a helpful assistant. Here are the notes of the project: " + words(rng, spec.system_words)
     histories = [[{"role": "system", "content": system},
-                  {"role": "user", "content": f"I am user {u}. " + words(rng, spec.turn_words)}]
+                  {"role": "user", "content": f"I am user {u}. " + words(rng, spec.context_words or spec.turn_words)}]
                  for u in range(spec.users)]
     turns = [[words(rng, spec.turn_words) for _ in range(spec.rounds)] for _ in range(spec.users)]
 

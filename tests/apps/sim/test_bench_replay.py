@@ -38,6 +38,20 @@ def test_multiround_prompts_grow_turn_by_turn_and_hit(tmp_path):
     assert result.hit_chunks > result.chunks / 3  # system prompt shared, histories reused
 
 
+def test_multiround_context_words_is_the_first_message_only(tmp_path):
+    """A conversation's own long context (``context_words``) opens it; later turns stay ``turn_words`` long, and
+    the replay rebuilds the same prompts from the recorded spec."""
+    spec = MultiRoundSpec(users=2, rounds=2, system_words=10, turn_words=5, context_words=200, sessions=True)
+    recorded = [{"round": r, "user": u, "text": "ok", "sent_at": 2 * r + u, "status": 200, "completion_tokens": 1}
+                for r in range(2) for u in range(2)]
+    requests = read_bench_json(bench_file(tmp_path, "multiround", spec, recorded), chunk_tokens=16)
+    first, second = (r.input_tokens for r in requests if r.session == "multiround:0")
+    assert first > 200 and 5 < second - first < 20  # the answer, the role markers and a five-word turn
+    plain = read_bench_json(bench_file(tmp_path, "multiround", dataclasses.replace(spec, context_words=0), recorded),
+                            chunk_tokens=16)
+    assert plain[0].input_tokens < 40
+
+
 def test_trace_workload_prompts_are_the_token_ids_sent(tmp_path, small_trace):
     spec = TraceSpec(path=str(small_trace), requests=8, block_tokens=16, timestamps=True, speed=0.001)
     recorded = [{"round": i, "user": 0, "text": "", "sent_at": float(i)} for i in range(8)]

@@ -1,0 +1,276 @@
+"""benchmarks/vllm_fleet.py's parts: the replicas, one router per arm, the arms run side by side, a replica
+killed under load, and `kvtier sim`'s prediction of each arm."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from _util import router_process
+
+from kvtier.apps.bench.client import Target
+from kvtier.apps.bench.progress import BenchProgress
+from kvtier.apps.bench.runner import run_workload
+from kvtier.fleet import workloads as wl
+from kvtier.fleet.workloads import MultiRoundSpec
+from kvtier.net.ports import free_port
+from tests.apps.route.fleet import scrape
+from tests.integrations.vllm_server import VllmServer
+
+NAME, BLOCK, CHUNK = "smollm2", 32, 128
+MAX_MODEL_LEN = 3072
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One router in front of the replicas: its flags, the media it indexes from the replicas' events (None: it
+    reads no events), which replicas it sees (None: all), and how ``kvtier sim`` models it."""
+
+    label: str
+    flags: tuple[str, ...]
+    media: str | None = None
+    replicas: tuple[int, ...] | None = None
+    sim_routing: str = "round-robin"
+    sim_sticky: bool = False
+    sim_weights: tuple[tuple[str, float], ...] = ()
+
+
+ROUND_ROBIN = ("--policy", "round-robin", "--no-sticky")
+STICKY = ("--policy", "round-robin", "--sticky")
+#: llm-d's precise prefix scorer stands behind this arm: device prefix + load, and no session affinity
+DEVICE_ONLY = ("--policy", "load-bounded", "--no-sticky")
+#: kvtier route's default: load-bounded prefix affinity with sticky sessions (under the session bound)
+TIER_AWARE = ("--policy", "load-bounded", "--sticky")
+#: in the simulator a replica's vLLM device cache is its ``memory`` tier and kvtier's tiers its ``disk`` tier;
+#: a router that knows only the device gives the second no weight
+DEVICE_WEIGHTS = (("disk", 0.0), ("shared", 0.0))
+
+PRIVATE_ARMS = (
+    Arm("round-robin", ROUND_ROBIN),
+    Arm("sticky", STICKY, sim_sticky=True),
+    Arm("device-only", DEVICE_ONLY, "GPU", sim_routing="load-bounded", sim_weights=DEVICE_WEIGHTS),
+    Arm("tier-aware", TIER_AWARE, "GPU:CPU:DISK", sim_routing="load-bounded", sim_sticky=True),
+    Arm("single", ROUND_ROBIN, replicas=(0,)),
+)
+SHARED_ARMS = (
+    Arm("round-robin+shared", ROUND_ROBIN),
+    Arm("sticky+shared", STICKY, sim_sticky=True),
+    Arm("tier-aware+shared", TIER_AWARE, "GPU:CPU:SHARED", sim_routing="load-bounded", sim_sticky=True),
+)
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Each replica's kvtier tiers: a memory tier, optionally a private disk tier and the fleet's Redis."""
+
+    memory: str
+    disk: str | None = None
+    redis_url: str | None = None
+
+    def config(self, folder: Path) -> dict:
+        tiers: list[dict] = [{"kind": "memory", "capacity_bytes": self.memory}]
+        if self.disk is not None:
+            tiers.append({"kind": "disk", "path": str(folder), "capacity_bytes": self.disk, "fsync": False})
+        if self.redis_url is not None:  # one store for the fleet: its medium is SHARED (the connector's default)
+            tiers.append({"kind": "redis", "url": self.redis_url, "timeout_s": 30.0})
+        return {"chunk_size": CHUNK, "tiers": tiers}
+
+
+class Replica:
+    """One ``kvtier vllm serve`` with the connector and vLLM's KV events (PUB + replay); one OpenMP thread."""
+
+    def __init__(self, model: str, out: Path, label: str, device_blocks: int, tiers: Tiers) -> None:
+        self.label = label
+        self.events, self.replay = free_port(), free_port()
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
+                  "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": f"kv@{label}@{NAME}"}
+        args = ("--served-model-name", NAME, "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN),
+                "--dtype", "float32", "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details",
+                "--max-num-seqs", "4", "--num-gpu-blocks-override", str(device_blocks),
+                "--kv-events-config", json.dumps(events))
+        env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.server = VllmServer(model, free_port(), out / f"{label}.log", kvtier=tiers.config(out / f"{label}-disk"),
+                                 args=args, env=env)
+
+    @property
+    def name(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def entry(self, media: str | None) -> str:
+        if media is None:
+            return self.server.url
+        shared = ",shared=fleet-redis" if "SHARED" in media else ""
+        return (f"{self.server.url},events=tcp://127.0.0.1:{self.events},replay=tcp://127.0.0.1:{self.replay},"
+                f"block-size={BLOCK},media={media}{shared}")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (API server, engine core): a crash, no shutdown."""
+        assert self.server.proc is not None
+        os.killpg(self.server.proc.pid, signal.SIGKILL)
+        self.server.proc.wait(timeout=60)
+        self.server.proc = None
+
+    def hit_tokens(self) -> dict[str, float]:
+        """kvtier's hit tokens by tier (its loads into vLLM) so far."""
+        return {k.partition("{")[2].rstrip("}"): v for k, v in self.server.metrics().items()
+                if k.startswith("kvtier_hit_tokens_total{")}
+
+
+def start_replicas(replicas: list[Replica]) -> None:
+    for replica in replicas:
+        replica.server.launch()
+    for replica in replicas:
+        replica.server.wait_ready()
+
+
+@contextmanager
+def router(replicas: list[Replica], arm: Arm, model: str, out: Path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--log-level", "warning", "--model", model,
+           *arm.flags]
+    for i in arm.replicas if arm.replicas is not None else range(len(replicas)):
+        cmd += ["--replica", replicas[i].entry(arm.media)]
+    with router_process(cmd, f"http://127.0.0.1:{port}", out / f"route-{arm.label}.log") as url:
+        yield url
+
+
+def run_arms(targets: list[Target], specs: list[MultiRoundSpec], concurrency: int, on_done=None):
+    """The arms side by side behind one bound of ``concurrency`` requests, each with its own workload;
+    ``on_done(requests finished so far)`` is called after each request (in the event loop's thread)."""
+    with BenchProgress() as progress:
+        rows = [progress.row(f"multiround @ {t.label}", wl.count("multiround", s)) for t, s in zip(targets, specs)]
+        if on_done is not None:
+            for row in rows:
+                advance = row.advance
+
+                def counted(*a, _advance=advance, **k):
+                    _advance(*a, **k)
+                    on_done()
+                row.advance = counted
+
+        async def together():
+            limit = asyncio.Semaphore(max(1, concurrency))
+            return await asyncio.gather(*(
+                run_workload(t, "multiround", partial(wl.multiround, spec=s), row, limit=limit)
+                for t, s, row in zip(targets, specs, rows)))
+
+        return asyncio.run(together())
+
+
+def router_series(url: str, prefix: str, replica: str) -> dict[str, float]:
+    """The router's ``prefix`` samples for one replica, keyed by their ``what``/``reason``/``tier`` label."""
+    out: dict[str, float] = {}
+    for series, value in scrape(url).items():
+        if series.startswith(prefix) and f'replica="{replica}"' in series:
+            label = next((series.partition(f'{k}="')[2].partition('"')[0] for k in ("what", "reason", "tier", "cause")
+                          if f'{k}="' in series), "")
+            out[label] = out.get(label, 0.0) + value
+    return out
+
+
+class Killer:
+    """Kills ``replica`` (SIGKILL) once ``after`` requests have finished, then starts it again in a thread;
+    records what the router saw of it at the kill."""
+
+    def __init__(self, replica: Replica, router_url: str, after: int) -> None:
+        self.replica, self.url, self.after = replica, router_url, after
+        self.done = 0
+        self.record: dict = {}
+        self.restarted = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.done == self.after and self.thread is None:
+            self.thread = threading.Thread(target=self._kill_and_restart, daemon=True)
+            self.thread.start()
+
+    def _kill_and_restart(self) -> None:
+        name = self.replica.name
+        self.record["in_flight_at_kill"] = scrape(self.url).get(f'kvtier_router_in_flight{{replica="{name}"}}', 0.0)
+        self.record["events_before"] = router_series(self.url, "kvtier_router_events_total", name)
+        self.record["requests_done_at_kill"] = self.done
+        killed = time.monotonic()
+        self.replica.kill()
+        self.replica.server.launch()
+        self.replica.server.wait_ready()
+        self.record["restart_s"] = round(time.monotonic() - killed, 1)
+        self.restarted.set()
+
+
+def kill_phase(replicas: list[Replica], arm: Arm, spec: MultiRoundSpec, follow: MultiRoundSpec, model: str,
+               out: Path, concurrency: int, victim: int = 1) -> dict:
+    """``arm``'s workload with ``replicas[victim]`` SIGKILLed a third of the way in and started again; then,
+    once the router has it back in rotation, ``follow`` (new sessions) through the same router. Returns the
+    failures, what was in flight on the victim, and the router's event counters for it before and after."""
+    with router(replicas, arm, model, out) as url:
+        killer = Killer(replicas[victim], url, after=max(1, wl.count("multiround", spec) // 3))
+        [run] = run_arms([Target(arm.label, url)], [spec], concurrency, on_done=killer)
+        if not killer.restarted.wait(timeout=900):
+            raise RuntimeError("the killed replica did not come back")
+        name = replicas[victim].name
+        deadline = time.monotonic() + 120
+        while scrape(url).get(f'kvtier_router_replica_up{{replica="{name}"}}', 0.0) < 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router did not take the restarted replica back")
+            time.sleep(1)
+        routed_before = sum(router_series(url, "kvtier_router_routed_total", name).values())
+        [after] = run_arms([Target(arm.label + " after", url)], [follow], concurrency)
+        time.sleep(2)  # the last batches of events
+        record = dict(killer.record)
+        record["events_after"] = router_series(url, "kvtier_router_events_total", name)
+        record["index_chunks_after"] = router_series(url, "kvtier_router_index_chunks", name)
+        record["routed_after_restart"] = sum(router_series(url, "kvtier_router_routed_total", name).values()) - \
+            routed_before
+        record["retries"] = router_series(url, "kvtier_router_retries_total", name)
+        record["ejections"] = router_series(url, "kvtier_router_ejections_total", name)
+        record["readmissions"] = sum(router_series(url, "kvtier_router_readmissions_total", name).values())
+    failed = [r for r in run.results if not (r.status == 200 and r.ttft_s is not None)]
+    record.update(requests=len(run.results), failed=len(failed), follow_requests=len(after.results),
+                  follow_failed=sum(1 for r in after.results if not (r.status == 200 and r.ttft_s is not None)))
+    return record
+
+
+def sim_fleet(arm: Arm, replicas: int, device_chunks: int, tier_chunks: int, shared_chunks: int | None,
+              prefill_tokens_per_s: float) -> dict:
+    """The fleet file ``kvtier sim`` replays ``arm``'s requests through: vLLM's device cache is each replica's
+    ``memory`` tier (its share of it: the arms run side by side), kvtier's private tiers the ``disk`` tier (which
+    admits every chunk at once, as kvtier's memory tier in front of the real disk does)."""
+    n = len(arm.replicas) if arm.replicas is not None else replicas
+    fleet = {"replicas": n, "routing": arm.sim_routing if n > 1 else "round-robin", "sticky": arm.sim_sticky,
+             "prefill_tokens_per_s": prefill_tokens_per_s, "decode_tokens_per_s": 30,
+             "tiers": [{"kind": "memory", "chunks": device_chunks, "policy": "lru"},
+                       {"kind": "disk", "chunks": tier_chunks, "policy": "lru", "admission": "always"}]}
+    if arm.sim_weights:
+        fleet["tier_weights"] = dict(arm.sim_weights)
+    if shared_chunks is not None:
+        fleet["shared"] = {"chunks": shared_chunks, "policy": "lru", "admission": "always"}
+    return fleet
+
+
+def sim_predict(arm_file: Path, label: str, fleet: dict) -> dict:
+    """``kvtier sim``'s token hit ratio and requests per replica for one arm's recorded requests (chunks of 128
+    tokens, as kvtier stores them)."""
+    from kvtier.apps.sim.bench_replay import read_bench_json
+    from kvtier.apps.sim.fleet import FleetConfig
+    from kvtier.apps.sim.replay import replay
+
+    # the fleet file beside the arm's requests (JSON is YAML): `kvtier sim arm-L.json --fleet fleet-L.yaml`
+    arm_file.with_name(f"fleet-{label}.yaml").write_text(json.dumps(fleet, indent=1))
+    requests = read_bench_json(arm_file, chunk_tokens=CHUNK, target=label)
+    result = replay(requests, FleetConfig.from_dict(fleet), CHUNK, label=label)
+    return {"token_hit_ratio": result.token_hit_ratio, "requests": [r.requests for r in result.replicas]}
+
+
+def with_seed(spec: MultiRoundSpec, seed: int) -> MultiRoundSpec:
+    return dataclasses.replace(spec, seed=seed)
