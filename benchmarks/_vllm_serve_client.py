@@ -132,24 +132,14 @@ def server_cpu(pid: int) -> dict[str, float]:
     import os
 
     tick = os.sysconf("SC_CLK_TCK")
-    seen, todo, cpu = set(), [pid], {"total": 0.0, "kvtier": 0.0}
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
+    cpu = {"total": 0.0, "kvtier": 0.0}
+    for p, tids in _process_tree(pid):
         for tid in tids:
             try:
                 with open(f"/proc/{p}/task/{tid}/stat") as f:
                     stat = f.read()
                 with open(f"/proc/{p}/task/{tid}/comm") as f:
                     comm = f.read().strip()
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
             except OSError:
                 continue
             fields = stat.rsplit(")", 1)[1].split()
@@ -160,6 +150,26 @@ def server_cpu(pid: int) -> dict[str, float]:
             if comm.startswith("kvtier-"):
                 cpu["kvtier"] += seconds
     return cpu
+
+
+def _process_tree(pid: int):
+    """Yield ``(pid, thread ids)`` for ``pid`` and every process below it, from /proc; gone ones are skipped."""
+    import os
+
+    seen, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+            for tid in tids:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        yield p, tids
 
 
 def _comm(path: str) -> str:
@@ -190,20 +200,11 @@ def server_counter(url: str, prefix: str) -> float:
 def omp_binding(pid: int) -> str:
     """The OpenMP threads and places vLLM gave the forward pass of the server ``pid`` (its processes' environment:
     vLLM's CPU build sets them for its workers), e.g. ``OMP_NUM_THREADS=1 OMP_PLACES={0}``; ``?`` if unreadable."""
-    import os
-
-    found, todo, seen = set(), [pid], set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
+    found = set()
+    for p, _ in _process_tree(pid):
         try:
             with open(f"/proc/{p}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
         except OSError:
             continue
         if b"OMP_PLACES" in env or b"OMP_NUM_THREADS" in env:
