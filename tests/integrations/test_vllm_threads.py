@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvtier.integrations.vllm.threads import forward_pass_cpus, name_os_thread
+from kvtier.integrations.vllm.threads import forward_pass_cpus, name_os_thread, set_workers_on_host
 
 linux_smp = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                                reason="needs Linux and at least 2 CPUs to bind threads")
@@ -59,6 +59,23 @@ def test_without_vllms_binding_a_thread_stays_where_it_was() -> None:
     before = os.sched_getaffinity(0)
     got = _in_thread(lambda: (name_os_thread("kvtier-test"), {"cpus": os.sched_getaffinity(0)})[1])
     assert got["cpus"] == before
+
+
+@linux_smp
+def test_with_other_workers_on_the_host_a_bound_thread_stays_where_vllm_put_it() -> None:
+    forward = sorted(os.sched_getaffinity(0))[0]
+
+    def run() -> dict:
+        os.sched_setaffinity(0, {forward})
+        name_os_thread("kvtier-test")
+        return {"cpus": os.sched_getaffinity(0)}
+
+    set_workers_on_host(2)  # tensor parallelism on one CPU host: the other cores may be another rank's
+    try:
+        assert _in_thread(run)["cpus"] == {forward}
+    finally:
+        set_workers_on_host(1)
+    assert _in_thread(run)["cpus"] == os.sched_getaffinity(0) - {forward}
 
 
 def _comm() -> str:

@@ -32,6 +32,7 @@ from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.prom import KVTierPromMetrics
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierStats, MetricsFeed
+from kvtier.integrations.vllm.threads import set_workers_on_host
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class KVTierConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
 
+        set_workers_on_host(self.tp_size)  # a rank cannot see its siblings' cores: kvtier's threads stay put
         layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
         paged = PagedKV(layers, self.block_size, rows_split=current_platform.is_cpu())
         rank = get_tensor_model_parallel_rank()

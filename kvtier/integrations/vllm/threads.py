@@ -9,6 +9,9 @@
   connector moves its transfers there). A thread inherits the binding of the thread that starts it, so
   kvtier's loads, saves and lookups ran on the forward pass's cores while the kept core idled; a niced load
   there waited for each forward step to end. kvtier's threads now move to the other cores, as NIXL's do.
+  Only with one worker on the host: with several (tensor parallelism on a CPU host), "the other cores" would be
+  another rank's forward pass, which a worker cannot see, so kvtier's threads stay where vLLM put them
+  (:func:`set_workers_on_host`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ from __future__ import annotations
 import os
 import re
 import threading
+
+_workers_on_host = 1
+
+
+def set_workers_on_host(count: int) -> None:
+    """Tell this process how many of vLLM's workers share its host (the connector's worker side does, at start):
+    above one, :func:`leave_forward_pass_cores` moves no thread."""
+    global _workers_on_host
+    _workers_on_host = count
 
 
 def name_os_thread(name: str) -> None:
@@ -46,8 +58,9 @@ def leave_forward_pass_cores(env: dict[str, str] | None = None) -> set[int] | No
     """If vLLM bound the calling thread (it inherited a binding to fewer CPUs than the machine has), let it run
     on every CPU but those and the forward pass's (:func:`forward_pass_cpus`), within what the process may use
     (the kernel drops CPUs outside its cpuset); threads it starts inherit that. Returns the CPUs asked for, or
-    None where nothing changed: the thread is not bound, no other CPU is left, or the OS cannot bind threads."""
-    if not hasattr(os, "sched_setaffinity"):
+    None where nothing changed: the thread is not bound, no other CPU is left, the OS cannot bind threads, or
+    other workers share the host (:func:`set_workers_on_host`)."""
+    if not hasattr(os, "sched_setaffinity") or _workers_on_host > 1:
         return None
     everything = set(range(os.cpu_count() or 1))
     bound = os.sched_getaffinity(0)
