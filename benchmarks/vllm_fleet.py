@@ -119,7 +119,8 @@ def summarize(arms, runs, served, breaks, n_replicas, sims) -> dict:
                            "requests_per_s": s["requests_per_s"], "cached_share": s["cached_share"],
                            "failed": s["failed"] + s["rejected_429"], "busiest_over_mean": busiest,
                            "per_replica": sorted(counts.values(), reverse=True), "sticky_breaks": breaks[arm.label],
-                           "sim_cached_share": sim.get("token_hit_ratio"), "sim_per_replica": sim.get("requests")}
+                           "sim_cached_share": sim.get("token_hit_ratio"), "sim_per_replica": sim.get("requests"),
+                           "sim_sticky_breaks": sim.get("sticky_breaks")}
     return rows
 
 
