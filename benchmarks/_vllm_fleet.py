@@ -71,11 +71,13 @@ SHARED_ARMS = (
 
 @dataclass(frozen=True)
 class Tiers:
-    """Each replica's kvtier tiers: a memory tier, optionally a private disk tier and the fleet's Redis."""
+    """Each replica's kvtier tiers: a memory tier, optionally a private disk tier and the fleet's shared store
+    (Redis at ``redis_url``, or a Mooncake pool: ``mooncake``, the tier's config)."""
 
     memory: str
     disk: str | None = None
     redis_url: str | None = None
+    mooncake: dict | None = None
 
     def config(self, folder: Path) -> dict:
         tiers: list[dict] = [{"kind": "memory", "capacity_bytes": self.memory}]
@@ -83,6 +85,8 @@ class Tiers:
             tiers.append({"kind": "disk", "path": str(folder), "capacity_bytes": self.disk, "fsync": False})
         if self.redis_url is not None:  # one store for the fleet: its medium is SHARED (the connector's default)
             tiers.append({"kind": "redis", "url": self.redis_url, "timeout_s": 30.0})
+        if self.mooncake is not None:  # a shared store too: SHARED
+            tiers.append(dict(self.mooncake))
         return {"chunk_size": CHUNK, "tiers": tiers}
 
 
@@ -272,6 +276,13 @@ def sim_predict(arm_file: Path, label: str, fleet: dict) -> dict:
     result = replay(requests, FleetConfig.from_dict(fleet), CHUNK, label=label)
     return {"token_hit_ratio": result.token_hit_ratio, "requests": [r.requests for r in result.replicas],
             "sticky_breaks": result.sticky_breaks}
+
+
+def mooncake_tier(master) -> dict:
+    """A replica's tier in the pool of ``master`` (tests.mooncake_master): it mounts no segment of its own, the
+    pool's memory is one segment host's, as the tests run it."""
+    return {"kind": "mooncake", "master_address": master.master_address, "metadata_server": master.metadata_url,
+            "metrics_url": master.metrics_url, "segment_bytes": 0, "buffer_bytes": "16MiB", "timeout_s": 30.0}
 
 
 def with_seed(spec: MultiRoundSpec, seed: int) -> MultiRoundSpec:
