@@ -71,11 +71,13 @@ SHARED_ARMS = (
 
 @dataclass(frozen=True)
 class Tiers:
-    """Each replica's kvtier tiers: a memory tier, optionally a private disk tier and the fleet's Redis."""
+    """Each replica's kvtier tiers: a memory tier, optionally a private disk tier and the fleet's shared store
+    (Redis at ``redis_url``, or a Mooncake pool: ``mooncake``, the tier's config)."""
 
     memory: str
     disk: str | None = None
     redis_url: str | None = None
+    mooncake: dict | None = None
 
     def config(self, folder: Path) -> dict:
         tiers: list[dict] = [{"kind": "memory", "capacity_bytes": self.memory}]
@@ -83,6 +85,8 @@ class Tiers:
             tiers.append({"kind": "disk", "path": str(folder), "capacity_bytes": self.disk, "fsync": False})
         if self.redis_url is not None:  # one store for the fleet: its medium is SHARED (the connector's default)
             tiers.append({"kind": "redis", "url": self.redis_url, "timeout_s": 30.0})
+        if self.mooncake is not None:  # a shared store too: SHARED
+            tiers.append(dict(self.mooncake))
         return {"chunk_size": CHUNK, "tiers": tiers}
 
 
@@ -248,7 +252,7 @@ def sim_fleet(arm: Arm, replicas: int, device_chunks: int, tier_chunks: int, sha
     admits every chunk at once, as kvtier's memory tier in front of the real disk does)."""
     n = len(arm.replicas) if arm.replicas is not None else replicas
     fleet = {"replicas": n, "routing": arm.sim_routing if n > 1 else "round-robin", "sticky": arm.sim_sticky,
-             "prefill_tokens_per_s": prefill_tokens_per_s, "decode_tokens_per_s": 30,
+             "prefill_tokens_per_s": prefill_tokens_per_s, "decode_tokens_per_s": 30, "vllm_block_size": BLOCK,
              "tiers": [{"kind": "memory", "chunks": device_chunks, "policy": "lru"},
                        {"kind": "disk", "chunks": tier_chunks, "policy": "lru", "admission": "always"}]}
     if arm.sim_weights:
@@ -259,8 +263,9 @@ def sim_fleet(arm: Arm, replicas: int, device_chunks: int, tier_chunks: int, sha
 
 
 def sim_predict(arm_file: Path, label: str, fleet: dict) -> dict:
-    """``kvtier sim``'s token hit ratio and requests per replica for one arm's recorded requests (chunks of 128
-    tokens, as kvtier stores them)."""
+    """``kvtier sim``'s token hit ratio, requests per replica and sticky breaks for one arm's recorded requests
+    (chunks of 128 tokens, as kvtier stores them; each held in flight as long as it was measured, and new
+    conversations keyed by their first vLLM block, as the router sees them)."""
     from kvtier.apps.sim.bench_replay import read_bench_json
     from kvtier.apps.sim.fleet import FleetConfig
     from kvtier.apps.sim.replay import replay
@@ -269,7 +274,15 @@ def sim_predict(arm_file: Path, label: str, fleet: dict) -> dict:
     arm_file.with_name(f"fleet-{label}.yaml").write_text(json.dumps(fleet, indent=1))
     requests = read_bench_json(arm_file, chunk_tokens=CHUNK, target=label)
     result = replay(requests, FleetConfig.from_dict(fleet), CHUNK, label=label)
-    return {"token_hit_ratio": result.token_hit_ratio, "requests": [r.requests for r in result.replicas]}
+    return {"token_hit_ratio": result.token_hit_ratio, "requests": [r.requests for r in result.replicas],
+            "sticky_breaks": result.sticky_breaks}
+
+
+def mooncake_tier(master) -> dict:
+    """A replica's tier in the pool of ``master`` (tests.mooncake_master): it mounts no segment of its own, the
+    pool's memory is one segment host's, as the tests run it."""
+    return {"kind": "mooncake", "master_address": master.master_address, "metadata_server": master.metadata_url,
+            "metrics_url": master.metrics_url, "segment_bytes": 0, "buffer_bytes": "16MiB", "timeout_s": 30.0}
 
 
 def with_seed(spec: MultiRoundSpec, seed: int) -> MultiRoundSpec:

@@ -28,11 +28,13 @@ blocks have left the device and sit only in kvtier's tiers of the replica that s
 ``--phases``: ``private`` (the arms above), ``kill`` (the tier-aware arm again, one replica SIGKILLed a third of
 the way in and started again, then new conversations once the router has it back), ``shared`` (the replicas
 restarted with a small memory tier and one redis-server behind it: round-robin, sticky and tier-aware, the last
-knowing the ``SHARED`` medium as one store of the fleet). Writes JSON under --out (``arm-LABEL.json``: each
-arm's run as `kvtier bench` writes it, which ``kvtier sim`` replays), a PNG (``--png``); last line
-``RESULT {json}``.
+knowing the ``SHARED`` medium as one store of the fleet; ``--shared-store mooncake``: a Mooncake pool instead,
+a ``mooncake_master`` and one segment host of ``--redis-bytes``, its arms labelled ``+mooncake``). Writes JSON
+under --out (``arm-LABEL.json``: each arm's run as `kvtier bench` writes it, which ``kvtier sim`` replays), a
+PNG (``--png``); last line ``RESULT {json}``.
 
-    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,kill,shared] [--out results/vllm_fleet]
+    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,kill,shared] [--shared-store redis]
+        [--out results/vllm_fleet]
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from _vllm_fleet import (  # noqa: E402
     Replica,
     Tiers,
     kill_phase,
+    mooncake_tier,
     router,
     run_arms,
     sim_fleet,
@@ -119,7 +122,8 @@ def summarize(arms, runs, served, breaks, n_replicas, sims) -> dict:
                            "requests_per_s": s["requests_per_s"], "cached_share": s["cached_share"],
                            "failed": s["failed"] + s["rejected_429"], "busiest_over_mean": busiest,
                            "per_replica": sorted(counts.values(), reverse=True), "sticky_breaks": breaks[arm.label],
-                           "sim_cached_share": sim.get("token_hit_ratio"), "sim_per_replica": sim.get("requests")}
+                           "sim_cached_share": sim.get("token_hit_ratio"), "sim_per_replica": sim.get("requests"),
+                           "sim_sticky_breaks": sim.get("sticky_breaks")}
     return rows
 
 
@@ -153,6 +157,25 @@ def plot(rows: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def shared_store(stack: ExitStack, args: argparse.Namespace) -> tuple[Tiers, tuple]:
+    """The shared phase's store, started (and stopped by ``stack``): the replicas' tiers and the arms to run."""
+    size = parse_size(args.redis_bytes)
+    if args.shared_store == "redis":
+        from tests.redis_server import RedisServer
+
+        redis = RedisServer(maxmemory=str(size)).start()
+        stack.callback(redis.stop)
+        return Tiers(args.shared_memory, redis_url=redis.url), SHARED_ARMS
+    from tests.mooncake_master import MooncakeMaster, SegmentHost, missing_mooncake
+
+    if missing := missing_mooncake():
+        raise SystemExit(f"vllm_fleet: no Mooncake pool here: {'; '.join(missing)}")
+    master = stack.enter_context(MooncakeMaster())
+    stack.enter_context(SegmentHost(master, size))
+    arms = tuple(dataclasses.replace(a, label=a.label.replace("+shared", "+mooncake")) for a in SHARED_ARMS)
+    return Tiers(args.shared_memory, mooncake=mooncake_tier(master)), arms
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="4 conversations per arm instead of 5")
@@ -166,7 +189,11 @@ def main() -> None:
                         "sees, as the disk tier below admits a chunk only when sighted twice")
     p.add_argument("--disk", default="4GiB", help="kvtier's disk tier per replica (private phase)")
     p.add_argument("--shared-memory", default="128MiB", help="kvtier's memory tier per replica (shared phase)")
-    p.add_argument("--redis-bytes", default="3GiB", help="the shared redis-server's maxmemory")
+    p.add_argument("--redis-bytes", default="3GiB", help="the shared store's size: redis-server's maxmemory, or the "
+                   "Mooncake pool's one segment")
+    p.add_argument("--shared-store", choices=("redis", "mooncake"), default="redis",
+                   help="shared phase: one redis-server, or a Mooncake pool (mooncake_master and one segment host); "
+                        "the Mooncake arms are labelled +mooncake")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/vllm_fleet")
     p.add_argument("--png", default="docs/vllm_fleet.png")
@@ -209,25 +236,21 @@ def main() -> None:
                 load["after_kill"] = os.getloadavg()[0]
                 save(out, rows, places, killed)
     if "shared" in phases:
-        from tests.redis_server import RedisServer
-
         with ExitStack() as stack:
-            redis = RedisServer(maxmemory=str(parse_size(args.redis_bytes))).start()
-            stack.callback(redis.stop)
-            replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks,
-                                Tiers(args.shared_memory, redis_url=redis.url))
-            specs = [with_seed(base, 300 + i) for i in range(len(SHARED_ARMS))]
-            runs, served, hits, breaks = run_phase(SHARED_ARMS, replicas, specs, model, out, args.concurrency)
-            n = len(SHARED_ARMS)
+            tiers, arms = shared_store(stack, args)
+            replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
+            specs = [with_seed(base, 300 + i) for i in range(len(arms))]
+            runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
+            n = len(arms)
             private = parse_size(args.shared_memory) // chunk_bytes // n
             shared = parse_size(args.redis_bytes) // chunk_bytes // n
             device = args.device_blocks * BLOCK // CHUNK // n
             sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
                                            sim_fleet(arm, args.replicas, device, private, shared,
                                                      PREFILL_TOKENS_PER_S))
-                    for arm in SHARED_ARMS}
-            rows.update(summarize(SHARED_ARMS, runs, served, breaks, args.replicas, sims))
-            places["shared"] = place_shares(runs, hits)
+                    for arm in arms}
+            rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
+            places["shared" if args.shared_store == "redis" else "mooncake"] = place_shares(runs, hits)
             load["after_shared"] = os.getloadavg()[0]
     wall = time.monotonic() - started
     for label, r in rows.items():

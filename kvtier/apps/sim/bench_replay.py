@@ -76,9 +76,14 @@ def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None =
         ids = (np.asarray(body["prompt"], dtype="<u4") if "prompt" in body else chat_token_ids(body["messages"]))
         result = recorded.get((round_, user), {})
         out.append(TraceRequest(float(result.get("sent_at", 0.0)), TokenPrompt(ids), len(ids),
-                                int(result.get("completion_tokens") or 0), chunk_tokens, f"{workload}:{user}"))
+                                int(result.get("completion_tokens") or 0), chunk_tokens, f"{workload}:{user}",
+                                _seconds(result.get("ttft_s")), _seconds(result.get("e2e_s"))))
     out.sort(key=lambda r: r.arrival_s)
     return out[:limit] if limit is not None else out
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value >= 0 else None
 
 
 def _load(path: str | Path) -> dict[str, Any]:

@@ -11,6 +11,9 @@ YAML (every key optional)::
     kv_bytes_per_token: 131072  # the served model's KV per token (Llama-3-8B, bf16): turns bytes into chunks
     prefill_tokens_per_s: 20000 # each replica's prefill rate (prefills run one at a time) ...
     decode_tokens_per_s: 30     # ... and each request's decode rate (batched): in-flight requests, waits
+    vllm_block_size: 32         # the replicas are vLLM replicas of this --block-size, routed on their events:
+                                # a new prefix's tie-break hashes its first block, as `kvtier route` keys it
+                                # (default: none, kvtier replicas: the first chunk's key)
     tiers:                      # each replica's own chain, fastest first
       - kind: memory            # memory | disk
         chunks: 2500            # capacity in chunks, or capacity_bytes: 64GiB (with codec_ratio)
@@ -37,6 +40,11 @@ Admission runs kvtier's own policies (kvtier.policy.admission) in each replica's
 ``second-hit`` sketch and rate cap see only its own requests, as in a real fleet. A rate cap is given in the
 served model's KV bytes (``kv_bytes_per_token``) and converted to the simulator's tiny chunks; its clock is the
 trace's arrival time.
+
+Routing is kvtier.fleet.scoring's, fed what ``kvtier route`` sees: per replica its cached tokens, its requests in
+flight and the prompt tokens it has yet to compute (each request's prompt less what the router expected cached,
+until its first token). A request's first token and end come from the load model, or, for requests a recorded
+run measured (a bench JSON's ``ttft_s`` and ``e2e_s``), from the recording: what the router's load bound saw.
 """
 
 from __future__ import annotations
@@ -105,6 +113,7 @@ class FleetConfig:
     kv_bytes_per_token: int = 131_072
     prefill_tokens_per_s: float = 20_000.0
     decode_tokens_per_s: float = 30.0
+    vllm_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -113,6 +122,8 @@ class FleetConfig:
             raise ConfigError("each replica needs at least one tier")
         if min(self.kv_bytes_per_token, self.prefill_tokens_per_s, self.decode_tokens_per_s) <= 0:
             raise ConfigError("kv_bytes_per_token, prefill_tokens_per_s and decode_tokens_per_s must be positive")
+        if self.vllm_block_size is not None and self.vllm_block_size < 1:
+            raise ConfigError(f"vllm_block_size must be positive, got {self.vllm_block_size}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FleetConfig:

@@ -20,16 +20,20 @@ from kvtier.apps.sim.trace import TraceRequest
 from kvtier.base.keys import Namespace
 from kvtier.base.metrics import Metrics
 from kvtier.fleet.scoring import ReplicaView, RouteRequest
+from kvtier.fleet.vllm_index import vllm_namespace
 
 
 class LoadModel:
-    """Per replica, a FIFO queue of prefills followed by batched decoding: in-flight counts and waits."""
+    """Per replica, a FIFO queue of prefills followed by batched decoding: in-flight counts, the prompt tokens
+    the router counts as still to prefill, and waits. A request with measured times (``measured_ttft_s``,
+    ``measured_e2e_s``) is in flight, and prefilling until its first token, exactly as long as it was measured."""
 
     def __init__(self, replicas: int, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> None:
         self._prefill_rate = prefill_tokens_per_s
         self._decode_rate = decode_tokens_per_s
         self._free_at = [0.0] * replicas
         self._finishing: list[list[float]] = [[] for _ in range(replicas)]  # heaps of finish times
+        self._prefilling: list[list[tuple[float, int]]] = [[] for _ in range(replicas)]  # (first token, tokens)
 
     def in_flight(self, now: float) -> list[int]:
         for done in self._finishing:
@@ -37,11 +41,26 @@ class LoadModel:
                 heapq.heappop(done)
         return [len(done) for done in self._finishing]
 
-    def admit(self, replica: int, now: float, computed_tokens: int, output_tokens: int) -> float:
-        """Queue a request; returns how long it waits before its prefill starts."""
+    def prefill_tokens(self, now: float) -> list[int]:
+        """Per replica, the router's count of prompt tokens its in-flight requests have yet to compute."""
+        for queue in self._prefilling:
+            while queue and queue[0][0] <= now:
+                heapq.heappop(queue)
+        return [sum(tokens for _, tokens in queue) for queue in self._prefilling]
+
+    def admit(self, replica: int, request: TraceRequest, computed_tokens: int, routed_tokens: int = 0) -> float:
+        """Queue a request that computes ``computed_tokens``, counted by the router as ``routed_tokens`` to
+        prefill; returns how long it waits before its prefill starts (by the load model)."""
+        now = request.arrival_s
         start = max(now, self._free_at[replica])
         self._free_at[replica] = prefilled = start + computed_tokens / self._prefill_rate
-        heapq.heappush(self._finishing[replica], prefilled + output_tokens / self._decode_rate)
+        first, finish = prefilled, prefilled + request.output_tokens / self._decode_rate
+        if request.measured_e2e_s is not None:
+            finish = now + request.measured_e2e_s
+            first = now + (request.measured_ttft_s if request.measured_ttft_s is not None else request.measured_e2e_s)
+        heapq.heappush(self._finishing[replica], finish)
+        if routed_tokens > 0:
+            heapq.heappush(self._prefilling[replica], (first, routed_tokens))
         return start - now
 
 
@@ -69,6 +88,8 @@ class SimResult:
     input_tokens: int = 0
     saved_tokens: int = 0
     replicas: list[ReplicaStats] = field(default_factory=list)
+    #: sticky routing: requests whose session's replica was above the load bound (StickySessions.breaks)
+    sticky_breaks: int = 0
     wall_s: float = 0.0
 
     @property
@@ -92,6 +113,7 @@ class SimResult:
             "prefill_tokens": self.input_tokens - self.saved_tokens,
             "queue_wait_mean_s": sum(waits) / len(waits) if waits else 0.0,
             "queue_wait_p99_s": waits[int(0.99 * (len(waits) - 1))] if waits else 0.0,
+            "sticky_breaks": self.sticky_breaks,
             "replicas": [{"requests": r.requests, "prefill_tokens": r.prefill_tokens, "saved_tokens": r.saved_tokens}
                          for r in self.replicas],
             "wall_s": self.wall_s,
@@ -102,6 +124,15 @@ def chunk_tokens_of(requests: Sequence[TraceRequest], default: int) -> int:
     """The simulator's chunk size for a workload: one trace block, or ``default`` tokens."""
     blocks = getattr(requests[0].prompt, "block_tokens", None) if requests else None
     return blocks or default
+
+
+def first_key(tokens, keys: Sequence[bytes], vllm_block_size: int | None) -> bytes:
+    """The router's tie-break key for a prompt: for vLLM replicas the key ``kvtier route`` gives their first block
+    (kvtier.fleet.vllm_index), else the first chunk's; b"" for a prompt shorter than either."""
+    if vllm_block_size is None:
+        return keys[0] if keys else b""
+    blocks = vllm_namespace(vllm_block_size).chunk_hashes(tokens[:vllm_block_size])
+    return bytes(blocks[0]) if blocks else b""
 
 
 def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: int, *, label: str = "",
@@ -129,18 +160,21 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             now[0] = request.arrival_s
             tokens = request.prompt.tokens()
             keys = namespace.chunk_hashes(tokens)
-            index = 0
+            index, routed = 0, 0
             if len(replicas) > 1:
-                in_flight = load.in_flight(request.arrival_s)
-                views = [ReplicaView({t: c * chunk_tokens for t, c in r.cached_chunks(keys).items()}, in_flight[i])
-                         for i, r in enumerate(replicas)]
-                index = router.choose(RouteRequest(len(tokens), keys[0] if keys else b"", request.session), views)
+                in_flight, prefilling = load.in_flight(request.arrival_s), load.prefill_tokens(request.arrival_s)
+                views = [ReplicaView({t: c * chunk_tokens for t, c in r.cached_chunks(keys).items()}, in_flight[i],
+                                     prefilling[i]) for i, r in enumerate(replicas)]
+                route = RouteRequest(len(tokens), first_key(tokens, keys, fleet.vllm_block_size), request.session)
+                index = router.choose(route, views)
+                routed = max(len(tokens) - sum(views[index].cached.values()), 0)
             hits = replicas[index].serve(tokens)
             computed = _count(result, request, index, len(keys), hits, labels)
-            result.replicas[index].wait_s.append(load.admit(index, request.arrival_s, computed, request.output_tokens))
+            result.replicas[index].wait_s.append(load.admit(index, request, computed, routed))
             if progress is not None and (n % 64 == 0 or n == len(requests)):
                 progress(n)
         _count_writes(result, replicas, shared_metrics, chunk_tokens, labels)
+        result.sticky_breaks = getattr(router, "breaks", 0)
     finally:
         for replica in replicas:
             replica.close()

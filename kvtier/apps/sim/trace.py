@@ -89,6 +89,10 @@ class TraceRequest:
     #: the workload's tokens per simulator chunk: turns hit chunks into saved prefill tokens
     tokens_per_chunk: int
     session: str | None = None
+    #: a recorded run's time to first token and to the last one (None: unknown); when known, the replay holds
+    #: the request in flight on its replica that long, as the router counted it, instead of modelling it
+    measured_ttft_s: float | None = None
+    measured_e2e_s: float | None = None
 
 
 def read_mooncake(path: str | Path, *, block_tokens: int = TRACE_BLOCK_TOKENS, cut_tail: bool = False,

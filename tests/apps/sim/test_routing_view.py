@@ -1,0 +1,53 @@
+"""The simulator routes as ``kvtier route`` does: a new prefix's tie-break key is the router's key of a vLLM
+replica's first block, and the load bound sees a recorded request in flight for as long as it was measured."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.apps.sim.fleet import FleetConfig, SimTier
+from kvtier.apps.sim.replay import first_key, replay
+from kvtier.apps.sim.trace import TokenPrompt, TraceRequest
+from kvtier.fleet.scoring import ReplicaView, RouteRequest, Routing, RoutingConfig
+from kvtier.fleet.vllm_index import vllm_namespace
+
+CHUNK, BLOCK = 128, 32
+SYSTEM = np.arange(1, 61, dtype="<u4")  # a system prompt every conversation starts with: two vLLM blocks, no chunk
+
+
+def conversation(n: int, arrival: float, e2e_s: float | None = None, context: int = 400) -> TraceRequest:
+    own = np.random.default_rng(n).integers(1000, 2**31, context, dtype="<u4")
+    ids = np.concatenate([SYSTEM, own])
+    return TraceRequest(arrival, TokenPrompt(ids), len(ids), 4, CHUNK, f"c{n}", measured_ttft_s=e2e_s,
+                        measured_e2e_s=e2e_s)
+
+
+def fleet(*, sticky: bool = False, block: int | None = BLOCK) -> FleetConfig:
+    return FleetConfig(replicas=3, tiers=(SimTier(chunks=1000, policy="lru"),), vllm_block_size=block,
+                       routing=RoutingConfig(Routing.LOAD_BOUNDED, sticky=sticky))
+
+
+def test_new_conversations_sharing_a_system_prompt_go_where_the_routers_tie_break_sends_them():
+    # one at a time, each done before the next: no load to spread them, nothing cached of a new one's prompt
+    requests = [conversation(n, 10.0 * n, e2e_s=1.0) for n in range(6)]
+    router_key = bytes(vllm_namespace(BLOCK).chunk_hashes(requests[0].prompt.tokens())[0])
+    assert all(first_key(r.prompt.tokens(), [], BLOCK) == router_key for r in requests)
+    home = RoutingConfig(Routing.LOAD_BOUNDED).build().choose(RouteRequest(460, router_key), [ReplicaView()] * 3)
+    result = replay(requests, fleet(), CHUNK)
+    assert [r.requests for r in result.replicas] == [6 if i == home else 0 for i in range(3)]
+    # keyed by their first 128-token chunk (each conversation's own context), they would have spread
+    assert max(r.requests for r in replay(requests, fleet(block=None), CHUNK).replicas) < 6
+
+
+def test_a_second_request_while_the_first_is_measured_in_flight_breaks_stickiness():
+    first = conversation(1, 0.0, e2e_s=30.0)
+    again = TraceRequest(5.0, TokenPrompt(np.concatenate([first.prompt.tokens(), SYSTEM])), 520, 4, CHUNK, "c1",
+                         measured_ttft_s=1.0, measured_e2e_s=1.0)
+    result = replay([first, again], fleet(sticky=True), CHUNK)
+    assert result.sticky_breaks == 1
+    assert sorted(r.requests for r in result.replicas) == [0, 1, 1]
+    assert result.hit_chunks == 0  # private caches: the break is a full miss
+    # the same two requests unmeasured: the load model has the first done in time, the session stays and hits
+    unmeasured = [TraceRequest(r.arrival_s, r.prompt, r.input_tokens, 4, CHUNK, "c1") for r in (first, again)]
+    result = replay(unmeasured, fleet(sticky=True), CHUNK)
+    assert result.sticky_breaks == 0 and result.hit_chunks == 3
