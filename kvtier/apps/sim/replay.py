@@ -126,12 +126,13 @@ def chunk_tokens_of(requests: Sequence[TraceRequest], default: int) -> int:
     return blocks or default
 
 
-def first_key(tokens, keys: Sequence[bytes], vllm_block_size: int | None) -> bytes:
-    """The router's tie-break key for a prompt: for vLLM replicas the key ``kvtier route`` gives their first block
-    (kvtier.fleet.vllm_index), else the first chunk's; b"" for a prompt shorter than either."""
-    if vllm_block_size is None:
+def first_key(tokens, keys: Sequence[bytes], vllm_blocks: Namespace | None) -> bytes:
+    """The router's tie-break key for a prompt: for vLLM replicas (``vllm_blocks``, the router's key space for
+    their blocks: kvtier.fleet.vllm_index.vllm_namespace) the key of their first block, else the first chunk's;
+    b"" for a prompt shorter than either."""
+    if vllm_blocks is None:
         return keys[0] if keys else b""
-    blocks = vllm_namespace(vllm_block_size).chunk_hashes(tokens[:vllm_block_size])
+    blocks = vllm_blocks.chunk_hashes(tokens[:vllm_blocks.chunk_size])
     return bytes(blocks[0]) if blocks else b""
 
 
@@ -153,6 +154,7 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
     router = fleet.routing.build()
     load = LoadModel(fleet.replicas, fleet.prefill_tokens_per_s, fleet.decode_tokens_per_s)
     namespace = Namespace(model, SIM_SPEC, chunk_tokens)
+    vllm_blocks = vllm_namespace(fleet.vllm_block_size) if fleet.vllm_block_size is not None else None
     result = SimResult(label, hit_chunks_by_tier=dict.fromkeys(labels, 0),
                        replicas=[ReplicaStats() for _ in replicas])
     try:
@@ -165,7 +167,7 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
                 in_flight, prefilling = load.in_flight(request.arrival_s), load.prefill_tokens(request.arrival_s)
                 views = [ReplicaView({t: c * chunk_tokens for t, c in r.cached_chunks(keys).items()}, in_flight[i],
                                      prefilling[i]) for i, r in enumerate(replicas)]
-                route = RouteRequest(len(tokens), first_key(tokens, keys, fleet.vllm_block_size), request.session)
+                route = RouteRequest(len(tokens), first_key(tokens, keys, vllm_blocks), request.session)
                 index = router.choose(route, views)
                 routed = max(len(tokens) - sum(views[index].cached.values()), 0)
             hits = replicas[index].serve(tokens)

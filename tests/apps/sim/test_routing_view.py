@@ -31,7 +31,7 @@ def test_new_conversations_sharing_a_system_prompt_go_where_the_routers_tie_brea
     # one at a time, each done before the next: no load to spread them, nothing cached of a new one's prompt
     requests = [conversation(n, 10.0 * n, e2e_s=1.0) for n in range(6)]
     router_key = bytes(vllm_namespace(BLOCK).chunk_hashes(requests[0].prompt.tokens())[0])
-    assert all(first_key(r.prompt.tokens(), [], BLOCK) == router_key for r in requests)
+    assert all(first_key(r.prompt.tokens(), [], vllm_namespace(BLOCK)) == router_key for r in requests)
     home = RoutingConfig(Routing.LOAD_BOUNDED).build().choose(RouteRequest(460, router_key), [ReplicaView()] * 3)
     result = replay(requests, fleet(), CHUNK)
     assert [r.requests for r in result.replicas] == [6 if i == home else 0 for i in range(3)]
