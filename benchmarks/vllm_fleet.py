@@ -29,15 +29,15 @@ blocks have left the device and sit only in kvtier's tiers of the replica that s
 Mooncake trace in ../shared/workloads, the rows that share a first block, each conversation's turns in order and the
 conversations side by side; a 512-token trace block becomes 32 tokens and prompts are capped at 2,900, and each arm
 gets the same rows with its own token ids), ``kill`` (the tier-aware arm again, one replica SIGKILLed a third of the
-way in and started again, then new conversations once the router has it back), ``shared`` (the replicas restarted
-with a small memory tier and one redis-server behind it: round-robin, sticky and tier-aware, the last knowing the
-``SHARED`` medium as one store of the fleet, and device-only beside them; ``--shared-store mooncake``: a Mooncake
-pool instead, a ``mooncake_master`` and one segment host of ``--redis-bytes``, its arms labelled ``+mooncake``).
-Writes JSON under --out (``arm-LABEL.json``: each arm's run as `kvtier bench` writes it, which ``kvtier sim``
-replays), a PNG (``--png``); last line ``RESULT {json}``.
+way in and started again, then new conversations once the router has it back), ``shared`` (once per store of
+``--shared-store``: the replicas restarted with a small memory tier and the store behind it, one redis-server, or a
+Mooncake pool of a ``mooncake_master`` and one segment host of ``--redis-bytes`` whose arms are labelled
+``+mooncake``; round-robin, sticky, device-only and tier-aware, the last knowing the ``SHARED`` medium as one store
+of the fleet). Writes JSON under --out (``arm-LABEL.json``: each arm's run as `kvtier bench` writes it, which
+``kvtier sim`` replays), a PNG (``--png``); last line ``RESULT {json}``.
 
     PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,trace,kill,shared]
-        [--shared-store redis] [--out results/vllm_fleet]
+        [--shared-store redis,mooncake] [--out results/vllm_fleet]
 """
 
 from __future__ import annotations
@@ -167,10 +167,10 @@ def plot(rows: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def shared_store(stack: ExitStack, args: argparse.Namespace) -> tuple[Tiers, tuple]:
-    """The shared phase's store, started (and stopped by ``stack``): the replicas' tiers and the arms to run."""
+def shared_store(stack: ExitStack, args: argparse.Namespace, store: str) -> tuple[Tiers, tuple]:
+    """A shared phase's store, started (and stopped by ``stack``): the replicas' tiers and the arms to run."""
     size = parse_size(args.redis_bytes)
-    if args.shared_store == "redis":
+    if store == "redis":
         from tests.redis_server import RedisServer
 
         redis = RedisServer(maxmemory=str(size)).start()
@@ -201,9 +201,9 @@ def main() -> None:
     p.add_argument("--shared-memory", default="128MiB", help="kvtier's memory tier per replica (shared phase)")
     p.add_argument("--redis-bytes", default="3GiB", help="the shared store's size: redis-server's maxmemory, or the "
                    "Mooncake pool's one segment")
-    p.add_argument("--shared-store", choices=("redis", "mooncake"), default="redis",
-                   help="shared phase: one redis-server, or a Mooncake pool (mooncake_master and one segment host); "
-                        "the Mooncake arms are labelled +mooncake")
+    p.add_argument("--shared-store", default="redis,mooncake",
+                   help="the shared phase's stores, one after the other: redis (one redis-server) and mooncake (a "
+                        "Mooncake pool: mooncake_master and one segment host; its arms are labelled +mooncake)")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/vllm_fleet")
     p.add_argument("--png", default="docs/vllm_fleet.png")
@@ -259,9 +259,12 @@ def main() -> None:
                                     min(args.concurrency, 2))
                 load["after_kill"] = os.getloadavg()[0]
                 save(out, rows, places, killed)
-    if "shared" in phases:
+    stores = [x for x in args.shared_store.split(",") if x] if "shared" in phases else []
+    if unknown := set(stores) - {"redis", "mooncake"}:
+        raise SystemExit(f"vllm_fleet: unknown --shared-store {sorted(unknown)}")
+    for store in stores:
         with ExitStack() as stack:
-            tiers, arms = shared_store(stack, args)
+            tiers, arms = shared_store(stack, args, store)
             replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
             specs = [with_seed(base, 300 + i) for i in range(len(arms))]
             runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
@@ -274,8 +277,9 @@ def main() -> None:
                                                      PREFILL_TOKENS_PER_S))
                     for arm in arms}
             rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
-            places["shared" if args.shared_store == "redis" else "mooncake"] = place_shares(runs, hits)
-            load["after_shared"] = os.getloadavg()[0]
+            places["shared" if store == "redis" else "mooncake"] = place_shares(runs, hits)
+            save(out, rows, places, killed)
+            load[f"after_{store}"] = os.getloadavg()[0]
     wall = time.monotonic() - started
     for label, r in rows.items():
         sim = "-" if r["sim_cached_share"] is None else f"{r['sim_cached_share']:.3f}"
