@@ -4,7 +4,7 @@
 share against every arm). This replays two of its recorded workloads (multi-round chat, the ``sticky`` arm's
 requests; Mooncake trace conversations, ``trace-sticky``'s) through the simulator with the fleet file that run
 wrote, changing only kvtier's RAM: ``P`` chunks per replica, from an eighth of a replica's share of the
-workload's distinct chunks to twice it. The same RAM is spent five ways:
+workload's distinct chunks to four times it. The same RAM is spent five ways:
 
 * **round-robin, private**: each replica its own ``P``;
 * **sticky, private**: a session back to its replica, ``P`` each;
@@ -37,7 +37,7 @@ from kvtier.apps.sim.replay import replay  # noqa: E402
 
 CHUNK = 128  #: tokens per kvtier chunk, as vllm_fleet.py stores them
 WORKLOADS = {"multi-round chat": "sticky", "Mooncake trace conversations": "trace-sticky"}
-FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0)
+FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 #: label -> (routing, sticky, private share of P, pooled chunks as a multiple of P)
 CHOICES = {
     "round-robin, private": ("round-robin", False, 1.0, 0.0),
