@@ -22,7 +22,7 @@ from kvtier.apps.bench.client import Target
 from kvtier.apps.bench.progress import BenchProgress
 from kvtier.apps.bench.runner import run_workload
 from kvtier.fleet import workloads as wl
-from kvtier.fleet.workloads import MultiRoundSpec
+from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec
 from kvtier.net.ports import free_port
 from tests.apps.route.fleet import scrape
 from tests.integrations.vllm_server import VllmServer
@@ -62,9 +62,12 @@ PRIVATE_ARMS = (
     Arm("tier-aware", TIER_AWARE, "GPU:CPU:DISK", sim_routing="load-bounded", sim_sticky=True),
     Arm("single", ROUND_ROBIN, replicas=(0,)),
 )
+#: the same arms driven by conversations of the Mooncake trace
+TRACE_ARMS = tuple(dataclasses.replace(arm, label=f"trace-{arm.label}") for arm in PRIVATE_ARMS)
 SHARED_ARMS = (
     Arm("round-robin+shared", ROUND_ROBIN),
     Arm("sticky+shared", STICKY, sim_sticky=True),
+    Arm("device-only+shared", DEVICE_ONLY, "GPU", sim_routing="load-bounded", sim_weights=DEVICE_WEIGHTS),
     Arm("tier-aware+shared", TIER_AWARE, "GPU:CPU:SHARED", sim_routing="load-bounded", sim_sticky=True),
 )
 
@@ -148,11 +151,17 @@ def router(replicas: list[Replica], arm: Arm, model: str, out: Path):
         yield url
 
 
-def run_arms(targets: list[Target], specs: list[MultiRoundSpec], concurrency: int, on_done=None):
-    """The arms side by side behind one bound of ``concurrency`` requests, each with its own workload;
-    ``on_done(requests finished so far)`` is called after each request (in the event loop's thread)."""
+def workload_of(spec: MultiRoundSpec | TraceSpec) -> str:
+    return "trace" if isinstance(spec, TraceSpec) else "multiround"
+
+
+def run_arms(targets: list[Target], specs: list[MultiRoundSpec | TraceSpec], concurrency: int, on_done=None):
+    """The arms side by side behind one bound of ``concurrency`` requests, each with its own workload (multi-round
+    chat or trace conversations, by its spec); ``on_done()`` is called after each request (in the event loop's
+    thread)."""
     with BenchProgress() as progress:
-        rows = [progress.row(f"multiround @ {t.label}", wl.count("multiround", s)) for t, s in zip(targets, specs)]
+        rows = [progress.row(f"{workload_of(s)} @ {t.label}", wl.count(workload_of(s), s))
+                for t, s in zip(targets, specs)]
         if on_done is not None:
             for row in rows:
                 advance = row.advance
@@ -165,7 +174,7 @@ def run_arms(targets: list[Target], specs: list[MultiRoundSpec], concurrency: in
         async def together():
             limit = asyncio.Semaphore(max(1, concurrency))
             return await asyncio.gather(*(
-                run_workload(t, "multiround", partial(wl.multiround, spec=s), row, limit=limit)
+                run_workload(t, workload_of(s), partial(wl.WORKLOADS[workload_of(s)], spec=s), row, limit=limit)
                 for t, s, row in zip(targets, specs, rows)))
 
         return asyncio.run(together())

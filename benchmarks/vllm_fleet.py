@@ -25,16 +25,19 @@ median request is a miss; vLLM's device cache is held to ``--device-blocks`` (ab
 the 5 arms' 25 conversations pass through it between a conversation's rounds, so by its next round a session's
 blocks have left the device and sit only in kvtier's tiers of the replica that served it.
 
-``--phases``: ``private`` (the arms above), ``kill`` (the tier-aware arm again, one replica SIGKILLed a third of
-the way in and started again, then new conversations once the router has it back), ``shared`` (the replicas
-restarted with a small memory tier and one redis-server behind it: round-robin, sticky and tier-aware, the last
-knowing the ``SHARED`` medium as one store of the fleet; ``--shared-store mooncake``: a Mooncake pool instead,
-a ``mooncake_master`` and one segment host of ``--redis-bytes``, its arms labelled ``+mooncake``). Writes JSON
-under --out (``arm-LABEL.json``: each arm's run as `kvtier bench` writes it, which ``kvtier sim`` replays), a
-PNG (``--png``); last line ``RESULT {json}``.
+``--phases``: ``private`` (the arms above), ``trace`` (the same five arms driven by six conversations of the
+Mooncake trace in ../shared/workloads, the rows that share a first block, each conversation's turns in order and the
+conversations side by side; a 512-token trace block becomes 32 tokens and prompts are capped at 2,900, and each arm
+gets the same rows with its own token ids), ``kill`` (the tier-aware arm again, one replica SIGKILLed a third of the
+way in and started again, then new conversations once the router has it back), ``shared`` (once per store of
+``--shared-store``: the replicas restarted with a small memory tier and the store behind it, one redis-server, or a
+Mooncake pool of a ``mooncake_master`` and one segment host of ``--redis-bytes`` whose arms are labelled
+``+mooncake``; round-robin, sticky, device-only and tier-aware, the last knowing the ``SHARED`` medium as one store
+of the fleet). Writes JSON under --out (``arm-LABEL.json``: each arm's run as `kvtier bench` writes it, which
+``kvtier sim`` replays), a PNG (``--png``); last line ``RESULT {json}``.
 
-    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,kill,shared] [--shared-store redis]
-        [--out results/vllm_fleet]
+    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,trace,kill,shared]
+        [--shared-store redis,mooncake] [--out results/vllm_fleet]
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from _vllm_fleet import (  # noqa: E402
     CHUNK,
     PRIVATE_ARMS,
     SHARED_ARMS,
+    TRACE_ARMS,
     Replica,
     Tiers,
     kill_phase,
@@ -69,16 +73,22 @@ from _vllm_fleet import (  # noqa: E402
     sim_predict,
     start_replicas,
     with_seed,
+    workload_of,
 )
 
 from kvtier.apps.bench import report  # noqa: E402
 from kvtier.apps.bench.client import Target  # noqa: E402
 from kvtier.core.config import parse_size  # noqa: E402
-from kvtier.fleet.workloads import MultiRoundSpec  # noqa: E402
+from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec  # noqa: E402
 from tests.apps.route.fleet import scrape  # noqa: E402
 
 FULL = dict(users=5, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
 QUICK = dict(users=4, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
+#: the trace phase: conversations of the Mooncake trace (rows sharing their first block), a 512-token block as 32
+#: tokens so that most prompts fit the model's context whole; each arm the same rows with other token ids
+FULL_TRACE = dict(conversations=6, requests=30, min_turns=4, block_tokens=32, max_prompt_tokens=2900, max_tokens=4,
+                  seed=0, sessions=True)
+QUICK_TRACE = {**FULL_TRACE, "conversations": 4, "requests": 16}
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64, float32
 #: the simulator's prefill rate for its in-flight counts (one OpenMP thread, two shared cores, measured roughly)
 PREFILL_TOKENS_PER_S = 250.0
@@ -97,7 +107,7 @@ def run_phase(arms, replicas, specs, model, out, concurrency):
         for tier, value in replica.hit_tokens().items():
             hits[tier] = hits.get(tier, 0.0) + value - was.get(tier, 0.0)
     for run, spec in zip(runs, specs):  # one bench JSON per arm, which `kvtier sim` replays
-        report.write_json([run], out / f"arm-{run.target}.json", {"workload": "multiround", "spec": spec.__dict__})
+        report.write_json([run], out / f"arm-{run.target}.json", {"workload": workload_of(spec), "spec": spec.__dict__})
     return runs, served, hits, breaks
 
 
@@ -157,10 +167,10 @@ def plot(rows: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def shared_store(stack: ExitStack, args: argparse.Namespace) -> tuple[Tiers, tuple]:
-    """The shared phase's store, started (and stopped by ``stack``): the replicas' tiers and the arms to run."""
+def shared_store(stack: ExitStack, args: argparse.Namespace, store: str) -> tuple[Tiers, tuple]:
+    """A shared phase's store, started (and stopped by ``stack``): the replicas' tiers and the arms to run."""
     size = parse_size(args.redis_bytes)
-    if args.shared_store == "redis":
+    if store == "redis":
         from tests.redis_server import RedisServer
 
         redis = RedisServer(maxmemory=str(size)).start()
@@ -179,7 +189,7 @@ def shared_store(stack: ExitStack, args: argparse.Namespace) -> tuple[Tiers, tup
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="4 conversations per arm instead of 5")
-    p.add_argument("--phases", default="private,kill,shared")
+    p.add_argument("--phases", default="private,trace,kill,shared")
     p.add_argument("--concurrency", type=int, default=3, help="requests in flight, all arms together")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--device-blocks", type=int, default=160,
@@ -191,9 +201,9 @@ def main() -> None:
     p.add_argument("--shared-memory", default="128MiB", help="kvtier's memory tier per replica (shared phase)")
     p.add_argument("--redis-bytes", default="3GiB", help="the shared store's size: redis-server's maxmemory, or the "
                    "Mooncake pool's one segment")
-    p.add_argument("--shared-store", choices=("redis", "mooncake"), default="redis",
-                   help="shared phase: one redis-server, or a Mooncake pool (mooncake_master and one segment host); "
-                        "the Mooncake arms are labelled +mooncake")
+    p.add_argument("--shared-store", default="redis,mooncake",
+                   help="the shared phase's stores, one after the other: redis (one redis-server) and mooncake (a "
+                        "Mooncake pool: mooncake_master and one segment host; its arms are labelled +mooncake)")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/vllm_fleet")
     p.add_argument("--png", default="docs/vllm_fleet.png")
@@ -211,7 +221,7 @@ def main() -> None:
     killed: dict = {}
     load = {"before": os.getloadavg()[0]}
     started = time.monotonic()
-    if {"private", "kill"} & set(phases):
+    if {"private", "trace", "kill"} & set(phases):
         with ExitStack() as stack:
             tiers = Tiers(args.memory, args.disk)
             replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
@@ -228,6 +238,20 @@ def main() -> None:
                 places["private"] = place_shares(runs, hits)
                 save(out, rows, places, killed)
                 load["after_private"] = os.getloadavg()[0]
+            if "trace" in phases:
+                trace = TraceSpec(**(QUICK_TRACE if args.quick else FULL_TRACE))
+                specs = [dataclasses.replace(trace, salt=1 + i) for i in range(len(TRACE_ARMS))]
+                runs, served, hits, breaks = run_phase(TRACE_ARMS, replicas, specs, model, out, args.concurrency)
+                tier_chunks = (parse_size(args.memory) + parse_size(args.disk)) // chunk_bytes
+                device = args.device_blocks * BLOCK // CHUNK // len(TRACE_ARMS)
+                sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
+                                               sim_fleet(arm, args.replicas, device, tier_chunks, None,
+                                                         PREFILL_TOKENS_PER_S))
+                        for arm in TRACE_ARMS}
+                rows.update(summarize(TRACE_ARMS, runs, served, breaks, args.replicas, sims))
+                places["trace"] = place_shares(runs, hits)
+                save(out, rows, places, killed)
+                load["after_trace"] = os.getloadavg()[0]
             if "kill" in phases:
                 arm = next(a for a in PRIVATE_ARMS if a.label == "tier-aware")
                 spec = dataclasses.replace(base, seed=200, rounds=base.rounds + 2)
@@ -235,9 +259,12 @@ def main() -> None:
                                     min(args.concurrency, 2))
                 load["after_kill"] = os.getloadavg()[0]
                 save(out, rows, places, killed)
-    if "shared" in phases:
+    stores = [x for x in args.shared_store.split(",") if x] if "shared" in phases else []
+    if unknown := set(stores) - {"redis", "mooncake"}:
+        raise SystemExit(f"vllm_fleet: unknown --shared-store {sorted(unknown)}")
+    for store in stores:
         with ExitStack() as stack:
-            tiers, arms = shared_store(stack, args)
+            tiers, arms = shared_store(stack, args, store)
             replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
             specs = [with_seed(base, 300 + i) for i in range(len(arms))]
             runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
@@ -250,8 +277,9 @@ def main() -> None:
                                                      PREFILL_TOKENS_PER_S))
                     for arm in arms}
             rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
-            places["shared" if args.shared_store == "redis" else "mooncake"] = place_shares(runs, hits)
-            load["after_shared"] = os.getloadavg()[0]
+            places["shared" if store == "redis" else "mooncake"] = place_shares(runs, hits)
+            save(out, rows, places, killed)
+            load[f"after_{store}"] = os.getloadavg()[0]
     wall = time.monotonic() - started
     for label, r in rows.items():
         sim = "-" if r["sim_cached_share"] is None else f"{r['sim_cached_share']:.3f}"
@@ -296,13 +324,15 @@ def result_line(rows, places, killed, load, wall, args) -> dict:
                 out[f"{key}_{label}"] = round(r[key], 3)
         if r["sim_cached_share"] is not None and r["cached_share"]:
             out[f"sim_error_{label}"] = round(r["sim_cached_share"] / r["cached_share"] - 1, 3)
-    if {"round-robin", "device-only", "tier-aware"} <= set(rows):
-        tier = rows["tier-aware"]["ttft_p50_s"]
-        out["ttft_p50_speedup_vs_round_robin"] = round(rows["round-robin"]["ttft_p50_s"] / tier, 2)
-        out["ttft_p50_speedup_vs_device_only"] = round(rows["device-only"]["ttft_p50_s"] / tier, 2)
-    if {"sticky+shared", "single"} <= set(rows):
-        out["sticky_shared_over_single"] = round(rows["sticky+shared"]["cached_share"] / rows["single"]["cached_share"],
-                                                 3)
+    for pre in ("", "trace-"):
+        if {f"{pre}round-robin", f"{pre}device-only", f"{pre}tier-aware"} <= set(rows):
+            tier = rows[f"{pre}tier-aware"]["ttft_p50_s"]
+            out[f"{pre}ttft_p50_speedup_vs_round_robin"] = round(rows[f"{pre}round-robin"]["ttft_p50_s"] / tier, 2)
+            out[f"{pre}ttft_p50_speedup_vs_device_only"] = round(rows[f"{pre}device-only"]["ttft_p50_s"] / tier, 2)
+    for store in ("shared", "mooncake"):
+        if {f"sticky+{store}", "single"} <= set(rows):
+            out[f"sticky_{store}_over_single"] = round(
+                rows[f"sticky+{store}"]["cached_share"] / rows["single"]["cached_share"], 3)
     if killed:
         out.update({f"kill_{k}": v for k, v in killed.items() if isinstance(v, (int, float))})
         # the router stops a replica's subscriber when it ejects it and starts a fresh one on readmission: the

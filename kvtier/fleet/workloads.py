@@ -150,7 +150,14 @@ async def longdoc_qa(runner, spec: QASpec) -> None:
 # -- Mooncake trace replay --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TraceSpec:
-    """The first ``requests`` of a Mooncake trace; each 512-token block id becomes ``block_tokens`` token ids."""
+    """Requests of a Mooncake trace; each 512-token block id becomes ``block_tokens`` token ids.
+
+    ``conversations`` 0: the trace's first ``requests`` rows, in order. ``conversations`` N: N of the trace's
+    conversations (the rows that share their first block id) of at least ``min_turns`` rows, drawn with
+    ``seed``, at most ``requests`` rows of them in trace order; sent back to back, each conversation's turns in
+    order and the conversations side by side (the runner bounds how many are in flight). ``salt`` (0: none)
+    gives every block other token ids, so runs with different salts share nothing. ``sessions``: each request
+    names its conversation in OpenAI's ``user`` field."""
 
     path: str | None = None
     requests: int = 20
@@ -160,46 +167,87 @@ class TraceSpec:
     timestamps: bool = False
     speed: float = 1.0
     token_range: tuple[int, int] = (1000, 30000)
+    conversations: int = 0
+    min_turns: int = 4
+    seed: int = 0
+    salt: int = 0
+    sessions: bool = False
 
 
-def block_tokens(block_id: int, n: int, token_range: tuple[int, int]) -> list[int]:
-    """Deterministic token run of one block: equal ids give equal runs, on every machine."""
-    rng = np.random.default_rng([0x6B76, block_id])
+def block_tokens(block_id: int, n: int, token_range: tuple[int, int], salt: int = 0) -> list[int]:
+    """Deterministic token run of one block: equal ids (and salts) give equal runs, on every machine."""
+    rng = np.random.default_rng([0x6B76, block_id, salt] if salt else [0x6B76, block_id])
     return rng.integers(token_range[0], token_range[1], size=n).tolist()
 
 
-def trace_requests(spec: TraceSpec) -> Iterator[tuple[float, list[int], int]]:
-    """``(arrival seconds, prompt token ids, max_tokens)`` per trace row, prompts scaled and capped."""
+def trace_rows(spec: TraceSpec) -> list[tuple[int, int, dict]]:
+    """``(row index, conversation, row)`` of the rows ``spec`` selects, in trace order (conversation 0 for all
+    when ``spec.conversations`` is 0)."""
     path = find_workload_file("mooncake_synthetic_trace.jsonl", spec.path)
     with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if i == spec.requests:
-                return
-            row = json.loads(line)
-            length = max(1, row["input_length"] * spec.block_tokens // 512)
-            prompt: list[int] = []
-            for block in row["hash_ids"]:
-                if len(prompt) >= min(length, spec.max_prompt_tokens):
+        if not spec.conversations:
+            rows = []
+            for i, line in enumerate(fh):
+                if i == spec.requests:
                     break
-                prompt += block_tokens(block, spec.block_tokens, spec.token_range)
-            prompt = prompt[: min(length, spec.max_prompt_tokens)]
-            yield row["timestamp"] / 1000.0, prompt, max(1, min(row["output_length"], spec.max_tokens))
+                rows.append((i, 0, json.loads(line)))
+            return rows
+        every = [json.loads(line) for line in fh if line.strip()]
+    by_first: dict[int, list[int]] = {}
+    for i, row in enumerate(every):
+        by_first.setdefault(row["hash_ids"][0], []).append(i)
+    candidates = sorted(first for first, idx in by_first.items() if len(idx) >= spec.min_turns)
+    if len(candidates) < spec.conversations:
+        raise ConfigError(f"{path}: {len(candidates)} conversations of {spec.min_turns}+ turns, "
+                          f"{spec.conversations} asked for")
+    picked = random.Random(spec.seed).sample(candidates, spec.conversations)
+    conversation = {i: c for c, first in enumerate(picked) for i in by_first[first]}
+    return [(i, conversation[i], every[i]) for i in sorted(conversation)[: spec.requests]]
+
+
+def trace_prompt(row: dict, spec: TraceSpec) -> list[int]:
+    """The row's prompt: its blocks' token runs, ``input_length`` scaled by ``block_tokens / 512`` and capped."""
+    length = min(max(1, row["input_length"] * spec.block_tokens // 512), spec.max_prompt_tokens)
+    prompt: list[int] = []
+    for block in row["hash_ids"]:
+        if len(prompt) >= length:
+            break
+        prompt += block_tokens(block, spec.block_tokens, spec.token_range, spec.salt)
+    return prompt[:length]
+
+
+def trace_requests(spec: TraceSpec) -> Iterator[tuple[float, list[int], int]]:
+    """``(arrival seconds, prompt token ids, max_tokens)`` per selected trace row, prompts scaled and capped."""
+    for _i, _conversation, row in trace_rows(spec):
+        yield row["timestamp"] / 1000.0, trace_prompt(row, spec), max(1, min(row["output_length"], spec.max_tokens))
 
 
 async def trace_replay(runner, spec: TraceSpec) -> None:
-    """Replay in order: at the trace's (``speed``-scaled) arrival times, or back to back."""
+    """Replay: at the trace's (``speed``-scaled) arrival times, or back to back (by conversation, see
+    ``TraceSpec``). A request's ``round`` is its row index, its ``user`` its conversation."""
     start = time.perf_counter()
+    rows = trace_rows(spec)
+
+    def body(row: dict, conversation: int) -> dict:
+        out = {"prompt": trace_prompt(row, spec), "max_tokens": max(1, min(row["output_length"], spec.max_tokens))}
+        if spec.sessions:
+            out["user"] = f"conversation-{conversation}"
+        return out
+
+    if not spec.timestamps:
+        async def turns(c: int) -> None:
+            for i, conversation, row in rows:
+                if conversation == c:
+                    await runner.request("/v1/completions", body(row, c), workload="trace", round=i, user=c)
+        await asyncio.gather(*(turns(c) for c in sorted({c for _, c, _ in rows})))
+        return
     tasks = []
-    for i, (arrival, prompt, max_tokens) in enumerate(trace_requests(spec)):
-        body = {"prompt": prompt, "max_tokens": max_tokens}
-        if spec.timestamps:
-            delay = arrival / spec.speed - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(
-                runner.request("/v1/completions", body, workload="trace", round=i, user=0, bounded=False)))
-        else:
-            await runner.request("/v1/completions", body, workload="trace", round=i, user=0)
+    for i, conversation, row in rows:
+        delay = row["timestamp"] / 1000.0 / spec.speed - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(runner.request(
+            "/v1/completions", body(row, conversation), workload="trace", round=i, user=conversation, bounded=False)))
     await asyncio.gather(*tasks)
 
 
@@ -209,6 +257,8 @@ def count(workload: str, spec) -> int:
         return spec.users * spec.rounds
     if workload == "qa":
         return spec.docs * spec.questions
+    if spec.conversations:
+        return len(trace_rows(spec))
     return spec.requests
 
 

@@ -60,6 +60,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--max-prompt-tokens", type=int, default=4096)
     t.add_argument("--timestamps", action="store_true", help="send at the trace's arrival times (else back to back)")
     t.add_argument("--speed", type=float, default=1.0, help="time compression of --timestamps")
+    t.add_argument("--conversations", type=int, default=0,
+                   help="replay this many of the trace's conversations (rows sharing a first block, drawn with "
+                        "--seed) side by side, each in turn order (0: the first --requests rows)")
+    t.add_argument("--min-turns", type=int, default=4, help="--conversations draws from those with this many rows")
     p.set_defaults(func=run)
     return p
 
@@ -71,7 +75,8 @@ def workload_spec(args: argparse.Namespace):
     if args.workload == "qa":
         return wl.QASpec(args.data, args.docs, args.questions, args.doc_chars, args.order, args.max_tokens, args.seed)
     return wl.TraceSpec(args.data, args.requests, args.block_tokens, args.max_prompt_tokens, args.max_tokens,
-                        args.timestamps, args.speed)
+                        args.timestamps, args.speed, conversations=args.conversations, min_turns=args.min_turns,
+                        seed=args.seed, sessions=args.sessions)
 
 
 WORKLOAD_FUNCS = wl.WORKLOADS
