@@ -90,6 +90,9 @@ FULL_TRACE = dict(conversations=6, requests=30, min_turns=4, block_tokens=32, ma
                   seed=0, sessions=True)
 QUICK_TRACE = {**FULL_TRACE, "conversations": 4, "requests": 16}
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64, float32
+#: the Mooncake pool's master: seconds without a heartbeat before a client's segment leaves the pool, and the
+#: lease that keeps a value being read from eviction (both 10 s by default)
+MOONCAKE_CLIENT_TTL_S, MOONCAKE_LEASE_TTL_S = 120, 60
 #: the simulator's prefill rate for its in-flight counts (one OpenMP thread, two shared cores, measured roughly)
 PREFILL_TOKENS_PER_S = 250.0
 
@@ -180,7 +183,11 @@ def shared_store(stack: ExitStack, args: argparse.Namespace, store: str) -> tupl
 
     if missing := missing_mooncake():
         raise SystemExit(f"vllm_fleet: no Mooncake pool here: {'; '.join(missing)}")
-    master = stack.enter_context(MooncakeMaster())
+    # Three replicas and the pool's host share two cores here, at load averages of 20-40: with the master's
+    # defaults the host's heartbeats lapsed past --client_ttl (10 s) and the master unmounted the whole pool, and
+    # transfers outlasted the 10 s lease on the values they read. A loaded fleet needs longer ones.
+    master = stack.enter_context(MooncakeMaster(args=(f"--client_ttl={MOONCAKE_CLIENT_TTL_S}",
+                                                      f"--default_kv_lease_ttl={MOONCAKE_LEASE_TTL_S}s")))
     stack.enter_context(SegmentHost(master, size))
     arms = tuple(dataclasses.replace(a, label=a.label.replace("+shared", "+mooncake")) for a in SHARED_ARMS)
     return Tiers(args.shared_memory, mooncake=mooncake_tier(master)), arms
