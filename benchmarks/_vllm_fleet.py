@@ -289,11 +289,10 @@ def sim_predict(arm_file: Path, label: str, fleet: dict) -> dict:
 
 def mooncake_tier(master) -> dict:
     """A replica's tier in the pool of ``master`` (tests.mooncake_master): it mounts no segment of its own, the
-    pool's memory is one segment host's, as the tests run it. Its transfer buffer holds a whole load: the tier
-    serves only what fits its buffer in one get, and the tests' 16 MiB (two chunks of this model) left most of
-    every load a miss."""
+    pool's memory is one segment host's, as the tests run it. Its transfer buffer holds five chunks of this model,
+    far less than a load: the cache cuts loads into gets that fit it, and they queue for it."""
     return {"kind": "mooncake", "master_address": master.master_address, "metadata_server": master.metadata_url,
-            "metrics_url": master.metrics_url, "segment_bytes": 0, "buffer_bytes": "256MiB", "timeout_s": 30.0}
+            "metrics_url": master.metrics_url, "segment_bytes": 0, "buffer_bytes": "32MiB", "timeout_s": 30.0}
 
 
 def with_seed(spec: MultiRoundSpec, seed: int) -> MultiRoundSpec:

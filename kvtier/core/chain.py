@@ -40,6 +40,7 @@ from kvtier.base.keys import ChunkHash
 from kvtier.base.metrics import Metrics
 from kvtier.codecs import codec_by_id
 from kvtier.codecs.blob import encode_blob, parse_blob
+from kvtier.core.bounded import batches, blob_bytes
 from kvtier.core.events import CacheEvents, EntryKind
 from kvtier.core.jobs import Entry, Failure, LoadJob, StoreJob
 from kvtier.core.metrics import ADMISSION_REFUSED, DEMOTIONS, PROMOTIONS, STORED_TOKENS
@@ -199,17 +200,19 @@ class TierChain:
         bad: list[tuple[int, ChunkHash, BlobError]] = []
         if not present:
             return found
+        sizes = [blob_bytes(self.pipeline.spec, len(tokens[key])) for key in present]
         try:
-            with tier.get(present) as blobs:
-                for key, blob in zip(present, blobs):
-                    if blob is None:
-                        continue
-                    try:
-                        found[key] = decode(tier, key, blob, tokens[key])
-                    except BlobError as exc:
-                        bad.append((t, key, exc))
-                        continue
-                    self.metrics.inc(READ_BYTES, blob.nbytes, tier=tier.name)
+            for batch in batches(tier, sizes):  # gets a BoundedGets tier holds whole (kvtier/core/bounded.py)
+                with tier.get([present[i] for i in batch]) as blobs:
+                    for key, blob in zip([present[i] for i in batch], blobs):
+                        if blob is None:
+                            continue
+                        try:
+                            found[key] = decode(tier, key, blob, tokens[key])
+                        except BlobError as exc:
+                            bad.append((t, key, exc))
+                            continue
+                        self.metrics.inc(READ_BYTES, blob.nbytes, tier=tier.name)
         except KVTierError as exc:
             self.failed(tier, "get", exc)
         self._discard(bad, kind)

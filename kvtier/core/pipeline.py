@@ -6,7 +6,8 @@ and leaves counting, deleting and events to the chain (chain.py); the one thing 
 each window's chunks found below the first tier, to its ``Promoter``, while their memory is still valid.
 
 Retrieve: the chunks a tier holds are cut into windows of ``window_bytes`` of KV, larger for a long prefix from
-a tier with ``large_load_windows`` (up to ``max_window_bytes``, see ``Pipeline.windows``); each window is one
+a tier with ``large_load_windows`` (up to ``max_window_bytes``, see ``Pipeline.windows``), and no larger than one
+get of a tier with ``BoundedGets`` holds (kvtier/core/bounded.py; stores too); each window is one
 task that reads its blobs (``tier.get``, pinned until the task ends), then takes one of ``decoders`` decode
 slots, verifies and decodes each chunk, and writes it to the sink. ``read_ahead`` more tasks than slots are in
 flight, so the next windows are being read from a slow tier while the cores decode, and windows decode in
@@ -55,6 +56,7 @@ from kvtier.base.layout import KVSpec
 from kvtier.base.metrics import Metrics
 from kvtier.codecs.base import CopiesOnly, DecodesInto, copy_tensors
 from kvtier.codecs.blob import decode_blob, encode_blob
+from kvtier.core.bounded import blob_bytes, per_get
 from kvtier.core.jobs import (
     ConcurrentSink,
     Corrupt,
@@ -85,8 +87,9 @@ class Pipeline:
         self.per_window = max(1, tuning.window_bytes // chunk_bytes)  # chunks per window, at least
         self.max_per_window = max(self.per_window, tuning.max_window_bytes // chunk_bytes)
         self.per_device_window = max(1, tuning.device_window_bytes // chunk_bytes)
-        self.chunk_size = chunk_size
+        self.spec, self.chunk_size = spec, chunk_size
         self.chunk_bytes = chunk_bytes  #: raw KV bytes of one chunk (at least 1)
+        self.blob_bytes = blob_bytes(spec, chunk_size)  #: the most one chunk's blob takes in a bounded get
         self.metrics = metrics
         self._chunk = (spec.chunk_shape(chunk_size), spec.dtype) if spec is not None else None
         self._scratch = threading.local()  # per worker: one decoded chunk for sinks without a destination
@@ -106,9 +109,10 @@ class Pipeline:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def windows(self, idx: Sequence[int], *, grow: bool) -> Iterator[Sequence[int]]:
+    def windows(self, idx: Sequence[int], *, grow: bool, most: int | None = None) -> Iterator[Sequence[int]]:
         """``idx`` cut in order into windows of equal size: ``per_window`` chunks, or with ``grow`` more (up to
-        ``max_per_window``) while every worker still gets ``windows_per_worker`` windows.
+        ``max_per_window``) while every worker still gets ``windows_per_worker`` windows; never more than ``most``
+        (what one get of a ``BoundedGets`` tier holds: ``per_get``).
 
         Loads from a tier with ``large_load_windows`` grow their windows: each window costs thread hand-offs (a
         task, a decode slot, a ``get`` whose reads fan out to a disk tier's readers). Network tiers, whose ``get``
@@ -118,6 +122,8 @@ class Pipeline:
         if grow:
             workers = self.tuning.windows_per_worker * self.tuning.workers
             per = min(self.max_per_window, max(per, len(idx) // workers))
+        if most is not None:
+            per = max(1, min(per, most))
         for start in range(0, len(idx), per):
             yield idx[start : start + per]
 
@@ -133,7 +139,7 @@ class Pipeline:
                 tasks.append((t, idx))
                 continue
             grow = isinstance(tier, LargeLoadWindows) and tier.large_load_windows
-            tasks.extend((t, window) for window in self.windows(idx, grow=grow))
+            tasks.extend((t, window) for window in self.windows(idx, grow=grow, most=self.per_get(tier)))
         # A single window, and copy-only windows, run in the calling thread: there is nothing to overlap (torch
         # spreads a copy over the cores itself), and a thread hop costs more than such a window's Python work.
         pooled, inline = [], tasks
@@ -155,6 +161,10 @@ class Pipeline:
         for future in futures:
             future.result()  # an engine's sink error reaches the caller, as it did without the pipeline
         return LoadResult(state.ok, state.corrupt, state.failures)
+
+    def per_get(self, tier: Tier) -> int | None:
+        """How many chunks one get (or put) of ``tier`` holds; None: any number."""
+        return per_get(tier, self.blob_bytes)
 
     def _load_window_in_mode(self, inference_mode: bool, state: _LoadState, t: int, window: Sequence[int]) -> None:
         with torch.inference_mode(inference_mode):
@@ -274,7 +284,7 @@ class Pipeline:
         elif _copies_only(tier):
             windows = [missing]
         else:
-            windows = list(self.windows(missing, grow=False))
+            windows = list(self.windows(missing, grow=False, most=self.per_get(tier)))
         done: list[int] = []
         if len(windows) == 1 or (_codec_copies_only(tier) and not on_gpu):  # nothing to overlap
             try:

@@ -12,6 +12,7 @@ from kvtier.base.registry import lazy_exports
 from kvtier.tiers.base import (
     TIER_CLASSES,
     TIER_KINDS,
+    BoundedGets,
     ChainOrdered,
     EvictionListener,
     EvictionReporter,
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from kvtier.tiers.redis.tier import RedisTier
 
 __all__ = [
-    "TIER_CLASSES", "TIER_KINDS", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener",
+    "TIER_CLASSES", "TIER_KINDS", "BoundedGets", "ChainOrdered", "DiskTier", "DiskTierConfig", "EvictionListener",
     "EvictionReporter", "Flushable", "LargeLoadWindows", "Listable", "MemoryTier", "MemoryTierConfig",
     "MooncakeTier", "MooncakeTierConfig", "RedisTier", "RedisTierConfig", "RemovalListener", "RemovalReporter",
     "SharedStore", "Tier", "TierConfig", "TierContext", "TierStats", "WriteMode", "register_tier",

@@ -16,7 +16,7 @@ conformance suite in tests/conformance checks them):
   cache that owns it. A kind's config and tier classes are found by name in ``TIER_KINDS`` and
   ``TIER_CLASSES`` (lazy registries: nothing of a tier is imported before it is configured or built), so a
   tier's config never imports its tier. Optional capabilities are the protocols ``EvictionReporter``,
-  ``Flushable``, ``RemovalReporter``, ``Listable``, ``SharedStore`` and ``LargeLoadWindows``.
+  ``Flushable``, ``RemovalReporter``, ``Listable``, ``SharedStore``, ``LargeLoadWindows`` and ``BoundedGets``.
 """
 
 from __future__ import annotations
@@ -108,6 +108,17 @@ class LargeLoadWindows(Protocol):
     ``kvtier.core.pipeline.Pipeline.windows``). Tiers without it get windows of the base size."""
 
     large_load_windows: bool
+
+
+@runtime_checkable
+class BoundedGets(Protocol):
+    """Optional capability: a tier whose ``get`` holds at most ``max_get_bytes`` of blobs at once (values read
+    into one fixed transfer buffer, as the Mooncake tier's), each counted rounded up to a multiple of 64 bytes
+    (``kvtier.codecs.blob.ALIGN``). A value that does not fit is a miss, so callers cut their reads into gets
+    that fit (``kvtier.core.bounded``); gets that together exceed it may wait for each other, within their
+    deadline. Tiers without it take any number of keys in one get."""
+
+    max_get_bytes: int
 
 
 @runtime_checkable

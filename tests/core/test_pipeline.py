@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ from kvtier.base.errors import TierError
 from kvtier.base.metrics import Metrics
 from kvtier.codecs import BytesPayload
 from kvtier.codecs.blob import parse_blob
+from kvtier.core.bounded import batches
 from kvtier.core.jobs import PipelineTuning
 from kvtier.core.pipeline import Pipeline
-from kvtier.tiers import DiskTierConfig, MemoryTierConfig
+from kvtier.tiers import BoundedGets, DiskTierConfig, MemoryTierConfig
 from tests.codecs.conftest import kv_like
 from tests.codecs.test_cache import cache_roundtrip
 
@@ -299,6 +301,22 @@ def test_load_windows_grow_with_the_prefix_up_to_the_cap_and_store_windows_do_no
         assert [i for w in windows for i in w] == idx  # every chunk once, in order
         assert [len(w) for w in windows] == [size] * (n // size) + ([n % size] if n % size else [])
         assert [len(w) for w in pipeline.windows(idx, grow=False)] == [2] * (n // 2) + [1] * (n % 2)  # stores
+    pipeline.close()
+
+
+def test_windows_and_whole_entry_reads_hold_no_more_than_one_bounded_get() -> None:
+    """A tier with BoundedGets: windows (grown or not) and the chain's batches of entries stay within one get."""
+    chunk_bytes = SPEC.bytes_per_token * CHUNK
+    tuning = PipelineTuning(window_bytes=4 * chunk_bytes, max_window_bytes=8 * chunk_bytes, decoders=2)
+    pipeline = Pipeline(SPEC, CHUNK, Metrics(), tuning)
+    bounded = SimpleNamespace(max_get_bytes=3 * pipeline.blob_bytes + pipeline.blob_bytes // 2)
+    assert isinstance(bounded, BoundedGets) and pipeline.per_get(bounded) == 3
+    assert pipeline.per_get(SimpleNamespace(max_get_bytes=1)) == 1  # a chunk larger than a get: one at a time
+    for grow in (True, False):
+        assert [len(w) for w in pipeline.windows(list(range(200)), grow=grow, most=3)] == [3] * 66 + [2]
+    sizes = [pipeline.blob_bytes] * 5 + [10 * pipeline.blob_bytes, pipeline.blob_bytes]
+    assert list(batches(bounded, sizes)) == [[0, 1, 2], [3, 4], [5], [6]]
+    assert list(batches(SimpleNamespace(), sizes)) == [list(range(7))]
     pipeline.close()
 
 

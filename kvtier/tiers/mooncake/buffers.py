@@ -3,13 +3,16 @@
 Mooncake's zero-copy calls (``batch_put_from`` / ``batch_get_into``) need memory registered with the transfer
 engine (RDMA pins and maps it; registering costs milliseconds, so it is done once, never per call). The tier
 keeps one arena of ``buffer_bytes``, allocated, faulted in and registered on first use, carved by the first-fit
-allocator the memory tier uses. A value that finds no room in it is a miss or a skipped store.
+allocator the memory tier uses. A batch that could fit the arena waits for room (other batches release theirs)
+until its deadline; a value that then finds no room is a miss or a skipped store. Callers keep their gets within
+the arena (the tier's ``max_get_bytes``, kvtier.core.bounded), so concurrent ones queue rather than miss.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from time import monotonic
 
 import numpy as np
 
@@ -51,25 +54,62 @@ class RegisteredBuffers:
         self._register = register
         self._alloc = Allocator(arena_bytes, align=_ALIGN)
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  #: notified whenever a lease is released
         self._creating = threading.Lock()  # one arena, registered once, however many first takes race
         self._arena: np.ndarray | None = None
         self._view = memoryview(b"")
         self._base = 0
+        self.waited = 0  #: takes that found too little free and waited for other leases (for tests)
+
+    @property
+    def capacity(self) -> int:
+        """The arena's bytes: the most one batch can hold (each size rounded up to 64 bytes)."""
+        return self._alloc.capacity
 
     def take(self, sizes: Sequence[int], deadline: float) -> Lease:
-        """A slot for each size that fits in what is free (None for the others)."""
+        """A slot for each size. A batch that fits the arena at all waits, until ``deadline`` (monotonic), for
+        the whole batch to fit in what is free; past it, and at once for a batch larger than the arena, each
+        size that fits what is free then gets a slot and the others None."""
         if self._arena is None:
             with self._creating:
                 if self._arena is None:
                     self._create(deadline)
         slots: list[Slot | None] = [None] * len(sizes)
-        with self._lock:
-            if self._arena is not None:
-                for i, n in enumerate(sizes):
-                    offset = self._alloc.alloc(n)
-                    if offset is not None:
-                        slots[i] = Slot(self._view[offset : offset + n], self._base + offset, offset, n)
+        with self._freed:
+            if self._arena is None:
+                return Lease(self, slots)
+            need = sum(self._alloc.rounded(max(n, 1)) for n in sizes)
+            if need <= self._alloc.capacity:
+                waited = False
+                while not (need <= self._alloc.capacity - self._alloc.used and self._place(sizes, slots)):
+                    left = deadline - monotonic()
+                    if left <= 0:
+                        break
+                    if not waited:
+                        waited, self.waited = True, self.waited + 1
+                    self._freed.wait(left)
+                else:
+                    return Lease(self, slots)
+            for i, n in enumerate(sizes):
+                self._place_one(i, n, slots)
         return Lease(self, slots)
+
+    def _place(self, sizes: Sequence[int], slots: list[Slot | None]) -> bool:
+        """Slots for the whole batch, or none of them (False). Holding the lock."""
+        for i, n in enumerate(sizes):
+            if not self._place_one(i, n, slots):
+                for j in range(i):
+                    self._alloc.free(slots[j].offset, slots[j].nbytes)  # type: ignore[union-attr]
+                    slots[j] = None
+                return False
+        return True
+
+    def _place_one(self, i: int, n: int, slots: list[Slot | None]) -> bool:
+        offset = self._alloc.alloc(n)
+        if offset is None:
+            return False
+        slots[i] = Slot(self._view[offset : offset + n], self._base + offset, offset, n)
+        return True
 
     def _create(self, deadline: float) -> None:
         arena = np.zeros(self._alloc.capacity, dtype=np.uint8)  # zeros: faulted in now, not mid-transfer
@@ -82,10 +122,11 @@ class RegisteredBuffers:
                 self._arena, self._view, self._base = arena, memoryview(arena), arena.ctypes.data
 
     def _release(self, slots: list[Slot | None]) -> None:
-        with self._lock:
+        with self._freed:
             for slot in slots:
                 if slot is not None:
                     self._alloc.free(slot.offset, slot.nbytes)
+            self._freed.notify_all()
 
     @property
     def largest_free(self) -> int:

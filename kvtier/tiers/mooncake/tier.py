@@ -17,8 +17,9 @@ Transfers
     Zero-copy both ways: a put writes each blob into registered memory the tier owns (buffers.py) and the
     engine sends it from there (``batch_put_from``); a get asks the master for the values' sizes
     (``batch_get_replica_desc``), then the engine writes them straight into registered memory
-    (``batch_get_into``), where they stay until the ``with`` block ends. Measured against the other calls in
-    benchmarks/mooncake_calls.py.
+    (``batch_get_into``), where they stay until the ``with`` block ends. One get's values share the buffer
+    (``max_get_bytes``, ``BoundedGets``): the cache cuts its reads to fit it, and batches that together exceed it
+    wait for each other within their deadline. Measured against the other calls in benchmarks/mooncake_calls.py.
 
 Failures
     Every call has one deadline, ``timeout_s`` plus one second per ``min_rate_bytes`` moved, enforced by
@@ -110,6 +111,7 @@ class MooncakeTier(MooncakeControl):
         self._lock = threading.Lock()
         self._client = MooncakeClient(config, self._calls, on_joined=self._wake.set)
         self._buffers = RegisteredBuffers(config.buffer_bytes, self._client.register)
+        self.max_get_bytes = self._buffers.capacity  #: BoundedGets: one get's values share the transfer buffer
         self._metrics.add_gauges(self._gauges)
         if not self._client.join(monotonic() + config.connect_timeout_s):
             log.warning("mooncake tier %s: master %s not reachable yet; misses until it is", self.name,

@@ -1,0 +1,116 @@
+"""Loads larger than the Mooncake tier's transfer buffer, against a real mooncake_master: the cache cuts them into
+gets that fit (BoundedGets), concurrent gets queue for the buffer instead of missing, and a value larger than
+the whole buffer is a miss at once."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvtier import CacheConfig, KVCache, KVSpec
+from kvtier.base.metrics import Metrics
+from kvtier.codecs import BytesPayload
+from kvtier.core.bounded import blob_bytes
+from kvtier.core.segments import SegmentCache
+from kvtier.tiers import BoundedGets, MooncakeTier, TierContext
+from tests.harness import wait_for
+from tests.tiers.mooncake.helpers import MiB, tier_config
+
+SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype=torch.float16)  # 8 KiB of KV per token
+CHUNK = 64  # 512 KiB chunks
+TWO_CHUNKS = 2 * blob_bytes(SPEC, CHUNK) + blob_bytes(SPEC, CHUNK) // 2  # room for two chunks, not three
+HANG_GUARD_S = 120.0
+
+
+@pytest.fixture
+def master(mooncake_master):
+    yield mooncake_master
+    assert mooncake_master.keys() == [], "a test left values in the pool (a tier was not closed)"
+
+
+def small_cache(master, *, model: str = "split@1") -> KVCache:
+    return KVCache(SPEC, model, CacheConfig(chunk_size=CHUNK, tiers=(tier_config(master, buffer_bytes=TWO_CHUNKS),)))
+
+
+def no_buffer(cache: KVCache) -> float:
+    return cache.metrics.get("kvtier_mooncake_no_buffer_total", tier=cache.tiers[0].name)
+
+
+def test_a_load_of_eight_chunks_through_a_buffer_of_two_is_all_hits(master):
+    """Stores and the load's windows are cut to two chunks; the windows run concurrently and queue for the
+    buffer, so every chunk arrives, bytes equal, and none missed for want of buffer."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 50_000, (8 * CHUNK,), generator=gen).tolist()
+    kv = torch.randn(SPEC.chunk_shape(len(tokens)), generator=gen).to(SPEC.dtype)
+    with small_cache(master) as cache:
+        tier = cache.tiers[0]
+        assert isinstance(tier, BoundedGets) and cache.chain.pipeline.per_get(tier) == 2
+        assert cache.store(tokens, kv) == len(tokens)
+        out, n = cache.retrieve(tokens)
+        assert n == len(tokens) and torch.equal(out, kv)
+        assert no_buffer(cache) == 0
+        assert cache.metrics.total("kvtier_skipped_stores_total") == 0
+        assert tier._buffers.largest_free == tier._buffers.registered_bytes  # every lease handed back
+
+
+def test_segments_larger_than_the_buffer_together_are_read_in_gets_that_fit(master):
+    """The chain's whole-entry reads (segments here) are cut the same way: five one-chunk segments, two a get."""
+    gen = torch.Generator().manual_seed(2)
+    segs = [torch.randint(0, 50_000, (CHUNK,), generator=gen).tolist() for _ in range(5)]
+    kvs = [torch.randn(SPEC.chunk_shape(CHUNK), generator=gen).to(SPEC.dtype) for _ in segs]
+    with small_cache(master, model="segments@1") as cache:
+        seg = SegmentCache(cache)
+        assert all(seg.store(s, kv) for s, kv in zip(segs, kvs))
+        got = seg.retrieve(segs)
+        assert all(g is not None and torch.equal(g, kv) for g, kv in zip(got, kvs))
+        assert no_buffer(cache) == 0
+
+
+def test_concurrent_gets_beyond_the_buffer_queue_and_all_arrive(master):
+    values = [bytes([i + 1]) * (400 << 10) for i in range(8)]  # two fit the 1 MiB buffer at once
+    keys = [bytes([i]) * 32 for i in range(8)]
+    tier = MooncakeTier(tier_config(master, buffer_bytes=MiB), TierContext(SPEC, Metrics(), "mooncake"))
+    try:
+        assert tier.put([(k, BytesPayload(v)) for k, v in zip(keys, values)][:2]) == [True, True]
+        assert tier.put([(k, BytesPayload(v)) for k, v in zip(keys, values)][2:4]) == [True, True]
+        done = []
+
+        def read(pair: int) -> list[bytes | None]:
+            with tier.get(keys[2 * pair : 2 * pair + 2]) as got:
+                return [None if v is None else bytes(v) for v in got]
+
+        with tier.get(keys[:2]) as held:  # the whole buffer is taken: the next get waits for it
+            waiter = threading.Thread(target=lambda: done.append(read(1)))
+            waiter.start()
+            assert wait_for(lambda: tier._buffers.waited == 1)
+            assert [bytes(v) for v in held] == values[:2] and not done
+        waiter.join(HANG_GUARD_S)
+        assert done == [values[2:4]]
+        for start in (4, 6):
+            assert tier.put([(k, BytesPayload(v)) for k, v in zip(keys[start:start + 2], values[start:start + 2])])
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(read, range(4))) == [values[2 * p : 2 * p + 2] for p in range(4)]
+        assert tier._metrics.get("kvtier_mooncake_no_buffer_total", tier="mooncake") == 0
+        tier.delete(keys)
+    finally:
+        tier.close()
+
+
+def test_a_value_larger_than_the_buffer_is_a_miss_at_once(master):
+    key, value = b"L" * 32, b"v" * (3 * MiB // 2)
+    ctx = TierContext(SPEC, Metrics(), "mooncake")
+    small = MooncakeTier(tier_config(master, buffer_bytes=MiB, segment_bytes=0), ctx)
+    large = MooncakeTier(tier_config(master, buffer_bytes=4 * MiB), TierContext(SPEC, Metrics(), "mooncake"))
+    try:
+        assert large.put([(key, BytesPayload(value))]) == [True]
+        with small.get([key]) as got:
+            assert got == [None]
+        assert small._metrics.get("kvtier_mooncake_no_buffer_total", tier="mooncake") == 1
+        assert small._buffers.waited == 0
+        large.delete([key])
+    finally:
+        small.close()
+        large.close()
