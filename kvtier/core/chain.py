@@ -40,7 +40,7 @@ from kvtier.base.keys import ChunkHash
 from kvtier.base.metrics import Metrics
 from kvtier.codecs import codec_by_id
 from kvtier.codecs.blob import encode_blob, parse_blob
-from kvtier.core.bounded import batches, blob_bytes
+from kvtier.core.bounded import UNKNOWN, aligned, batches, blob_bytes
 from kvtier.core.events import CacheEvents, EntryKind
 from kvtier.core.jobs import Entry, Failure, LoadJob, StoreJob
 from kvtier.core.metrics import ADMISSION_REFUSED, DEMOTIONS, PROMOTIONS, STORED_TOKENS
@@ -200,7 +200,10 @@ class TierChain:
         bad: list[tuple[int, ChunkHash, BlobError]] = []
         if not present:
             return found
-        sizes = [blob_bytes(self.pipeline.spec, len(tokens[key])) for key in present]
+        if kind is EntryKind.SNAPSHOT:  # a state's size is not its tokens' KV: one snapshot per bounded get
+            sizes = [UNKNOWN] * len(present)
+        else:
+            sizes = [blob_bytes(self.pipeline.spec, len(tokens[key])) for key in present]
         try:
             for batch in batches(tier, sizes):  # gets a BoundedGets tier holds whole (kvtier/core/bounded.py)
                 with tier.get([present[i] for i in batch]) as blobs:
@@ -305,15 +308,18 @@ class TierChain:
 
     def _put(self, tier: Tier, entries: Sequence[Entry], op: str, kind: EntryKind | None,
              tags: Tags | None = None) -> list[int]:
-        """Encode ``entries`` for ``tier`` (its codec, sealed where it verifies) and put them with ``tags``; the
-        indices it stored, reported as entering it. A failure is counted under ``op`` and stores nothing."""
-        try:
-            stored = put_tagged(tier, [(e.key, encode_blob(e.key, e.tokens, tier.codec, e.tensor,
-                                                           seal=tier.verifies)) for e in entries], tags)
-        except KVTierError as exc:
-            self.failed(tier, op, exc)
-            return []
-        done = [i for i, ok in enumerate(stored) if ok]
+        """Encode ``entries`` for ``tier`` (its codec, sealed where it verifies) and put them with ``tags``, in puts
+        a ``BoundedGets`` tier holds; the indices it stored, reported as entering it. A failure is counted under
+        ``op`` and stores nothing more."""
+        blobs = [(e.key, encode_blob(e.key, e.tokens, tier.codec, e.tensor, seal=tier.verifies)) for e in entries]
+        done: list[int] = []
+        for batch in batches(tier, [aligned(blob.nbytes) for _, blob in blobs]):  # puts a bounded tier holds
+            try:
+                stored = put_tagged(tier, [blobs[i] for i in batch], tags)
+            except KVTierError as exc:
+                self.failed(tier, op, exc)
+                break
+            done.extend(i for i, ok in zip(batch, stored) if ok)
         self.events.entered(tier.name, [entries[i].key for i in done], kind)
         return done
 

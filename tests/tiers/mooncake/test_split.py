@@ -12,6 +12,7 @@ import torch
 
 from kvtier import CacheConfig, KVCache, KVSpec
 from kvtier.base.metrics import Metrics
+from kvtier.base.state import ModelStateSpec, StateKind, StateSpec
 from kvtier.codecs import BytesPayload
 from kvtier.core.bounded import blob_bytes
 from kvtier.core.segments import SegmentCache
@@ -114,3 +115,24 @@ def test_a_value_larger_than_the_buffer_is_a_miss_at_once(master):
     finally:
         small.close()
         large.close()
+
+
+def test_state_snapshots_larger_together_than_the_buffer_are_stored_and_read_one_a_get(master):
+    """A boundary's snapshot is one entry per state kind, and a state's size is not its tokens' KV: stores are cut
+    by the blobs' sizes and reads take one snapshot a get, so both kinds arrive through a buffer that holds one."""
+    conv = StateSpec(StateKind.CONV, 2, (1024, 96), torch.float32)  # 768 KiB a snapshot
+    ssm = StateSpec(StateKind.SSM, 2, (12, 64, 128), torch.float32)  # 768 KiB
+    spec = ModelStateSpec(None, (conv, ssm))
+    config = CacheConfig(chunk_size=CHUNK, state_snapshots="every",
+                         tiers=(tier_config(master, buffer_bytes=(1 << 20) + (1 << 18)),))  # holds one, not two
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 50_000, (2 * CHUNK,), generator=gen).tolist()
+    snaps = {b: {StateKind.CONV: torch.randn(conv.snapshot_shape, generator=gen),
+                 StateKind.SSM: torch.randn(ssm.snapshot_shape, generator=gen)} for b in (1, 2)}
+    with KVCache(spec, "states@1", config) as cache:
+        assert cache.store_states(tokens, snaps) == 2
+        assert cache.metrics.total("kvtier_skipped_stores_total") == 0
+        prefix = cache.retrieve_states(tokens)
+        assert prefix.tokens == 2 * CHUNK
+        assert all(torch.equal(prefix.states[kind], snaps[2][kind]) for kind in snaps[2])
+        assert no_buffer(cache) == 0
