@@ -43,12 +43,15 @@ class Arm:
     sim_routing: str = "round-robin"
     sim_sticky: bool = False
     sim_weights: tuple[tuple[str, float], ...] = ()
+    sim_tie_break: str = "home"
 
 
 ROUND_ROBIN = ("--policy", "round-robin", "--no-sticky")
 STICKY = ("--policy", "round-robin", "--sticky")
-#: llm-d's precise prefix scorer stands behind this arm: device prefix + load, and no session affinity
-DEVICE_ONLY = ("--policy", "load-bounded", "--no-sticky")
+#: llm-d's precise prefix scorer stands behind this arm: device prefix + load, no session affinity, and equal
+#: candidates picked at random (its max-score picker shuffles them): with kvtier route's stable rendezvous home,
+#: conversations that share only a system prompt all met on one replica (12 / 4 / 4 in one run)
+DEVICE_ONLY = ("--policy", "load-bounded", "--no-sticky", "--tie-break", "random")
 #: kvtier route's default: load-bounded prefix affinity with sticky sessions (under the session bound)
 TIER_AWARE = ("--policy", "load-bounded", "--sticky")
 #: in the simulator a replica's vLLM device cache is its ``memory`` tier and kvtier's tiers its ``disk`` tier;
@@ -58,7 +61,8 @@ DEVICE_WEIGHTS = (("disk", 0.0), ("shared", 0.0))
 PRIVATE_ARMS = (
     Arm("round-robin", ROUND_ROBIN),
     Arm("sticky", STICKY, sim_sticky=True),
-    Arm("device-only", DEVICE_ONLY, "GPU", sim_routing="load-bounded", sim_weights=DEVICE_WEIGHTS),
+    Arm("device-only", DEVICE_ONLY, "GPU", sim_routing="load-bounded", sim_weights=DEVICE_WEIGHTS,
+        sim_tie_break="random"),
     Arm("tier-aware", TIER_AWARE, "GPU:CPU:DISK", sim_routing="load-bounded", sim_sticky=True),
     Arm("single", ROUND_ROBIN, replicas=(0,)),
 )
@@ -67,7 +71,8 @@ TRACE_ARMS = tuple(dataclasses.replace(arm, label=f"trace-{arm.label}") for arm 
 SHARED_ARMS = (
     Arm("round-robin+shared", ROUND_ROBIN),
     Arm("sticky+shared", STICKY, sim_sticky=True),
-    Arm("device-only+shared", DEVICE_ONLY, "GPU", sim_routing="load-bounded", sim_weights=DEVICE_WEIGHTS),
+    Arm("device-only+shared", DEVICE_ONLY, "GPU", sim_routing="load-bounded", sim_weights=DEVICE_WEIGHTS,
+        sim_tie_break="random"),
     Arm("tier-aware+shared", TIER_AWARE, "GPU:CPU:SHARED", sim_routing="load-bounded", sim_sticky=True),
 )
 
@@ -261,6 +266,7 @@ def sim_fleet(arm: Arm, replicas: int, device_chunks: int, tier_chunks: int, sha
     admits every chunk at once, as kvtier's memory tier in front of the real disk does)."""
     n = len(arm.replicas) if arm.replicas is not None else replicas
     fleet = {"replicas": n, "routing": arm.sim_routing if n > 1 else "round-robin", "sticky": arm.sim_sticky,
+             "tie_break": arm.sim_tie_break,
              "prefill_tokens_per_s": prefill_tokens_per_s, "decode_tokens_per_s": 30, "vllm_block_size": BLOCK,
              "tiers": [{"kind": "memory", "chunks": device_chunks, "policy": "lru"},
                        {"kind": "disk", "chunks": tier_chunks, "policy": "lru", "admission": "always"}]}

@@ -42,7 +42,9 @@ Policies:
 
 Ties (no replica holds anything, or several cost the same) are broken by load, then by sessions homed (a new
 sticky session), then by rendezvous hashing of the request's first chunk key and the replica's name, so a new
-prefix has a stable home from its first request on, whichever replicas are up.
+prefix has a stable home from its first request on, whichever replicas are up (``TieBreak.HOME``). With
+``TieBreak.RANDOM`` the last step is a seeded random draw instead, as llm-d's max-score picker shuffles its
+candidates: prompts that share only a first block (a system prompt) then spread instead of meeting on one home.
 """
 
 from __future__ import annotations
@@ -152,21 +154,32 @@ def rendezvous_rank(first_key: bytes, replica: str) -> bytes:
     return hashlib.blake2b(first_key + b"\0" + replica.encode(), digest_size=8).digest()
 
 
+class TieBreak(enum.Enum):
+    """The last tie-break between replicas that cost the same (module docstring)."""
+
+    HOME = "home"  #: the rendezvous home of the prompt's first key: stable, so a new prefix has one home
+    RANDOM = "random"  #: a seeded random draw (llm-d's max-score picker): equal prompts spread
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """How a policy prices replicas: tier weights and what one decoding stream costs in prefill tokens."""
+    """How a policy prices replicas: tier weights, what one decoding stream costs in prefill tokens, and the
+    last tie-break (``tie_rng`` None: ``TieBreak.HOME``; else ``TieBreak.RANDOM`` drawn from it)."""
 
     tier_weights: Mapping[str, float] = field(default_factory=dict)
     decode_stream_tokens: float = 0.0
+    tie_rng: random.Random | None = None
 
     def best(self, request: RouteRequest, replicas: Sequence[ReplicaView], candidates: Sequence[int]) -> int:
         """The cheapest candidate; ties go to the one saving more, the least loaded, the one homing fewest
-        sessions, the rendezvous winner."""
+        sessions, the rendezvous winner (or a random one)."""
+        draws = None if self.tie_rng is None else {i: self.tie_rng.random() for i in candidates}
+
         def rank(i: int):
             view = replicas[i]
+            last = rendezvous_rank(request.first_key, replica_name(replicas, i)) if draws is None else draws[i]
             return (-prefill_cost(request, view, self.tier_weights, self.decode_stream_tokens),
-                    expected_saved_tokens(view, self.tier_weights), -view.load, -view.sessions,
-                    rendezvous_rank(request.first_key, replica_name(replicas, i)))
+                    expected_saved_tokens(view, self.tier_weights), -view.load, -view.sessions, last)
 
         return max(candidates, key=rank)
 
@@ -207,8 +220,9 @@ class RandomChoice(_Policy):
 
 
 class PrefixAffinity(_Policy):
-    def __init__(self, tier_weights: Mapping[str, float] | None = None, decode_stream_tokens: float = 0.0) -> None:
-        self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens)
+    def __init__(self, tier_weights: Mapping[str, float] | None = None, decode_stream_tokens: float = 0.0,
+                 tie_rng: random.Random | None = None) -> None:
+        self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens, tie_rng)
         self.tier_weights = self.cost.tier_weights
 
     def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
@@ -219,11 +233,11 @@ class PrefixAffinity(_Policy):
 
 class LoadBoundedAffinity(_Policy):
     def __init__(self, epsilon: float = 0.25, tier_weights: Mapping[str, float] | None = None,
-                 decode_stream_tokens: float = 0.0) -> None:
+                 decode_stream_tokens: float = 0.0, tie_rng: random.Random | None = None) -> None:
         if epsilon < 0:
             raise ConfigError(f"load epsilon must not be negative, got {epsilon}")
         self.epsilon = epsilon
-        self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens)
+        self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens, tie_rng)
         self.tier_weights = self.cost.tier_weights
 
     def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
@@ -328,7 +342,8 @@ class RoutingConfig:
     ``tier_weights``: what a cached token of each tier is worth against one in the fastest (default 1.0);
     ``decode_stream_tokens``: what one decoding request costs a replica, in prefill tokens; ``max_sessions``:
     the sticky sessions remembered (least recently used forgotten first); ``session_epsilon``: the session
-    bound's slack (sticky only)."""
+    bound's slack (sticky only); ``tie_break``: the last tie-break of the affinity policies (``seed`` seeds a
+    random one)."""
 
     routing: Routing = Routing.LOAD_BOUNDED
     epsilon: float = 0.25
@@ -338,14 +353,16 @@ class RoutingConfig:
     decode_stream_tokens: float = 0.0
     max_sessions: int = 100_000
     session_epsilon: float = 0.25
+    tie_break: TieBreak = TieBreak.HOME
 
     def build(self) -> RoutingPolicy:
         weights = dict(self.tier_weights)
+        rng = random.Random(self.seed) if self.tie_break is TieBreak.RANDOM else None
         policy: RoutingPolicy = {
             Routing.ROUND_ROBIN: RoundRobin,
             Routing.RANDOM: lambda: RandomChoice(self.seed),
-            Routing.PREFIX: lambda: PrefixAffinity(weights, self.decode_stream_tokens),
-            Routing.LOAD_BOUNDED: lambda: LoadBoundedAffinity(self.epsilon, weights, self.decode_stream_tokens),
+            Routing.PREFIX: lambda: PrefixAffinity(weights, self.decode_stream_tokens, rng),
+            Routing.LOAD_BOUNDED: lambda: LoadBoundedAffinity(self.epsilon, weights, self.decode_stream_tokens, rng),
         }[self.routing]()
         if not self.sticky:
             return policy

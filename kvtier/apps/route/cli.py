@@ -42,6 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--session-epsilon", type=float, default=0.25,
                    help="session bound: a new session only on a replica homing at most max((1+eps) x mean, ceil(mean)) "
                         "sessions")
+    r.add_argument("--tie-break", default="home", choices=["home", "random"],
+                   help="between replicas that cost the same: the prompt's rendezvous home (stable), or random as "
+                        "llm-d's max-score picker")
     r.add_argument("--tier-weight", action="append", default=[], metavar="TIER=W",
                    help="worth of a cached token in TIER (memory 1.0, disk 0.9, redis 0.8 by default; vLLM media: "
                         "GPU 1.0, CPU 0.8, DISK and STORAGE 0.7, SHARED 0.6)")
@@ -75,7 +78,7 @@ def router_config(args: argparse.Namespace):
         default_routing,
         parse_replica,
     )
-    from kvtier.fleet.scoring import Routing
+    from kvtier.fleet.scoring import Routing, TieBreak
 
     weights = dict(default_routing().tier_weights)
     for item in args.tier_weight:
@@ -88,7 +91,7 @@ def router_config(args: argparse.Namespace):
             raise ConfigError(f"--tier-weight takes TIER=WEIGHT, got {item!r}")
     routing = dataclasses.replace(default_routing(), routing=Routing(args.policy), sticky=args.sticky,
                                   epsilon=args.epsilon, session_epsilon=args.session_epsilon,
-                                  tier_weights=tuple(weights.items()))
+                                  tier_weights=tuple(weights.items()), tie_break=TieBreak(args.tie_break))
     if args.decode_stream_tokens is not None:
         routing = dataclasses.replace(routing, decode_stream_tokens=args.decode_stream_tokens)
     if routing.epsilon < 0 or routing.session_epsilon < 0:

@@ -8,6 +8,7 @@ YAML (every key optional)::
     sticky: false               # keep each session (bench JSON: conversation / document) on one replica
     session_epsilon: 0.25       # sticky: a new session's replica homes at most max((1 + eps) x mean, ceil(mean))
     tier_weights: {disk: 0.9}   # what a cached token in each tier is worth to the router (default 1.0)
+    tie_break: home             # home (a prefix's rendezvous home) | random (as llm-d's max-score picker)
     kv_bytes_per_token: 131072  # the served model's KV per token (Llama-3-8B, bf16): turns bytes into chunks
     prefill_tokens_per_s: 20000 # each replica's prefill rate (prefills run one at a time) ...
     decode_tokens_per_s: 30     # ... and each request's decode rate (batched): in-flight requests, waits
@@ -134,6 +135,7 @@ class FleetConfig:
             "sticky": values.pop("sticky", False),
             "session_epsilon": values.pop("session_epsilon", 0.25),
             "tier_weights": tuple(dict(values.pop("tier_weights", None) or {}).items()),
+            "tie_break": values.pop("tie_break", "home"),
         }
         values["routing"] = build_dataclass(RoutingConfig, routing, "fleet.routing")
         values["tiers"] = tuple(_tier(t, f"fleet.tiers[{i}]") for i, t in enumerate(values.pop("tiers", None) or []))

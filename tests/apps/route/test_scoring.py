@@ -17,6 +17,7 @@ from kvtier.fleet.scoring import (
     Routing,
     RoutingConfig,
     StickySessions,
+    TieBreak,
     load_bound,
 )
 
@@ -53,6 +54,27 @@ def test_ties_go_to_the_least_loaded_then_to_a_stable_rendezvous_winner():
     homes = {PrefixAffinity().choose(RouteRequest(1, bytes([i]) * 32), idle) for i in range(64)}
     assert homes == {0, 1, 2, 3}  # new prefixes spread over the fleet
     assert all(PrefixAffinity().choose(REQ, idle) == PrefixAffinity().choose(REQ, idle) for _ in range(3))
+
+
+def test_a_random_tie_break_spreads_one_prefix_and_keeps_every_other_rule():
+    """llm-d's max-score picker shuffles equal candidates: with ``TieBreak.RANDOM`` one prompt's ties spread
+    over the fleet (seeded, so a run repeats), while cost and load still decide before the draw."""
+    idle = views(({}, 0), ({}, 0), ({}, 0))
+    policy = RoutingConfig(Routing.LOAD_BOUNDED, epsilon=10.0, tie_break=TieBreak.RANDOM, seed=5).build()
+    picks = collections.Counter(policy.choose(REQ, idle) for _ in range(300))
+    assert set(picks) == {0, 1, 2} and min(picks.values()) > 60
+
+    def draws(seed: int) -> list[int]:
+        chooser = RoutingConfig(Routing.LOAD_BOUNDED, epsilon=10.0, tie_break=TieBreak.RANDOM, seed=seed).build()
+        return [chooser.choose(REQ, idle) for _ in range(20)]
+
+    assert draws(5) == draws(5) and draws(5) != draws(6)
+    home = RoutingConfig(Routing.LOAD_BOUNDED, epsilon=10.0).build()
+    assert len({home.choose(REQ, idle) for _ in range(50)}) == 1  # the default keeps one home
+    cached = views(({}, 0), ({"GPU": 2048}, 0), ({}, 0))
+    assert all(policy.choose(REQ, cached) == 1 for _ in range(50))  # a cached prefix is no tie
+    loaded = views(({}, 2), ({}, 0), ({}, 2))
+    assert all(policy.choose(REQ, loaded) == 1 for _ in range(50))  # nor is load
 
 
 def test_load_bound_follows_bounded_load_hashing():

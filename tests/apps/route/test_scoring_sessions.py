@@ -127,3 +127,18 @@ def test_route_takes_the_session_bound_slack_from_its_flags():
     assert router_config(parser.parse_args(["route", "--replica", "http://r:1"])).routing.session_epsilon == 0.25
     with pytest.raises(ConfigError, match="negative"):
         router_config(parser.parse_args(["route", "--replica", "http://r:1", "--session-epsilon", "-1"]))
+
+
+def test_route_takes_the_tie_break_from_its_flags():
+    import argparse
+
+    from kvtier.apps.route.cli import add_parser, router_config
+    from kvtier.fleet.scoring import TieBreak
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert router_config(parser.parse_args(["route", "--replica", "http://r:1"])).routing.tie_break is TieBreak.HOME
+    config = router_config(parser.parse_args(["route", "--replica", "http://r:1", "--tie-break", "random"]))
+    assert config.routing.tie_break is TieBreak.RANDOM
+    with pytest.raises(SystemExit):
+        parser.parse_args(["route", "--replica", "http://r:1", "--tie-break", "nearest"])
