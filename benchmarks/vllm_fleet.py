@@ -262,7 +262,9 @@ def main() -> None:
             if "kill" in phases:
                 arm = next(a for a in PRIVATE_ARMS if a.label == "tier-aware")
                 spec = dataclasses.replace(base, seed=200, rounds=base.rounds + 2)
-                killed = kill_phase(replicas, arm, spec, dataclasses.replace(base, seed=201, rounds=1), model, out,
+                # the conversations after the restart are new sessions (the router still knows the others' homes)
+                follow = dataclasses.replace(base, seed=201, rounds=1, session_prefix="after-restart")
+                killed = kill_phase(replicas, arm, spec, follow, model, out,
                                     min(args.concurrency, 2))
                 load["after_kill"] = os.getloadavg()[0]
                 save(out, rows, places, killed)

@@ -70,7 +70,7 @@ class MultiRoundSpec:
     """``users`` conversations of ``rounds`` turns sharing one system prompt; each turn adds ``turn_words``.
     ``context_words`` (0: ``turn_words``): the length of each conversation's first user message, its own
     context (a document pasted in) that every later round carries. ``sessions``: each request names its
-    conversation in OpenAI's ``user`` field (for session-sticky routers)."""
+    conversation in OpenAI's ``user`` field (for session-sticky routers), as ``<session_prefix>-<user>``."""
 
     users: int = 2
     rounds: int = 4
@@ -80,6 +80,7 @@ class MultiRoundSpec:
     seed: int = 0
     sessions: bool = False
     context_words: int = 0
+    session_prefix: str = "user"
 
 
 async def multiround(runner, spec: MultiRoundSpec) -> None:
@@ -93,7 +94,7 @@ async def multiround(runner, spec: MultiRoundSpec) -> None:
     async def one(r: int, u: int) -> None:
         body = {"messages": histories[u], "max_tokens": spec.max_tokens}
         if spec.sessions:
-            body["user"] = f"user-{u}"
+            body["user"] = f"{spec.session_prefix}-{u}"
         result = await runner.request("/v1/chat/completions", body, workload="multiround", round=r, user=u)
         histories[u] = histories[u] + [{"role": "assistant", "content": result.text},
                                        {"role": "user", "content": turns[u][r]}]
