@@ -147,7 +147,7 @@ def plot(rows: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = list(rows)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(12.0, 0.9 * len(labels)), 4.8))
     ax1.bar(labels, [rows[k]["ttft_p50_s"] for k in labels], color="tab:blue", label="p50")
     ax1.scatter(labels, [rows[k]["ttft_p99_s"] for k in labels], color="tab:red", marker="_", s=300, label="p99")
     ax1.set_ylabel("TTFT, client-measured (s)")
@@ -161,7 +161,9 @@ def plot(rows: dict, path: Path, title: str) -> None:
     ax2.set_ylim(0, 1)
     ax2.legend()
     for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelrotation=30)
+        ax.tick_params(axis="x", labelrotation=45)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
