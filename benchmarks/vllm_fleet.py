@@ -114,6 +114,21 @@ def run_phase(arms, replicas, specs, model, out, concurrency):
     return runs, served, hits, breaks
 
 
+def measure(arms, specs, replicas, args, model, out, rows: dict, tier_chunks: int,
+            shared_chunks: int | None = None) -> dict:
+    """``arms`` side by side, each predicted by ``kvtier sim`` (kvtier's private tiers ``tier_chunks`` per
+    replica, a shared store of ``shared_chunks``, vLLM's device cache split between the arms): their rows are
+    added to ``rows``; returns where the cached prompt tokens came from."""
+    runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
+    device = args.device_blocks * BLOCK // CHUNK // len(arms)
+    sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
+                                   sim_fleet(arm, args.replicas, device, tier_chunks, shared_chunks,
+                                             PREFILL_TOKENS_PER_S))
+            for arm in arms}
+    rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
+    return place_shares(runs, hits)
+
+
 def fleet_up(stack: ExitStack, model: str, out: Path, n: int, device_blocks: int, tiers: Tiers) -> list[Replica]:
     replicas = [Replica(model, out, f"r{i}", device_blocks, tiers) for i in range(n)]
     for replica in replicas:
@@ -234,31 +249,16 @@ def main() -> None:
         with ExitStack() as stack:
             tiers = Tiers(args.memory, args.disk)
             replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
+            tier_chunks = (parse_size(args.memory) + parse_size(args.disk)) // chunk_bytes
             if "private" in phases:
                 specs = [with_seed(base, 100 + i) for i in range(len(PRIVATE_ARMS))]
-                runs, served, hits, breaks = run_phase(PRIVATE_ARMS, replicas, specs, model, out, args.concurrency)
-                tier_chunks = (parse_size(args.memory) + parse_size(args.disk)) // chunk_bytes
-                device = args.device_blocks * BLOCK // CHUNK // len(PRIVATE_ARMS)
-                sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
-                                               sim_fleet(arm, args.replicas, device, tier_chunks, None,
-                                                         PREFILL_TOKENS_PER_S))
-                        for arm in PRIVATE_ARMS}
-                rows.update(summarize(PRIVATE_ARMS, runs, served, breaks, args.replicas, sims))
-                places["private"] = place_shares(runs, hits)
+                places["private"] = measure(PRIVATE_ARMS, specs, replicas, args, model, out, rows, tier_chunks)
                 save(out, rows, places, killed)
                 load["after_private"] = os.getloadavg()[0]
             if "trace" in phases:
                 trace = TraceSpec(**(QUICK_TRACE if args.quick else FULL_TRACE))
                 specs = [dataclasses.replace(trace, salt=1 + i) for i in range(len(TRACE_ARMS))]
-                runs, served, hits, breaks = run_phase(TRACE_ARMS, replicas, specs, model, out, args.concurrency)
-                tier_chunks = (parse_size(args.memory) + parse_size(args.disk)) // chunk_bytes
-                device = args.device_blocks * BLOCK // CHUNK // len(TRACE_ARMS)
-                sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
-                                               sim_fleet(arm, args.replicas, device, tier_chunks, None,
-                                                         PREFILL_TOKENS_PER_S))
-                        for arm in TRACE_ARMS}
-                rows.update(summarize(TRACE_ARMS, runs, served, breaks, args.replicas, sims))
-                places["trace"] = place_shares(runs, hits)
+                places["trace"] = measure(TRACE_ARMS, specs, replicas, args, model, out, rows, tier_chunks)
                 save(out, rows, places, killed)
                 load["after_trace"] = os.getloadavg()[0]
             if "kill" in phases:
@@ -278,17 +278,10 @@ def main() -> None:
             tiers, arms = shared_store(stack, args, store)
             replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
             specs = [with_seed(base, 300 + i) for i in range(len(arms))]
-            runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
-            n = len(arms)
-            private = parse_size(args.shared_memory) // chunk_bytes // n
-            shared = parse_size(args.redis_bytes) // chunk_bytes // n
-            device = args.device_blocks * BLOCK // CHUNK // n
-            sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
-                                           sim_fleet(arm, args.replicas, device, private, shared,
-                                                     PREFILL_TOKENS_PER_S))
-                    for arm in arms}
-            rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
-            places["shared" if store == "redis" else "mooncake"] = place_shares(runs, hits)
+            n = len(arms)  # the arms share the small memory tiers and the store
+            places["shared" if store == "redis" else "mooncake"] = measure(
+                arms, specs, replicas, args, model, out, rows, parse_size(args.shared_memory) // chunk_bytes // n,
+                parse_size(args.redis_bytes) // chunk_bytes // n)
             save(out, rows, places, killed)
             load[f"after_{store}"] = os.getloadavg()[0]
     wall = time.monotonic() - started
