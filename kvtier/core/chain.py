@@ -311,7 +311,11 @@ class TierChain:
         """Encode ``entries`` for ``tier`` (its codec, sealed where it verifies) and put them with ``tags``, in puts
         a ``BoundedGets`` tier holds; the indices it stored, reported as entering it. A failure is counted under
         ``op`` and stores nothing more."""
-        blobs = [(e.key, encode_blob(e.key, e.tokens, tier.codec, e.tensor, seal=tier.verifies)) for e in entries]
+        try:
+            blobs = [(e.key, encode_blob(e.key, e.tokens, tier.codec, e.tensor, seal=tier.verifies)) for e in entries]
+        except KVTierError as exc:
+            self.failed(tier, op, exc)
+            return []
         done: list[int] = []
         for batch in batches(tier, [aligned(blob.nbytes) for _, blob in blobs]):  # puts a bounded tier holds
             try:
