@@ -68,13 +68,11 @@ PRIVATE_ARMS = (
 )
 #: the same arms driven by conversations of the Mooncake trace
 TRACE_ARMS = tuple(dataclasses.replace(arm, label=f"trace-{arm.label}") for arm in PRIVATE_ARMS)
-SHARED_ARMS = (
-    Arm("round-robin+shared", ROUND_ROBIN),
-    Arm("sticky+shared", STICKY, sim_sticky=True),
-    Arm("device-only+shared", DEVICE_ONLY, "GPU", sim_routing="load-bounded", sim_weights=DEVICE_WEIGHTS,
-        sim_tie_break="random"),
-    Arm("tier-aware+shared", TIER_AWARE, "GPU:CPU:SHARED", sim_routing="load-bounded", sim_sticky=True),
-)
+#: the same arms, less the single replica, in front of replicas sharing one store (the tier-aware arm knows it
+#: as the ``SHARED`` medium where the private arms have kvtier's disk)
+SHARED_ARMS = tuple(dataclasses.replace(arm, label=f"{arm.label}+shared",
+                                        media=arm.media and arm.media.replace("DISK", "SHARED"))
+                    for arm in PRIVATE_ARMS if arm.replicas is None)
 
 
 @dataclass(frozen=True)
