@@ -92,8 +92,9 @@ def router_config(args: argparse.Namespace):
         if not sep or not tier.strip():
             raise ConfigError(f"--tier-weight takes TIER=WEIGHT, got {item!r}")
     routing = dataclasses.replace(default_routing(), routing=Routing(args.policy), sticky=args.sticky,
-                                  epsilon=args.epsilon, session_epsilon=args.session_epsilon, load_floor=args.load_floor,
-                                  tier_weights=tuple(weights.items()), tie_break=TieBreak(args.tie_break))
+                                  epsilon=args.epsilon, session_epsilon=args.session_epsilon,
+                                  load_floor=args.load_floor, tier_weights=tuple(weights.items()),
+                                  tie_break=TieBreak(args.tie_break))
     if args.decode_stream_tokens is not None:
         routing = dataclasses.replace(routing, decode_stream_tokens=args.decode_stream_tokens)
     if routing.epsilon < 0 or routing.session_epsilon < 0:
