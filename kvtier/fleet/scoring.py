@@ -22,8 +22,12 @@ Policies:
 * ``PrefixAffinity``: the cheapest replica.
 * ``LoadBoundedAffinity``: the same, among replicas within the load bound of consistent hashing with
   bounded loads (Mirrokni et al., 2018): a replica may take the request only if its in-flight requests, plus
-  this one, stay within ``ceil((1 + epsilon) x (all in flight + 1) / replicas)``. No replica runs far above
-  the mean while the others idle, whatever the prefix sharing.
+  this one, stay within ``max(ceil((1 + epsilon) x (all in flight + 1) / replicas), load_floor)``. No replica
+  runs far above the mean while the others idle, whatever the prefix sharing. The floor (2 by default) keeps
+  the bound from meaning "never two on one replica" when the fleet is nearly idle: without it, with one request
+  in flight anywhere, ``ceil(1.25 x 2 / 3)`` is 1, so a session whose replica is busy with one other request
+  breaks away and recomputes its whole context elsewhere, where waiting for one request would have cost less
+  (an engine batches several requests at once; SGLang's router likewise balances only past an absolute gap).
 * ``StickySessions``: a session's later requests go back to the replica that served its last one, unless
   that replica is above the load bound (or gone); then an inner policy chooses and the break is counted.
   A session without a home (a new one, or a break) is placed by the inner policy among the replicas within
@@ -132,15 +136,16 @@ def prefill_cost(request: RouteRequest, view: ReplicaView, tier_weights: Mapping
     return compute + view.prefill_tokens + decode_stream_tokens * view.decode_streams
 
 
-def load_bound(replicas: Sequence[ReplicaView], epsilon: float) -> float:
-    """The most requests in flight a replica may have after taking one more (bounded-load hashing)."""
+def load_bound(replicas: Sequence[ReplicaView], epsilon: float, floor: int = 1) -> float:
+    """The most requests in flight a replica may have after taking one more (bounded-load hashing), and never
+    fewer than ``floor``."""
     total = sum(view.load for view in replicas) + 1
-    return math.ceil((1 + epsilon) * total / len(replicas))
+    return max(math.ceil((1 + epsilon) * total / len(replicas)), floor)
 
 
-def within_bound(replicas: Sequence[ReplicaView], epsilon: float) -> list[int]:
+def within_bound(replicas: Sequence[ReplicaView], epsilon: float, floor: int = 1) -> list[int]:
     """Indices of the replicas that may take one more request; never empty."""
-    bound = load_bound(replicas, epsilon)
+    bound = load_bound(replicas, epsilon, floor)
     allowed = [i for i, view in enumerate(replicas) if view.load + 1 <= bound]
     return allowed or [min(range(len(replicas)), key=lambda i: replicas[i].load)]
 
@@ -231,18 +236,26 @@ class PrefixAffinity(_Policy):
         return _explain(self.cost, replicas, best, Reason.BALANCE)
 
 
+def _check_bound(epsilon: float, floor: int) -> None:
+    if epsilon < 0:
+        raise ConfigError(f"load epsilon must not be negative, got {epsilon}")
+    if floor < 1:
+        raise ConfigError(f"the load floor must be at least 1 request in flight, got {floor}")
+
+
 class LoadBoundedAffinity(_Policy):
     def __init__(self, epsilon: float = 0.25, tier_weights: Mapping[str, float] | None = None,
-                 decode_stream_tokens: float = 0.0, tie_rng: random.Random | None = None) -> None:
-        if epsilon < 0:
-            raise ConfigError(f"load epsilon must not be negative, got {epsilon}")
+                 decode_stream_tokens: float = 0.0, tie_rng: random.Random | None = None,
+                 load_floor: int = 2) -> None:
+        _check_bound(epsilon, load_floor)
         self.epsilon = epsilon
+        self.load_floor = load_floor
         self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens, tie_rng)
         self.tier_weights = self.cost.tier_weights
 
     def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
                candidates: Sequence[int] | None = None) -> Decision:
-        allowed = within_bound(replicas, self.epsilon)
+        allowed = within_bound(replicas, self.epsilon, self.load_floor)
         pool = allowed if candidates is None else [i for i in allowed if i in candidates] or allowed
         chosen = self.cost.best(request, replicas, pool)
         if self.cost.saved(replicas[chosen]) < max(self.cost.saved(replicas[i]) for i in allowed):
@@ -264,14 +277,16 @@ class StickySessions(_Policy):
 
     ``breaks`` counts requests whose session had a replica that could not take them (above the bound, or no
     longer among the replicas). A session without a home is placed within the session bound (module
-    docstring); ``session_epsilon`` is its relative slack."""
+    docstring); ``session_epsilon`` is its relative slack; ``epsilon`` and ``load_floor`` make the load bound."""
 
     def __init__(self, inner: RoutingPolicy, epsilon: float = 0.25, max_sessions: int = 100_000,
-                 session_epsilon: float = 0.25) -> None:
+                 session_epsilon: float = 0.25, load_floor: int = 2) -> None:
         if session_epsilon < 0:
             raise ConfigError(f"session epsilon must not be negative, got {session_epsilon}")
+        _check_bound(epsilon, load_floor)
         self.inner = inner
         self.epsilon = epsilon
+        self.load_floor = load_floor
         self.session_epsilon = session_epsilon
         self.max_sessions = max_sessions
         self.breaks = 0
@@ -295,7 +310,7 @@ class StickySessions(_Policy):
         home = self._homes.get(session) if session is not None else None
         if home is not None:
             index = next((i for i in range(len(replicas)) if replica_name(replicas, i) == home), None)
-            if index is not None and index in within_bound(replicas, self.epsilon):
+            if index is not None and index in within_bound(replicas, self.epsilon, self.load_floor):
                 self._homes.move_to_end(session)
                 return Decision(index, Reason.STICKY)
             self.breaks += 1
@@ -342,7 +357,8 @@ class RoutingConfig:
     ``tier_weights``: what a cached token of each tier is worth against one in the fastest (default 1.0);
     ``decode_stream_tokens``: what one decoding request costs a replica, in prefill tokens; ``max_sessions``:
     the sticky sessions remembered (least recently used forgotten first); ``session_epsilon``: the session
-    bound's slack (sticky only); ``tie_break``: the last tie-break of the affinity policies (``seed`` seeds a
+    bound's slack (sticky only); ``load_floor``: the load bound never holds a replica below this many requests
+    in flight (module docstring); ``tie_break``: the last tie-break of the affinity policies (``seed`` seeds a
     random one)."""
 
     routing: Routing = Routing.LOAD_BOUNDED
@@ -354,6 +370,7 @@ class RoutingConfig:
     max_sessions: int = 100_000
     session_epsilon: float = 0.25
     tie_break: TieBreak = TieBreak.HOME
+    load_floor: int = 2
 
     def build(self) -> RoutingPolicy:
         weights = dict(self.tier_weights)
@@ -362,8 +379,9 @@ class RoutingConfig:
             Routing.ROUND_ROBIN: RoundRobin,
             Routing.RANDOM: lambda: RandomChoice(self.seed),
             Routing.PREFIX: lambda: PrefixAffinity(weights, self.decode_stream_tokens, rng),
-            Routing.LOAD_BOUNDED: lambda: LoadBoundedAffinity(self.epsilon, weights, self.decode_stream_tokens, rng),
+            Routing.LOAD_BOUNDED: lambda: LoadBoundedAffinity(self.epsilon, weights, self.decode_stream_tokens, rng,
+                                                            self.load_floor),
         }[self.routing]()
         if not self.sticky:
             return policy
-        return StickySessions(policy, self.epsilon, self.max_sessions, self.session_epsilon)
+        return StickySessions(policy, self.epsilon, self.max_sessions, self.session_epsilon, self.load_floor)

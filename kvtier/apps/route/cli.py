@@ -39,6 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--sticky", action=argparse.BooleanOptionalAction, default=True,
                    help="send a session (X-Session-ID or the user field) back to its replica (default on)")
     r.add_argument("--epsilon", type=float, default=0.25, help="load bound: no replica above (1+eps) x mean")
+    r.add_argument("--load-floor", type=int, default=2,
+                   help="the load bound never holds a replica below this many requests in flight")
     r.add_argument("--session-epsilon", type=float, default=0.25,
                    help="session bound: a new session only on a replica homing at most max((1+eps) x mean, ceil(mean)) "
                         "sessions")
@@ -91,11 +93,14 @@ def router_config(args: argparse.Namespace):
             raise ConfigError(f"--tier-weight takes TIER=WEIGHT, got {item!r}")
     routing = dataclasses.replace(default_routing(), routing=Routing(args.policy), sticky=args.sticky,
                                   epsilon=args.epsilon, session_epsilon=args.session_epsilon,
-                                  tier_weights=tuple(weights.items()), tie_break=TieBreak(args.tie_break))
+                                  load_floor=args.load_floor, tier_weights=tuple(weights.items()),
+                                  tie_break=TieBreak(args.tie_break))
     if args.decode_stream_tokens is not None:
         routing = dataclasses.replace(routing, decode_stream_tokens=args.decode_stream_tokens)
     if routing.epsilon < 0 or routing.session_epsilon < 0:
         raise ConfigError("--epsilon and --session-epsilon must not be negative")
+    if routing.load_floor < 1:
+        raise ConfigError(f"--load-floor must be at least 1, got {routing.load_floor}")
     return RouterConfig(
         replicas=tuple(parse_replica(item) for item in args.replica), routing=routing,
         proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts),

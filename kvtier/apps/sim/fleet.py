@@ -5,6 +5,7 @@ YAML (every key optional)::
     replicas: 4
     routing: load-bounded       # round-robin | random | prefix | load-bounded
     load_epsilon: 0.25          # load-bounded: no replica above ceil((1 + eps) x mean in-flight requests)
+    load_floor: 2               # ... nor held below this many in flight by that bound (sticky too)
     sticky: false               # keep each session (bench JSON: conversation / document) on one replica
     session_epsilon: 0.25       # sticky: a new session's replica homes at most max((1 + eps) x mean, ceil(mean))
     tier_weights: {disk: 0.9}   # what a cached token in each tier is worth to the router (default 1.0)
@@ -132,6 +133,7 @@ class FleetConfig:
         routing = {
             "routing": values.pop("routing", Routing.LOAD_BOUNDED.value),
             "epsilon": values.pop("load_epsilon", 0.25),
+            "load_floor": values.pop("load_floor", 2),
             "sticky": values.pop("sticky", False),
             "session_epsilon": values.pop("session_epsilon", 0.25),
             "tier_weights": tuple(dict(values.pop("tier_weights", None) or {}).items()),

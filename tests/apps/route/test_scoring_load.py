@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvtier.fleet.scoring import (
+    Decision,
     LoadBoundedAffinity,
     PrefixAffinity,
     Reason,
@@ -83,3 +84,34 @@ def test_rendezvous_homes_follow_names_not_positions():
 def test_config_passes_the_decode_cost_on():
     policy = RoutingConfig(Routing.LOAD_BOUNDED, decode_stream_tokens=64.0).build()
     assert isinstance(policy, LoadBoundedAffinity) and policy.cost.decode_stream_tokens == 64.0
+
+
+def test_the_load_floor_lets_a_replica_busy_with_one_request_keep_its_prefix_and_never_three():
+    holder = ReplicaView({"memory": 2048}, load=1, name="a")
+    idle = [holder, ReplicaView(name="b"), ReplicaView(name="c")]
+    # one request in flight of three replicas: ceil(1.25 x 2 / 3) is 1, so without the floor the holder is full
+    assert LoadBoundedAffinity(0.25, load_floor=1).decide(REQ, idle).reason is Reason.BOUND
+    # the default floor of 2: the request waits behind one and loads its prefix
+    assert LoadBoundedAffinity(0.25).decide(REQ, idle) == Decision(0, Reason.CACHED)
+    two = [ReplicaView({"memory": 2048}, load=2, name="a"), ReplicaView(name="b"), ReplicaView(name="c")]
+    assert LoadBoundedAffinity(0.25).decide(REQ, two).replica != 0  # the floor is 2, not more
+    sticky = StickySessions(RoundRobin(), 0.25)
+    req = RouteRequest(100, b"x" * 32, session="s")
+    home = sticky.decide(req, [ReplicaView(name=n) for n in "abc"]).replica
+    busy_one = [ReplicaView(name=n, load=1 if i == home else 0) for i, n in enumerate("abc")]
+    assert sticky.decide(req, busy_one).reason is Reason.STICKY and sticky.breaks == 0
+    strict = StickySessions(RoundRobin(), 0.25, load_floor=1)
+    home = strict.decide(req, [ReplicaView(name=n) for n in "abc"]).replica
+    assert strict.decide(req, [ReplicaView(name=n, load=1 if i == home else 0) for i, n in enumerate("abc")]
+                         ).reason is Reason.STICKY_BREAK
+
+
+def test_a_load_floor_below_one_request_is_refused():
+    import pytest
+
+    from kvtier.base.errors import ConfigError
+
+    for build in (lambda: LoadBoundedAffinity(load_floor=0), lambda: StickySessions(RoundRobin(), load_floor=0),
+                  lambda: RoutingConfig(Routing.LOAD_BOUNDED, load_floor=0).build()):
+        with pytest.raises(ConfigError, match="load floor"):
+            build()

@@ -142,3 +142,17 @@ def test_route_takes_the_tie_break_from_its_flags():
     assert config.routing.tie_break is TieBreak.RANDOM
     with pytest.raises(SystemExit):
         parser.parse_args(["route", "--replica", "http://r:1", "--tie-break", "nearest"])
+
+
+def test_route_takes_the_load_floor_from_its_flags():
+    import argparse
+
+    from kvtier.apps.route.cli import add_parser, router_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert router_config(parser.parse_args(["route", "--replica", "http://r:1"])).routing.load_floor == 2
+    config = router_config(parser.parse_args(["route", "--replica", "http://r:1", "--load-floor", "4"]))
+    assert config.routing.load_floor == 4
+    with pytest.raises(ConfigError, match="load-floor"):
+        router_config(parser.parse_args(["route", "--replica", "http://r:1", "--load-floor", "0"]))

@@ -22,9 +22,9 @@ def conversation(n: int, arrival: float, e2e_s: float | None = None, context: in
                         measured_e2e_s=e2e_s)
 
 
-def fleet(*, sticky: bool = False, block: int | None = BLOCK) -> FleetConfig:
+def fleet(*, sticky: bool = False, block: int | None = BLOCK, load_floor: int = 2) -> FleetConfig:
     return FleetConfig(replicas=3, tiers=(SimTier(chunks=1000, policy="lru"),), vllm_block_size=block,
-                       routing=RoutingConfig(Routing.LOAD_BOUNDED, sticky=sticky))
+                       routing=RoutingConfig(Routing.LOAD_BOUNDED, sticky=sticky, load_floor=load_floor))
 
 
 def test_new_conversations_sharing_a_system_prompt_go_where_the_routers_tie_break_sends_them():
@@ -40,14 +40,27 @@ def test_new_conversations_sharing_a_system_prompt_go_where_the_routers_tie_brea
 
 
 def test_a_second_request_while_the_first_is_measured_in_flight_breaks_stickiness():
+    # the load bound at its strictest (no floor): one request in flight fills a replica of three
     first = conversation(1, 0.0, e2e_s=30.0)
     again = TraceRequest(5.0, TokenPrompt(np.concatenate([first.prompt.tokens(), SYSTEM])), 520, 4, CHUNK, "c1",
                          measured_ttft_s=1.0, measured_e2e_s=1.0)
-    result = replay([first, again], fleet(sticky=True), CHUNK)
+    result = replay([first, again], fleet(sticky=True, load_floor=1), CHUNK)
     assert result.sticky_breaks == 1
     assert sorted(r.requests for r in result.replicas) == [0, 1, 1]
     assert result.hit_chunks == 0  # private caches: the break is a full miss
     # the same two requests unmeasured: the load model has the first done in time, the session stays and hits
     unmeasured = [TraceRequest(r.arrival_s, r.prompt, r.input_tokens, 4, CHUNK, "c1") for r in (first, again)]
-    result = replay(unmeasured, fleet(sticky=True), CHUNK)
+    result = replay(unmeasured, fleet(sticky=True, load_floor=1), CHUNK)
     assert result.sticky_breaks == 0 and result.hit_chunks == 3
+
+
+def test_the_load_floor_keeps_a_session_on_a_replica_busy_with_one_request_and_breaks_at_two():
+    first = conversation(1, 0.0, e2e_s=30.0)
+    second, third = (TraceRequest(t, TokenPrompt(np.concatenate([first.prompt.tokens(), SYSTEM[:n]])), 460 + n, 4,
+                                  CHUNK, "c1", measured_ttft_s=30.0, measured_e2e_s=30.0)
+                     for t, n in ((5.0, 20), (6.0, 40)))
+    result = replay([first, second], fleet(sticky=True), CHUNK)  # the default floor: 2 in flight
+    assert result.sticky_breaks == 0 and sorted(r.requests for r in result.replicas) == [0, 0, 2]
+    assert result.hit_chunks == 3  # the second waits for its replica and loads the first's chunks
+    result = replay([first, second, third], fleet(sticky=True), CHUNK)
+    assert result.sticky_breaks == 1 and sorted(r.requests for r in result.replicas) == [0, 1, 2]
