@@ -9,7 +9,7 @@ import dataclasses
 import json
 
 from kvtier.apps.route.requests import parse_request
-from kvtier.apps.sim.bench_replay import _ReplayRunner, read_bench_json
+from kvtier.apps.sim.bench_replay import _draw_key, _ReplayRunner, read_bench_json
 from kvtier.fleet import workloads as wl
 from kvtier.fleet.draws import prompt_digest
 from kvtier.fleet.scoring import ReplicaView, RouteRequest, Routing, RoutingConfig, TieBreak
@@ -51,6 +51,10 @@ def test_digests_name_the_prompt_as_the_router_reads_it():
     parsed = parse_request(developer, True, {}).prompt
     assert prompt_digest(messages=parsed.messages) == prompt_digest(
         messages=[{"role": "system", "content": "be brief"}])
+    for prompt in ([5, 6, 7], "once upon"):  # completions (the trace workload sends token ids), as replayed
+        parsed = parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), False, {}).prompt
+        assert prompt_digest(messages=parsed.messages, text=parsed.text, ids=parsed.ids) == _draw_key(
+            {"prompt": prompt})
 
 
 def test_the_simulator_replays_a_bench_run_with_the_digests_the_router_drew_from(tmp_path):
