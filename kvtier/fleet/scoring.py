@@ -23,11 +23,9 @@ Policies:
 * ``LoadBoundedAffinity``: the same, among replicas within the load bound of consistent hashing with
   bounded loads (Mirrokni et al., 2018): a replica may take the request only if its in-flight requests, plus
   this one, stay within ``max(ceil((1 + epsilon) x (all in flight + 1) / replicas), load_floor)``. No replica
-  runs far above the mean while the others idle, whatever the prefix sharing. The floor (2 by default) keeps
-  the bound from meaning "never two on one replica" when the fleet is nearly idle: without it, with one request
-  in flight anywhere, ``ceil(1.25 x 2 / 3)`` is 1, so a session whose replica is busy with one other request
-  breaks away and recomputes its whole context elsewhere, where waiting for one request would have cost less
-  (an engine batches several requests at once; SGLang's router likewise balances only past an absolute gap).
+  runs far above the mean while the others idle, whatever the prefix sharing. The floor (2 by default): with
+  one request in flight of three replicas the bound alone is 1, and a session whose replica serves one other
+  request would break away and recompute its context rather than wait behind it (engines batch requests).
 * ``StickySessions``: a session's later requests go back to the replica that served its last one, unless
   that replica is above the load bound (or gone); then an inner policy chooses and the break is counted.
   A session without a home (a new one, or a break) is placed by the inner policy among the replicas within
@@ -49,6 +47,8 @@ sticky session), then by rendezvous hashing of the request's first chunk key and
 prefix has a stable home from its first request on, whichever replicas are up (``TieBreak.HOME``). With
 ``TieBreak.RANDOM`` the last step is a seeded random draw instead, as llm-d's max-score picker shuffles its
 candidates: prompts that share only a first block (a system prompt) then spread instead of meeting on one home.
+The draw hashes the seed with the request's ``draw_key`` (a digest of its prompt, kvtier.fleet.draws), so a
+replay of the same requests draws the same; a request without one draws from the seeded generator.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.base.errors import ConfigError
+from kvtier.fleet.draws import draw_rank
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ class RouteRequest:
     first_key: bytes = b""
     #: a conversation or client id, for sticky sessions
     session: str | None = None
+    #: what a random tie-break draws from (kvtier.fleet.draws.prompt_digest); b"": a draw from the generator
+    draw_key: bytes = b""
 
 
 class Reason(enum.Enum):
@@ -169,20 +172,23 @@ class TieBreak(enum.Enum):
 @dataclass(frozen=True)
 class CostModel:
     """How a policy prices replicas: tier weights, what one decoding stream costs in prefill tokens, and the
-    last tie-break (``tie_rng`` None: ``TieBreak.HOME``; else ``TieBreak.RANDOM`` drawn from it)."""
+    last tie-break (``tie_rng`` None: ``TieBreak.HOME``; else ``TieBreak.RANDOM``: the hash of ``tie_seed``
+    and the request's ``draw_key``, or a draw from ``tie_rng`` for a request without one)."""
 
     tier_weights: Mapping[str, float] = field(default_factory=dict)
     decode_stream_tokens: float = 0.0
     tie_rng: random.Random | None = None
+    tie_seed: bytes = b""
 
     def best(self, request: RouteRequest, replicas: Sequence[ReplicaView], candidates: Sequence[int]) -> int:
         """The cheapest candidate; ties go to the one saving more, the least loaded, the one homing fewest
         sessions, the rendezvous winner (or a random one)."""
-        draws = None if self.tie_rng is None else {i: self.tie_rng.random() for i in candidates}
+        draw = None if self.tie_rng is None else request.draw_key or self.tie_rng.randbytes(16)
 
         def rank(i: int):
             view = replicas[i]
-            last = rendezvous_rank(request.first_key, replica_name(replicas, i)) if draws is None else draws[i]
+            name = replica_name(replicas, i)
+            last = rendezvous_rank(request.first_key, name) if draw is None else draw_rank(self.tie_seed, draw, name)
             return (-prefill_cost(request, view, self.tier_weights, self.decode_stream_tokens),
                     expected_saved_tokens(view, self.tier_weights), -view.load, -view.sessions, last)
 
@@ -190,6 +196,12 @@ class CostModel:
 
     def saved(self, view: ReplicaView) -> float:
         return expected_saved_tokens(view, self.tier_weights)
+
+
+def cost_model(tier_weights: Mapping[str, float] | None, decode_stream_tokens: float,
+               tie_rng: random.Random | None) -> CostModel:
+    seed = tie_rng.randbytes(8) if tie_rng is not None else b""  # a random tie-break's seed: the generator's
+    return CostModel(dict(tier_weights or {}), decode_stream_tokens, tie_rng, seed)
 
 
 class _Policy:
@@ -227,7 +239,7 @@ class RandomChoice(_Policy):
 class PrefixAffinity(_Policy):
     def __init__(self, tier_weights: Mapping[str, float] | None = None, decode_stream_tokens: float = 0.0,
                  tie_rng: random.Random | None = None) -> None:
-        self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens, tie_rng)
+        self.cost = cost_model(tier_weights, decode_stream_tokens, tie_rng)
         self.tier_weights = self.cost.tier_weights
 
     def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],
@@ -250,7 +262,7 @@ class LoadBoundedAffinity(_Policy):
         _check_bound(epsilon, load_floor)
         self.epsilon = epsilon
         self.load_floor = load_floor
-        self.cost = CostModel(dict(tier_weights or {}), decode_stream_tokens, tie_rng)
+        self.cost = cost_model(tier_weights, decode_stream_tokens, tie_rng)
         self.tier_weights = self.cost.tier_weights
 
     def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView],

@@ -54,6 +54,7 @@ from kvtier.base.keys import ChunkHash, Namespace
 from kvtier.base.metrics import Metrics
 from kvtier.events.keys import default_key_file, load_or_create
 from kvtier.events.subscriber import SubscriberConfig
+from kvtier.fleet.draws import prompt_digest
 from kvtier.fleet.index import FleetIndex
 from kvtier.fleet.scoring import Reason, RouteRequest, StickySessions
 
@@ -211,7 +212,9 @@ class Router:
             cached.append({tier: n * namespace.chunk_size for tier, n in chunks.items()} if namespace else {})
         views = [replica.view(c) for replica, c in zip(candidates, cached)]
         first = next((k[0] for k in keys if k), record_keys[0] if record_keys else b"")  # a new prefix's home
-        request = RouteRequest(len(ids or ()), first, parsed.session)
+        prompt = parsed.prompt
+        draw = b"" if prompt.cut else prompt_digest(messages=prompt.messages, text=prompt.text, ids=prompt.ids)
+        request = RouteRequest(len(ids or ()), first, parsed.session, draw)
         decision = self.policy.decide(request, views)
         i = decision.replica
         namespace = candidates[i].namespace(self.record)

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvtier.apps.sim.trace import TokenPrompt, TraceRequest
 from kvtier.base.errors import ConfigError
+from kvtier.fleet.draws import prompt_digest
 
 _PIECES = re.compile(r"\w+|[^\w\s]")
 
@@ -77,9 +78,18 @@ def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None =
         result = recorded.get((round_, user), {})
         out.append(TraceRequest(float(result.get("sent_at", 0.0)), TokenPrompt(ids), len(ids),
                                 int(result.get("completion_tokens") or 0), chunk_tokens, f"{workload}:{user}",
-                                _seconds(result.get("ttft_s")), _seconds(result.get("e2e_s"))))
+                                _seconds(result.get("ttft_s")), _seconds(result.get("e2e_s")), _draw_key(body)))
     out.sort(key=lambda r: r.arrival_s)
     return out[:limit] if limit is not None else out
+
+
+def _draw_key(body: dict[str, Any]) -> bytes:
+    """The digest kvtier route's random tie-break drew from for this body (kvtier.fleet.draws)."""
+    if "messages" in body:
+        return prompt_digest(messages=[{"role": m.get("role", ""), "content": str(m.get("content", ""))}
+                                       for m in body["messages"]])
+    prompt = body.get("prompt")
+    return prompt_digest(text=prompt) if isinstance(prompt, str) else prompt_digest(ids=prompt or None)
 
 
 def _seconds(value: Any) -> float | None:

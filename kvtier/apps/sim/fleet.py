@@ -10,6 +10,7 @@ YAML (every key optional)::
     session_epsilon: 0.25       # sticky: a new session's replica homes at most max((1 + eps) x mean, ceil(mean))
     tier_weights: {disk: 0.9}   # what a cached token in each tier is worth to the router (default 1.0)
     tie_break: home             # home (a prefix's rendezvous home) | random (as llm-d's max-score picker)
+                                # (random: drawn from a digest of each prompt, as kvtier route draws)
     kv_bytes_per_token: 131072  # the served model's KV per token (Llama-3-8B, bf16): turns bytes into chunks
     prefill_tokens_per_s: 20000 # each replica's prefill rate (prefills run one at a time) ...
     decode_tokens_per_s: 30     # ... and each request's decode rate (batched): in-flight requests, waits

@@ -167,7 +167,8 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
                 in_flight, prefilling = load.in_flight(request.arrival_s), load.prefill_tokens(request.arrival_s)
                 views = [ReplicaView({t: c * chunk_tokens for t, c in r.cached_chunks(keys).items()}, in_flight[i],
                                      prefilling[i]) for i, r in enumerate(replicas)]
-                route = RouteRequest(len(tokens), first_key(tokens, keys, vllm_blocks), request.session)
+                route = RouteRequest(len(tokens), first_key(tokens, keys, vllm_blocks), request.session,
+                                     request.draw_key)
                 index = router.choose(route, views)
                 routed = max(len(tokens) - sum(views[index].cached.values()), 0)
             hits = replicas[index].serve(tokens)

@@ -93,6 +93,8 @@ class TraceRequest:
     #: the request in flight on its replica that long, as the router counted it, instead of modelling it
     measured_ttft_s: float | None = None
     measured_e2e_s: float | None = None
+    #: the digest of the prompt as its client sent it (kvtier.fleet.draws), which a random tie-break draws from
+    draw_key: bytes = b""
 
 
 def read_mooncake(path: str | Path, *, block_tokens: int = TRACE_BLOCK_TOKENS, cut_tail: bool = False,
