@@ -50,8 +50,12 @@ ROUND_ROBIN = ("--policy", "round-robin", "--no-sticky")
 STICKY = ("--policy", "round-robin", "--sticky")
 #: llm-d's precise prefix scorer stands behind this arm: device prefix + load, no session affinity, and equal
 #: candidates picked at random (its max-score picker shuffles them): with kvtier route's stable rendezvous home,
-#: conversations that share only a system prompt all met on one replica (12 / 4 / 4 in one run)
-DEVICE_ONLY = ("--policy", "load-bounded", "--no-sticky", "--tie-break", "random")
+#: conversations that share only a system prompt all met on one replica (12 / 4 / 4 in one run). It knows only
+#: what vLLM's events say: kvtier route's own record of what it sent where ("recent", trusted 60 s for replicas
+#: that publish events) is worth nothing to it. With that record, on the trace, whose turns come back within a
+#: minute, the arm followed conversations by the router's memory, not vLLM's (0.681 cached against tier-aware's
+#: 0.687, where kvtier sim, which has no such record, predicted 0.575)
+DEVICE_ONLY = ("--policy", "load-bounded", "--no-sticky", "--tie-break", "random", "--tier-weight", "recent=0")
 #: kvtier route's default: load-bounded prefix affinity with sticky sessions (under the session bound)
 TIER_AWARE = ("--policy", "load-bounded", "--sticky")
 #: in the simulator a replica's vLLM device cache is its ``memory`` tier and kvtier's tiers its ``disk`` tier;

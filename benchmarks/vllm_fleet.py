@@ -11,8 +11,9 @@ machine falls on every arm alike:
 
 * **round-robin**: ``--policy round-robin --no-sticky``, no events;
 * **sticky**: a session's later requests back to its first replica (round-robin for first requests), no events;
-* **device-only**: load-bounded prefix affinity from the events, vLLM's ``GPU`` medium only, *no* session
-  stickiness: what llm-d's precise prefix scorer does today (device prefix + load; it has no session affinity);
+* **device-only**: load-bounded prefix affinity from the events, vLLM's ``GPU`` medium only (not the router's own
+  record of what it sent where), *no* session stickiness, ties at random: what llm-d's precise prefix scorer
+  does today (device prefix + load; it has no session affinity);
 * **tier-aware**: kvtier route's default (load-bounded prefix affinity, sticky sessions under the session bound)
   with kvtier's ``CPU`` and ``DISK`` media too;
 * **single**: one replica (the first) that sees every request of its arm: the reference for cached share.
