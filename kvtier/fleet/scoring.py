@@ -200,7 +200,7 @@ class CostModel:
 
 def cost_model(tier_weights: Mapping[str, float] | None, decode_stream_tokens: float,
                tie_rng: random.Random | None) -> CostModel:
-    seed = tie_rng.randbytes(8) if tie_rng is not None else b""  # a random tie-break's seed: the generator's
+    seed = tie_rng.randbytes(8) if tie_rng is not None else b""  # keyed draws: the generator's first 8 bytes
     return CostModel(dict(tier_weights or {}), decode_stream_tokens, tie_rng, seed)
 
 
