@@ -25,7 +25,13 @@ T = TypeVar("T")
 
 
 class CallTimedOut(TierError):
-    """The deadline passed before the call returned; the call goes on and ends on its worker (``on_late``)."""
+    """The deadline passed before the call returned; the call goes on and ends on its worker (``on_late``).
+    ``ran_s``: the seconds it had on its worker before the deadline (less than its caller's budget when the
+    caller queued for this process's buffer or transfer turns first)."""
+
+    def __init__(self, message: str, ran_s: float = float("inf")) -> None:
+        super().__init__(message)
+        self.ran_s = ran_s
 
 
 class CallNotStarted(TierError):
@@ -36,7 +42,7 @@ class CallNotStarted(TierError):
 class Pending(Generic[T]):
     """A submitted call; ``wait`` gives its outcome (see ``DeadlineCalls.run``)."""
 
-    __slots__ = ("args", "done", "error", "fn", "late", "lock", "on_late", "result")
+    __slots__ = ("args", "done", "error", "fn", "late", "lock", "on_late", "result", "submitted")
 
     def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], on_late: Callable[[T | None], None] | None):
         self.fn, self.args, self.on_late = fn, args, on_late
@@ -45,6 +51,7 @@ class Pending(Generic[T]):
         self.late = False
         self.result: T | None = None
         self.error: BaseException | None = None
+        self.submitted = monotonic()  # a worker is free for it (DeadlineCalls.submit): it starts at once
 
     def run(self) -> None:
         try:
@@ -66,7 +73,8 @@ class Pending(Generic[T]):
             with self.lock:
                 if not self.done.is_set():
                     self.late = True
-                    raise CallTimedOut(f"{getattr(self.fn, '__name__', 'call')} did not return before its deadline")
+                    raise CallTimedOut(f"{getattr(self.fn, '__name__', 'call')} did not return before its deadline",
+                                       ran_s=deadline - self.submitted)
         if self.error is not None:
             raise self.error
         return self.result  # type: ignore[return-value]

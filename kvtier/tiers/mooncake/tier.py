@@ -24,12 +24,13 @@ Transfers
 Failures
     Every call has one deadline, ``timeout_s`` plus one second per ``min_rate_bytes`` moved, enforced by
     running the engine's blocking calls on worker threads (calls.py). A dead or hung master or peer costs a
-    request at most that; it gives misses and skipped stores, counted. ``breaker_failures`` consecutive
-    failures of the master open the circuit breaker: requests skip the pool at once while a background
-    thread probes the master every ``breaker_cooldown_s`` and closes the breaker when it answers. A tier that
-    cannot reach the master at start serves misses and keeps trying to join. Values of a replica that leaves
-    are gone: at once when it closes, when the master notices its silence (``--client_ttl``) when it dies;
-    reads of them meanwhile fail fast and are misses.
+    request at most that; it gives misses and skipped stores, counted. A call that this replica queued (for the
+    buffer, turns, workers) until less than half of ``timeout_s`` was left, and that ran out, is busy, not a fault.
+    ``breaker_failures`` consecutive failures of the master open the circuit breaker: requests skip the pool at
+    once while a background thread probes the master every ``breaker_cooldown_s`` and closes the breaker when it
+    answers. A tier that cannot reach the master at start serves misses and keeps trying to join. Values of a
+    replica that leaves are gone: at once when it closes, when the master notices its silence (``--client_ttl``)
+    when it dies; reads of them meanwhile fail fast and are misses.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ BUFFER_BYTES = declare_gauge("kvtier_mooncake_buffer_bytes",
 NO_BUFFER = declare_counter("kvtier_mooncake_no_buffer_total",
                             "Values not read because the Mooncake tier's transfer buffer was full.", ("tier",))
 BUSY = declare_counter("kvtier_mooncake_busy_total",
-                       "Mooncake reads given up because other transfers held every turn until the deadline.",
-                       ("op", "tier"))
+                       "Mooncake calls given up because this replica queued them (other transfers' turns, the "
+                       "transfer buffer) until too little of their deadline was left.", ("op", "tier"))
 TRANSFER_FAILURES = declare_counter("kvtier_mooncake_transfer_failures_total",
                                     "Mooncake calls in which a peer holding a value did not answer.", ("op", "tier"))
 
@@ -224,6 +225,9 @@ class MooncakeTier(MooncakeControl):
         names = self._names(keys)
         try:
             sizes = self._client.sizes(names, start + self.config.timeout_s)
+        except CallTimedOut as exc:
+            self._timed_out("get", exc)
+            return None
         except TierError as exc:
             self._failed("get", exc)
             return None
@@ -243,7 +247,7 @@ class MooncakeTier(MooncakeControl):
             codes = self._client.get_into([names[i] for i, _ in slots], [s.ptr for _, s in slots],
                                           [s.nbytes for _, s in slots], deadline, on_late=lambda _: lease.release())
         except CallTimedOut as exc:
-            self._failed("get", exc)
+            self._timed_out("get", exc)
             return None  # the call goes on: it releases the lease when it ends
         except BaseException as exc:
             lease.release()
@@ -268,12 +272,13 @@ class MooncakeTier(MooncakeControl):
         except BaseException as exc:
             if not isinstance(exc, CallTimedOut):  # a call that timed out releases the lease when it ends
                 lease.release()
-            if isinstance(exc, CallNotStarted):  # this replica is busy, the pool is not at fault
-                self._skipped("busy", len(staged))
-                return
             if not isinstance(exc, TierError):
                 raise
-            self._failed("put", exc)
+            if isinstance(exc, CallNotStarted) or (isinstance(exc, CallTimedOut) and not self._timed_out("put", exc)):
+                self._skipped("busy", len(staged))  # this replica is busy, the pool is not at fault
+                return
+            if not isinstance(exc, CallTimedOut):
+                self._failed("put", exc)
             self._skipped("unavailable", len(staged))
             return
         lease.release()
@@ -311,6 +316,16 @@ class MooncakeTier(MooncakeControl):
         self._metrics.inc(TIER_ERRORS, tier=self.name, op=op)
         log.warning("mooncake tier %s: %s failed: %s", self.name, op, exc)
         self._breaker.failure()
+
+    def _timed_out(self, op: str, exc: CallTimedOut) -> bool:
+        """A call past its deadline is the pool's failure (True) when it had half of ``timeout_s`` or more on its
+        worker; one that this replica queued (for the transfer buffer, turns, workers) until less was left is busy."""
+        if exc.ran_s >= self.config.timeout_s / 2:
+            self._failed(op, exc)
+            return True
+        self._metrics.inc(BUSY, tier=self.name, op=op)
+        log.info("mooncake tier %s: %s ran out of the %.1fs left after queueing here", self.name, op, exc.ran_s)
+        return False
 
     def _skipped(self, reason: str, n: int = 1) -> None:
         if n:
