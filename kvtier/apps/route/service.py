@@ -56,7 +56,7 @@ from kvtier.events.keys import default_key_file, load_or_create
 from kvtier.events.subscriber import SubscriberConfig
 from kvtier.fleet.draws import prompt_digest
 from kvtier.fleet.index import FleetIndex
-from kvtier.fleet.scoring import Reason, RouteRequest, StickySessions
+from kvtier.fleet.scoring import Reason, RouteRequest, StickySessions, TieBreak
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,9 @@ class Router:
                         headers: list[tuple[bytes, bytes]], slot: Slot) -> Response:
         tried: set[str] = set()
         last: Retryable | None = None
+        draw = self._draw_key(parsed.prompt)
         for _ in range(self.config.proxy.max_attempts):
-            plan = self.plan(ids, parsed, tried)
+            plan = self.plan(ids, parsed, tried, draw)
             if plan is None:
                 break
             tried.add(plan.replica.name)
@@ -195,8 +196,9 @@ class Router:
             self.policy.remember(parsed.session, replica.name)
         return response
 
-    def plan(self, ids: list[int] | None, parsed: ParsedRequest, exclude: set[str]) -> Plan | None:
-        """The policy's choice among the replicas that are up and not in ``exclude``; None if there are none."""
+    def plan(self, ids: list[int] | None, parsed: ParsedRequest, exclude: set[str], draw: bytes = b"") -> Plan | None:
+        """The policy's choice among the replicas that are up and not in ``exclude`` (``draw``: what a random
+        tie-break draws from, ``_draw_key``); None if there are none."""
         candidates = [r for r in self.replicas if r.up and r.name not in exclude]
         if not candidates:
             return None
@@ -212,8 +214,6 @@ class Router:
             cached.append({tier: n * namespace.chunk_size for tier, n in chunks.items()} if namespace else {})
         views = [replica.view(c) for replica, c in zip(candidates, cached)]
         first = next((k[0] for k in keys if k), record_keys[0] if record_keys else b"")  # a new prefix's home
-        prompt = parsed.prompt
-        draw = b"" if prompt.cut else prompt_digest(messages=prompt.messages, text=prompt.text, ids=prompt.ids)
         request = RouteRequest(len(ids or ()), first, parsed.session, draw)
         decision = self.policy.decide(request, views)
         i = decision.replica
@@ -232,6 +232,13 @@ class Router:
         if root not in memo:
             memo[root] = salted.chunk_hashes(ids)
         return memo[root]
+
+    def _draw_key(self, prompt: Prompt) -> bytes:
+        """The prompt's digest for a random tie-break (kvtier.fleet.draws); b"" with the stable home, which never
+        reads it, and for a prompt cut short."""
+        if self.config.routing.tie_break is not TieBreak.RANDOM or prompt.cut:
+            return b""
+        return prompt_digest(messages=prompt.messages, text=prompt.text, ids=prompt.ids)
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int] | None:
         """The prompt's leading token ids (``max_prompt_tokens`` or a few more) as the replicas compute them, off
