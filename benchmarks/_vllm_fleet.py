@@ -261,13 +261,19 @@ def kill_phase(replicas: list[Replica], arm: Arm, spec: MultiRoundSpec, follow: 
     return record
 
 
-def sim_fleet(arm: Arm, replicas: int, device_chunks: int, tier_chunks: int, shared_chunks: int | None,
+def sim_fleet(arm: Arm, names: list[str], device_chunks: int, tier_chunks: int, shared_chunks: int | None,
               prefill_tokens_per_s: float) -> dict:
     """The fleet file ``kvtier sim`` replays ``arm``'s requests through: vLLM's device cache is each replica's
     ``memory`` tier (its share of it: the arms run side by side), kvtier's private tiers the ``disk`` tier (which
-    admits every chunk at once, as kvtier's memory tier in front of the real disk does)."""
-    n = len(arm.replicas) if arm.replicas is not None else replicas
-    fleet = {"replicas": n, "routing": arm.sim_routing if n > 1 else "round-robin", "sticky": arm.sim_sticky,
+    admits every chunk at once, as kvtier's memory tier in front of the real disk does). The replicas carry the
+    names the arm's router knows them by (``names``: every replica's, host:port), so the replay's rendezvous homes
+    and random draws are the router's, and a decode stream costs what it costs kvtier route by default."""
+    from kvtier.apps.route.config import DEFAULT_DECODE_STREAM_TOKENS
+
+    mine = [names[i] for i in arm.replicas] if arm.replicas is not None else list(names)
+    n = len(mine)
+    fleet = {"replicas": n, "replica_names": mine, "decode_stream_tokens": DEFAULT_DECODE_STREAM_TOKENS,
+             "routing": arm.sim_routing if n > 1 else "round-robin", "sticky": arm.sim_sticky,
              "tie_break": arm.sim_tie_break,
              "prefill_tokens_per_s": prefill_tokens_per_s, "decode_tokens_per_s": 30, "vllm_block_size": BLOCK,
              "tiers": [{"kind": "memory", "chunks": device_chunks, "policy": "lru"},
@@ -292,7 +298,8 @@ def sim_predict(arm_file: Path, label: str, fleet: dict) -> dict:
     requests = read_bench_json(arm_file, chunk_tokens=CHUNK, target=label)
     result = replay(requests, FleetConfig.from_dict(fleet), CHUNK, label=label)
     return {"token_hit_ratio": result.token_hit_ratio, "requests": [r.requests for r in result.replicas],
-            "sticky_breaks": result.sticky_breaks}
+            "sticky_breaks": result.sticky_breaks, "placed_as_run": result.placements_matched,
+            "placements_compared": result.placements_compared}
 
 
 def mooncake_tier(master) -> dict:

@@ -123,7 +123,7 @@ def measure(arms, specs, replicas, args, model, out, rows: dict, tier_chunks: in
     runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
     device = args.device_blocks * BLOCK // CHUNK // len(arms)
     sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
-                                   sim_fleet(arm, args.replicas, device, tier_chunks, shared_chunks,
+                                   sim_fleet(arm, [r.name for r in replicas], device, tier_chunks, shared_chunks,
                                              PREFILL_TOKENS_PER_S))
             for arm in arms}
     rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
@@ -152,7 +152,8 @@ def summarize(arms, runs, served, breaks, n_replicas, sims) -> dict:
                            "failed": s["failed"] + s["rejected_429"], "busiest_over_mean": busiest,
                            "per_replica": sorted(counts.values(), reverse=True), "sticky_breaks": breaks[arm.label],
                            "sim_cached_share": sim.get("token_hit_ratio"), "sim_per_replica": sim.get("requests"),
-                           "sim_sticky_breaks": sim.get("sticky_breaks")}
+                           "sim_sticky_breaks": sim.get("sticky_breaks"), "sim_placed_as_run": sim.get("placed_as_run"),
+                           "sim_placements_compared": sim.get("placements_compared")}
     return rows
 
 
@@ -291,7 +292,8 @@ def main() -> None:
         print(f"{label:>20}: TTFT p50 {r['ttft_p50_s']:.3f} s, p99 {r['ttft_p99_s']:.3f} s, "
               f"{r['requests_per_s']:.3f} req/s, cached share {r['cached_share']:.3f} (sim {sim}), busiest/mean "
               f"{r['busiest_over_mean']:.2f}, requests per replica {r['per_replica']} (sim {r['sim_per_replica']}), "
-              f"sticky breaks {r['sticky_breaks']:.0f}")
+              f"sticky breaks {r['sticky_breaks']:.0f}, sim placed {r['sim_placed_as_run']} of "
+              f"{r['sim_placements_compared']} where the router did")
     print("places:", json.dumps(places))
     if killed:
         print("kill:", json.dumps(killed))

@@ -55,6 +55,8 @@ class RequestResult:
     completion_tokens: int | None = None
     text: str = ""
     error: str = ""
+    #: the replica that served it, when a kvtier route in front named it (its ``x-kvtier-replica`` header)
+    replica: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -71,6 +73,7 @@ async def send(client: httpx.AsyncClient, target: Target, path: str, body: dict[
     try:
         async with client.stream("POST", target.url + path, json=body, headers=target.headers()) as response:
             result.status = response.status_code
+            result.replica = response.headers.get("x-kvtier-replica")
             if response.status_code != 200:
                 result.error = (await response.aread()).decode(errors="replace")[:500]
                 return result

@@ -78,7 +78,8 @@ def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None =
         result = recorded.get((round_, user), {})
         out.append(TraceRequest(float(result.get("sent_at", 0.0)), TokenPrompt(ids), len(ids),
                                 int(result.get("completion_tokens") or 0), chunk_tokens, f"{workload}:{user}",
-                                _seconds(result.get("ttft_s")), _seconds(result.get("e2e_s")), _draw_key(body)))
+                                _seconds(result.get("ttft_s")), _seconds(result.get("e2e_s")), _draw_key(body),
+                                _replica(result.get("replica"))))
     out.sort(key=lambda r: r.arrival_s)
     return out[:limit] if limit is not None else out
 
@@ -90,6 +91,10 @@ def _draw_key(body: dict[str, Any]) -> bytes:
                                        for m in body["messages"]])
     prompt = body.get("prompt")
     return prompt_digest(text=prompt) if isinstance(prompt, str) else prompt_digest(ids=prompt or None)
+
+
+def _replica(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _seconds(value: Any) -> float | None:

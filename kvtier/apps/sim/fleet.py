@@ -11,6 +11,12 @@ YAML (every key optional)::
     tier_weights: {disk: 0.9}   # what a cached token in each tier is worth to the router (default 1.0)
     tie_break: home             # home (a prefix's rendezvous home) | random (as llm-d's max-score picker)
                                 # (random: drawn from a digest of each prompt, as kvtier route draws)
+    replica_names: [10.0.0.1:8000, 10.0.0.2:8000, 10.0.0.3:8000, 10.0.0.4:8000]
+                                # the names kvtier route knows the replicas by (host:port of their URLs):
+                                # rendezvous homes and random draws hash them, so with the run's names a
+                                # replay draws what the router drew (default: 0, 1, 2, ...)
+    decode_stream_tokens: 128   # what one decoding request costs its replica, in prefill tokens (kvtier
+                                # route's default is 128; default here 0: decoding is free)
     kv_bytes_per_token: 131072  # the served model's KV per token (Llama-3-8B, bf16): turns bytes into chunks
     prefill_tokens_per_s: 20000 # each replica's prefill rate (prefills run one at a time) ...
     decode_tokens_per_s: 30     # ... and each request's decode rate (batched): in-flight requests, waits
@@ -45,9 +51,12 @@ served model's KV bytes (``kv_bytes_per_token``) and converted to the simulator'
 trace's arrival time.
 
 Routing is kvtier.fleet.scoring's, fed what ``kvtier route`` sees: per replica its cached tokens, its requests in
-flight and the prompt tokens it has yet to compute (each request's prompt less what the router expected cached,
-until its first token). A request's first token and end come from the load model, or, for requests a recorded
-run measured (a bench JSON's ``ttft_s`` and ``e2e_s``), from the recording: what the router's load bound saw.
+flight, the prompt tokens it has yet to compute (each request's prompt less what the router expected cached,
+until its first token) and its decode streams (from first token to last), under the replica's name. A request's
+first token and end come from the load model, or, for requests a recorded run measured (a bench JSON's
+``ttft_s`` and ``e2e_s``), from the recording: what the router's load bound saw. Where a recorded run names the
+replica that served each request (``kvtier bench`` keeps kvtier route's ``x-kvtier-replica``) and the fleet
+names its replicas the same, the replay counts the requests it placed where the router did.
 """
 
 from __future__ import annotations
@@ -117,6 +126,8 @@ class FleetConfig:
     prefill_tokens_per_s: float = 20_000.0
     decode_tokens_per_s: float = 30.0
     vllm_block_size: int | None = None
+    #: the names kvtier route knows the replicas by (empty: their indices); see the YAML above
+    replica_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -127,6 +138,16 @@ class FleetConfig:
             raise ConfigError("kv_bytes_per_token, prefill_tokens_per_s and decode_tokens_per_s must be positive")
         if self.vllm_block_size is not None and self.vllm_block_size < 1:
             raise ConfigError(f"vllm_block_size must be positive, got {self.vllm_block_size}")
+        if self.replica_names and (len(self.replica_names) != self.replicas or len(set(self.replica_names))
+                                   != self.replicas or not all(self.replica_names)):
+            raise ConfigError(f"replica_names must name each of the {self.replicas} replicas once, "
+                              f"got {list(self.replica_names)}")
+        if self.routing.decode_stream_tokens < 0:
+            raise ConfigError(f"decode_stream_tokens must not be negative, got {self.routing.decode_stream_tokens}")
+
+    def replica_name(self, index: int) -> str:
+        """The name the router knows replica ``index`` by (its index when the fleet names none)."""
+        return self.replica_names[index] if self.replica_names else str(index)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FleetConfig:
@@ -139,8 +160,11 @@ class FleetConfig:
             "session_epsilon": values.pop("session_epsilon", 0.25),
             "tier_weights": tuple(dict(values.pop("tier_weights", None) or {}).items()),
             "tie_break": values.pop("tie_break", "home"),
+            "decode_stream_tokens": values.pop("decode_stream_tokens", 0.0),
         }
         values["routing"] = build_dataclass(RoutingConfig, routing, "fleet.routing")
+        if values.get("replica_names") is not None:
+            values["replica_names"] = tuple(str(name) for name in values["replica_names"])
         values["tiers"] = tuple(_tier(t, f"fleet.tiers[{i}]") for i, t in enumerate(values.pop("tiers", None) or []))
         if not values["tiers"]:
             del values["tiers"]

@@ -34,6 +34,7 @@ class LoadModel:
         self._free_at = [0.0] * replicas
         self._finishing: list[list[float]] = [[] for _ in range(replicas)]  # heaps of finish times
         self._prefilling: list[list[tuple[float, int]]] = [[] for _ in range(replicas)]  # (first token, tokens)
+        self._running: list[list[tuple[float, float]]] = [[] for _ in range(replicas)]  # (first token, last)
 
     def in_flight(self, now: float) -> list[int]:
         for done in self._finishing:
@@ -48,6 +49,12 @@ class LoadModel:
                 heapq.heappop(queue)
         return [sum(tokens for _, tokens in queue) for queue in self._prefilling]
 
+    def decode_streams(self, now: float) -> list[int]:
+        """Per replica, its requests past their first token and not yet finished."""
+        for i, running in enumerate(self._running):
+            self._running[i] = [span for span in running if span[1] > now]
+        return [sum(1 for first, _ in running if first <= now) for running in self._running]
+
     def admit(self, replica: int, request: TraceRequest, computed_tokens: int, routed_tokens: int = 0) -> float:
         """Queue a request that computes ``computed_tokens``, counted by the router as ``routed_tokens`` to
         prefill; returns how long it waits before its prefill starts (by the load model)."""
@@ -59,6 +66,7 @@ class LoadModel:
             finish = now + request.measured_e2e_s
             first = now + (request.measured_ttft_s if request.measured_ttft_s is not None else request.measured_e2e_s)
         heapq.heappush(self._finishing[replica], finish)
+        self._running[replica].append((first, finish))
         if routed_tokens > 0:
             heapq.heappush(self._prefilling[replica], (first, routed_tokens))
         return start - now
@@ -90,6 +98,10 @@ class SimResult:
     replicas: list[ReplicaStats] = field(default_factory=list)
     #: sticky routing: requests whose session's replica was above the load bound (StickySessions.breaks)
     sticky_breaks: int = 0
+    #: requests whose recorded run named the replica that served them (and the fleet names its replicas), and
+    #: of those, the ones this replay placed on the same replica
+    placements_compared: int = 0
+    placements_matched: int = 0
     wall_s: float = 0.0
 
     @property
@@ -114,6 +126,7 @@ class SimResult:
             "queue_wait_mean_s": sum(waits) / len(waits) if waits else 0.0,
             "queue_wait_p99_s": waits[int(0.99 * (len(waits) - 1))] if waits else 0.0,
             "sticky_breaks": self.sticky_breaks,
+            "placements_compared": self.placements_compared, "placements_matched": self.placements_matched,
             "replicas": [{"requests": r.requests, "prefill_tokens": r.prefill_tokens, "saved_tokens": r.saved_tokens}
                          for r in self.replicas],
             "wall_s": self.wall_s,
@@ -164,13 +177,19 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             keys = namespace.chunk_hashes(tokens)
             index, routed = 0, 0
             if len(replicas) > 1:
-                in_flight, prefilling = load.in_flight(request.arrival_s), load.prefill_tokens(request.arrival_s)
+                now_s = request.arrival_s
+                in_flight, prefilling = load.in_flight(now_s), load.prefill_tokens(now_s)
+                decoding = load.decode_streams(now_s)
                 views = [ReplicaView({t: c * chunk_tokens for t, c in r.cached_chunks(keys).items()}, in_flight[i],
-                                     prefilling[i]) for i, r in enumerate(replicas)]
+                                     prefilling[i], decoding[i], name=fleet.replica_name(i))
+                         for i, r in enumerate(replicas)]
                 route = RouteRequest(len(tokens), first_key(tokens, keys, vllm_blocks), request.session,
                                      request.draw_key)
                 index = router.choose(route, views)
                 routed = max(len(tokens) - sum(views[index].cached.values()), 0)
+            if fleet.replica_names and request.measured_replica is not None:
+                result.placements_compared += 1
+                result.placements_matched += fleet.replica_name(index) == request.measured_replica
             hits = replicas[index].serve(tokens)
             computed = _count(result, request, index, len(keys), hits, labels)
             result.replicas[index].wait_s.append(load.admit(index, request, computed, routed))

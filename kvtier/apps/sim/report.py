@@ -64,6 +64,11 @@ def print_study(study: Study, title: str) -> None:
     console.print(study_table(study, title))
     if any(len(p.result.replicas) > 1 for p in study.points):
         console.print(replica_table(study))
+    for point in study.points:
+        res = point.result
+        if res.placements_compared:
+            console.print(f"{point.capacity:,} {point.policy}: {res.placements_matched} of "
+                          f"{res.placements_compared} requests placed on the replica the recorded run's router chose")
 
 
 def write_json(study: Study, path: Path, config: dict[str, Any]) -> None:

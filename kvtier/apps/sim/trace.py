@@ -95,6 +95,8 @@ class TraceRequest:
     measured_e2e_s: float | None = None
     #: the digest of the prompt as its client sent it (kvtier.fleet.draws), which a random tie-break draws from
     draw_key: bytes = b""
+    #: the replica a recorded run's router sent it to, by the router's name for it (None: not recorded)
+    measured_replica: str | None = None
 
 
 def read_mooncake(path: str | Path, *, block_tokens: int = TRACE_BLOCK_TOKENS, cut_tail: bool = False,

@@ -7,6 +7,7 @@ that kills a replica runs last.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
@@ -234,6 +235,37 @@ def test_kvtier_bench_runs_against_the_router_unchanged(fleet):
         (run,) = bench([Target("router", live.url)], "multiround", spec)
     assert [r.status for r in run.results] == [200] * 6
     assert all(r.cached_tokens for r in run.results if r.round > 0)
+
+
+def test_kvtier_sim_replaying_a_bench_run_draws_what_the_router_drew(fleet, tmp_path):
+    """A random tie-break hashes each prompt's digest and the replica's name: kvtier bench keeps the replica the
+    router named for each request, and a replay of the run under the router's names places every request on
+    it. Cached tokens are worth nothing here, so every choice is a draw (the replay's word-level tokens and the
+    replicas' chunks could not agree on what a shared prefix is worth)."""
+    from kvtier.apps.bench.cli import bench
+    from kvtier.apps.bench.client import Target
+    from kvtier.apps.bench.report import write_json
+    from kvtier.apps.sim.bench_replay import read_bench_json
+    from kvtier.apps.sim.fleet import FleetConfig, SimTier
+    from kvtier.apps.sim.replay import replay
+    from kvtier.fleet.scoring import RoutingConfig, TieBreak
+    from kvtier.fleet.workloads import MultiRoundSpec
+
+    spec = MultiRoundSpec(users=4, rounds=3, system_words=4, turn_words=6, max_tokens=8, seed=9)
+    weights = tuple((tier, 0.0) for tier in ("memory", "disk", "recent"))
+    routing = RoutingConfig(Routing.LOAD_BOUNDED, tier_weights=weights, tie_break=TieBreak.RANDOM)
+    with router(fleet, routing=routing) as (live, _):
+        (run,) = bench([Target("router", live.url)], "multiround", spec)
+        names = tuple(replica.name for replica in live.router.replicas)
+    assert [r.status for r in run.results] == [200] * 12
+    assert {r.replica for r in run.results} == set(names)  # every answer named its replica; the draws spread
+    write_json([run], tmp_path / "run.json", {"workload": "multiround", "spec": dataclasses.asdict(spec)})
+    requests = read_bench_json(tmp_path / "run.json", chunk_tokens=16)
+    sim = FleetConfig(replicas=3, tiers=(SimTier(chunks=1000),), routing=routing, replica_names=names)
+    result = replay(requests, sim, 16)
+    assert result.placements_compared == result.placements_matched == 12
+    unnamed = replay(requests, dataclasses.replace(sim, replica_names=("a:1", "b:1", "c:1")), 16)
+    assert unnamed.placements_compared == 12 and unnamed.placements_matched < 12
 
 
 def test_the_index_survives_a_replica_restart_and_a_disk_replica_comes_back_warm(fleet):

@@ -18,6 +18,8 @@ def test_the_documented_example_parses(tmp_path):
     fleet = FleetConfig.from_yaml(path)
     assert fleet.replicas == 4 and fleet.routing.routing is Routing.LOAD_BOUNDED
     assert dict(fleet.routing.tier_weights) == {"disk": 0.9}
+    assert fleet.replica_names == ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000")
+    assert fleet.replica_name(2) == "10.0.0.3:8000" and fleet.routing.decode_stream_tokens == 128
     memory, disk = fleet.tiers
     assert memory == SimTier(chunks=2500, policy="arc-lfu")
     assert disk.kind is TierKind.DISK and disk.capacity_bytes == 2 * 2**40 and disk.write is WriteMode.BACK
@@ -28,6 +30,7 @@ def test_the_documented_example_parses(tmp_path):
 def test_defaults():
     fleet = FleetConfig.from_dict({})
     assert fleet.replicas == 1 and fleet.tiers == (SimTier(chunks=10_000),) and fleet.shared is None
+    assert fleet.replica_names == () and fleet.replica_name(0) == "0" and fleet.routing.decode_stream_tokens == 0
 
 
 @pytest.mark.parametrize("values, message", [
@@ -40,6 +43,10 @@ def test_defaults():
     ({"tiers": [{"kind": "tape", "chunks": 10}]}, "kind"),
     ({"tiers": [{"chunks": 10, "codec_ratio": 0}]}, "codec_ratio"),
     ({"shared": [1, 2]}, "expected a mapping"),
+    ({"replicas": 2, "replica_names": ["a"]}, "replica_names must name each of the 2"),
+    ({"replicas": 2, "replica_names": ["a", "a"]}, "replica_names"),
+    ({"replicas": 2, "replica_names": ["a", ""]}, "replica_names"),
+    ({"decode_stream_tokens": -1}, "decode_stream_tokens"),
 ])
 def test_mistakes_are_config_errors(values, message):
     with pytest.raises(ConfigError, match=message):
