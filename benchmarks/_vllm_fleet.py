@@ -140,6 +140,28 @@ class Replica:
                 if k.startswith("kvtier_hit_tokens_total{")}
 
 
+def mooncake_stages(replicas: list[Replica]) -> dict[str, dict[str, float]]:
+    """Where the replicas' Mooncake calls spent their time so far (kvtier_mooncake_stage_seconds), per
+    ``op/stage``: seconds in all, calls, and calls over 10 s."""
+    out: dict[str, dict[str, float]] = {}
+    for replica in replicas:
+        for series, value in replica.server.metrics().items():
+            name, _, labels = series.partition("{")
+            if not name.startswith("kvtier_mooncake_stage_seconds_"):
+                continue
+            tags = dict(part.split("=", 1) for part in labels.rstrip("}").split(",") if "=" in part)
+            key = f"{tags.get('op', '').strip(chr(34))}/{tags.get('stage', '').strip(chr(34))}"
+            row = out.setdefault(key, {"seconds": 0.0, "calls": 0.0, "over_10s": 0.0})
+            if name.endswith("_sum"):
+                row["seconds"] += value
+            elif name.endswith("_count"):
+                row["calls"] += value
+                row["over_10s"] += value
+            elif name.endswith("_bucket") and tags.get("le") == '"10.0"':
+                row["over_10s"] -= value
+    return {k: {f: round(v, 2) for f, v in row.items()} for k, row in sorted(out.items())}
+
+
 def start_replicas(replicas: list[Replica]) -> None:
     for replica in replicas:
         replica.server.launch()

@@ -67,6 +67,7 @@ from _vllm_fleet import (  # noqa: E402
     Replica,
     Tiers,
     kill_phase,
+    mooncake_stages,
     mooncake_tier,
     router,
     run_arms,
@@ -275,6 +276,7 @@ def main() -> None:
     stores = [x for x in args.shared_store.split(",") if x] if "shared" in phases else []
     if unknown := set(stores) - {"redis", "mooncake"}:
         raise SystemExit(f"vllm_fleet: unknown --shared-store {sorted(unknown)}")
+    stages: dict = {}
     for store in stores:
         with ExitStack() as stack:
             tiers, arms = shared_store(stack, args, store)
@@ -284,6 +286,8 @@ def main() -> None:
             places["shared" if store == "redis" else "mooncake"] = measure(
                 arms, specs, replicas, args, model, out, rows, parse_size(args.shared_memory) // chunk_bytes // n,
                 parse_size(args.redis_bytes) // chunk_bytes // n)
+            if store == "mooncake":
+                stages = mooncake_stages(replicas)
             save(out, rows, places, killed)
             load[f"after_{store}"] = os.getloadavg()[0]
     wall = time.monotonic() - started
@@ -297,7 +301,11 @@ def main() -> None:
     print("places:", json.dumps(places))
     if killed:
         print("kill:", json.dumps(killed))
+    if stages:
+        print("mooncake stages:", json.dumps(stages))
     result = result_line(rows, places, killed, load, wall, args)
+    if stages:
+        result["mooncake_stages"] = stages
     save(out, rows, places, killed, result)
     if rows:
         plot(rows, Path(args.png), f"3 vLLM CPU replicas behind kvtier route, {base.users} x {base.rounds} per arm "

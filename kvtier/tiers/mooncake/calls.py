@@ -42,22 +42,32 @@ class CallNotStarted(TierError):
 class Pending(Generic[T]):
     """A submitted call; ``wait`` gives its outcome (see ``DeadlineCalls.run``)."""
 
-    __slots__ = ("args", "done", "error", "fn", "late", "lock", "on_late", "result", "submitted")
+    __slots__ = ("args", "done", "ended", "error", "fn", "late", "lock", "on_end", "on_late", "result", "started",
+                 "submitted")
 
-    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], on_late: Callable[[T | None], None] | None):
-        self.fn, self.args, self.on_late = fn, args, on_late
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], on_late: Callable[[T | None], None] | None,
+                 on_end: Callable[[Pending[T]], None] | None = None):
+        self.fn, self.args, self.on_late, self.on_end = fn, args, on_late, on_end
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.late = False
         self.result: T | None = None
         self.error: BaseException | None = None
         self.submitted = monotonic()  # a worker is free for it (DeadlineCalls.submit): it starts at once
+        self.started = self.ended = self.submitted  #: when a worker began and finished running it
 
     def run(self) -> None:
+        self.started = monotonic()
         try:
             self.result = self.fn(*self.args)
         except BaseException as exc:  # handed to the caller, or to on_late as a None result
             self.error = exc
+        self.ended = monotonic()
+        if self.on_end is not None:
+            try:
+                self.on_end(self)
+            except Exception:
+                log.exception("end callback of %s failed", getattr(self.fn, "__name__", "call"))
         with self.lock:
             self.done.set()
             late = self.late
@@ -95,20 +105,23 @@ class DeadlineCalls:
             thread.start()
 
     def run(self, fn: Callable[..., T], *args: Any, deadline: float,
-            on_late: Callable[[T | None], None] | None = None) -> T:
+            on_late: Callable[[T | None], None] | None = None,
+            on_end: Callable[[Pending[T]], None] | None = None) -> T:
         """``fn(*args)`` on a worker: its result or its exception, CallNotStarted (see ``submit``), or
         CallTimedOut once ``deadline`` (a ``time.monotonic()`` value) passes. After a CallTimedOut the call
         still ends on its worker, and then ``on_late`` gets its result (None if it raised); it is not called
-        when ``run`` returned or raised otherwise."""
-        return self.submit(fn, *args, deadline=deadline, on_late=on_late).wait(deadline)
+        when ``run`` returned or raised otherwise. ``on_end`` gets the finished call (its ``submitted``,
+        ``started`` and ``ended`` times) on its worker whenever it ends, late or not."""
+        return self.submit(fn, *args, deadline=deadline, on_late=on_late, on_end=on_end).wait(deadline)
 
     def submit(self, fn: Callable[..., T], *args: Any, deadline: float,
-               on_late: Callable[[T | None], None] | None = None) -> Pending[T]:
+               on_late: Callable[[T | None], None] | None = None,
+               on_end: Callable[[Pending[T]], None] | None = None) -> Pending[T]:
         """Start ``fn(*args)`` on a worker (waiting for a free one until ``deadline``) and return at once; the
         caller collects it with ``wait``. CallNotStarted if no worker was free in time or the calls are closed."""
         if not self._idle.acquire(timeout=max(0.0, deadline - monotonic())):
             raise CallNotStarted("every worker is busy with calls that have not returned")
-        call = Pending(fn, args, on_late)
+        call = Pending(fn, args, on_late, on_end)
         with self._changed:
             if self._closed:
                 self._idle.release()

@@ -18,7 +18,7 @@ from time import monotonic
 from typing import Any, TypeVar
 
 from kvtier.base.errors import ConfigError, TierError
-from kvtier.tiers.mooncake.calls import CallNotStarted, DeadlineCalls
+from kvtier.tiers.mooncake.calls import CallNotStarted, DeadlineCalls, Pending
 from kvtier.tiers.mooncake.config import (
     ENGINE_LOCAL_BUFFER_BYTES,
     MooncakeTierConfig,
@@ -94,10 +94,17 @@ def _free_memory(device: str) -> int:
     return 0
 
 
-class MooncakeClient:
-    """A ``MooncakeDistributedStore`` of this process. ``on_joined`` runs once it has joined the pool."""
+#: ``(op, stage, seconds)``: where a transfer's time went (see ``MooncakeClient``)
+StageTimer = Callable[[str, str, float], None]
 
-    def __init__(self, config: MooncakeTierConfig, calls: DeadlineCalls, on_joined: Callable[[], None]) -> None:
+
+class MooncakeClient:
+    """A ``MooncakeDistributedStore`` of this process. ``on_joined`` runs once it has joined the pool; ``timed``,
+    if given, receives each transfer's ``turn`` (waiting for one of ``max_transfers``), ``start`` (from a worker
+    taking the call to its thread running it) and ``transfer`` (the engine's call, late ones included) seconds."""
+
+    def __init__(self, config: MooncakeTierConfig, calls: DeadlineCalls, on_joined: Callable[[], None],
+                 timed: StageTimer | None = None) -> None:
         _engine_env(config)
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -111,6 +118,7 @@ class MooncakeClient:
             if not torch.cuda.is_available():
                 raise ConfigError(f"mooncake segment_device {config.segment_device}: CUDA is not available here")
         self._config, self._calls, self._on_joined = config, calls, on_joined
+        self._timed: StageTimer = timed or (lambda op, stage, seconds: None)
         self._store = MooncakeDistributedStore()
         self.segment_bytes = segment_size(config, _free_memory(config.segment_device))
         self.joined = False
@@ -198,22 +206,30 @@ class MooncakeClient:
     def get_into(self, keys: list[str], ptrs: list[int], sizes: list[int], deadline: float,
                  on_late: Callable[[Any], None]) -> list[int]:
         """Per key: the bytes written at its address, or a negative error code."""
-        return self._transfer(self._store.batch_get_into, keys, ptrs, sizes, deadline, on_late)
+        return self._transfer("get", self._store.batch_get_into, keys, ptrs, sizes, deadline, on_late)
 
     def put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], deadline: float,
                  on_late: Callable[[Any], None]) -> list[int]:
         """Per key: 0 stored (or already there), or a negative error code."""
-        return self._transfer(self._store.batch_put_from, keys, ptrs, sizes, deadline, on_late)
+        return self._transfer("put", self._store.batch_put_from, keys, ptrs, sizes, deadline, on_late)
 
-    def _transfer(self, fn: Callable[..., list[int]], keys: list[str], ptrs: list[int], sizes: list[int],
+    def _transfer(self, op: str, fn: Callable[..., list[int]], keys: list[str], ptrs: list[int], sizes: list[int],
                   deadline: float, on_late: Callable[[Any], None]) -> list[int]:
         """A batch that moves bytes, once one of ``max_transfers`` turns is free (CallNotStarted if none is
         before ``deadline``). The turn ends when the caller stops waiting, so a call stuck on a frozen peer
         holds it up to its deadline, not for as long as the engine takes to give up."""
-        if not self._transfers.acquire(timeout=max(0.0, deadline - monotonic())):
+        asked = monotonic()
+        turn = self._transfers.acquire(timeout=max(0.0, deadline - asked))
+        self._timed(op, "turn", monotonic() - asked)
+        if not turn:
             raise CallNotStarted(f"{fn.__name__}: other transfers of this tier held every turn until the deadline")
+
+        def ended(call: Pending[Any]) -> None:
+            self._timed(op, "start", call.started - call.submitted)
+            self._timed(op, "transfer", call.ended - call.started)
+
         try:
-            return self._run(fn, keys, ptrs, sizes, deadline=deadline, on_late=on_late)
+            return self._calls.run(_guarded(fn), keys, ptrs, sizes, deadline=deadline, on_late=on_late, on_end=ended)
         finally:
             self._transfers.release()
 

@@ -43,15 +43,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from time import monotonic
 
-from kvtier.base.errors import ConfigError, TierError
+from kvtier.base.errors import TierError
 from kvtier.base.keys import ChunkHash
-from kvtier.base.metrics import declare_counter, declare_gauge
+from kvtier.base.metrics import LATENCY_BUCKETS, declare_counter, declare_gauge, declare_histogram
 from kvtier.codecs import Payload, get_codec
-from kvtier.net.breaker import BreakerState, CircuitBreaker
+from kvtier.net.breaker import CircuitBreaker
 from kvtier.tiers.base import TierContext, TierStats, stats_gauges
 from kvtier.tiers.metrics import (
     BREAKER_OPEN,
-    BREAKER_OPENS,
     BREAKER_REJECTED,
     SKIPPED_STORES,
     TIER_ERRORS,
@@ -62,6 +61,7 @@ from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCa
 from kvtier.tiers.mooncake.client import MASTER_DOWN, Code, MooncakeClient
 from kvtier.tiers.mooncake.config import MooncakeTierConfig
 from kvtier.tiers.mooncake.control import MooncakeControl
+from kvtier.tiers.mooncake.health import MooncakeHealth
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,12 @@ NO_BUFFER = declare_counter("kvtier_mooncake_no_buffer_total",
 BUSY = declare_counter("kvtier_mooncake_busy_total",
                        "Mooncake calls given up because this replica queued them (other transfers' turns, the "
                        "transfer buffer) until too little of their deadline was left.", ("op", "tier"))
+STAGE_SECONDS = declare_histogram(
+    "kvtier_mooncake_stage_seconds", "Where a Mooncake tier call's time went, by stage: sizes (a get asking the "
+    "master for its values' sizes), buffer (waiting for room in the transfer buffer), copy (a put writing its values "
+    "into it), turn (waiting for a transfer turn), start (a worker taking the call up), transfer (the engine's call; "
+    "late ones included, when they end), held (the caller reading a get's values out of the buffer).",
+    ("op", "stage", "tier"), LATENCY_BUCKETS + (20.0, 30.0, 60.0))
 TRANSFER_FAILURES = declare_counter("kvtier_mooncake_transfer_failures_total",
                                     "Mooncake calls in which a peer holding a value did not answer.", ("op", "tier"))
 
@@ -87,9 +93,9 @@ GAUGE_STATS_MAX_AGE_S = 5.0
 _POOL_GAUGES = {"master_allocated_bytes": 0, "master_total_capacity_bytes": 1, "master_key_count": 2}
 
 
-class MooncakeTier(MooncakeControl):
+class MooncakeTier(MooncakeControl, MooncakeHealth):
     """The Tier protocol over a Mooncake Store pool (see the module docstring); ``Controlled`` for clears only
-    (control.py says what Mooncake cannot do)."""
+    (control.py says what Mooncake cannot do); joining late and probing the master in health.py."""
 
     verifies = True
 
@@ -110,7 +116,7 @@ class MooncakeTier(MooncakeControl):
         self._health: threading.Thread | None = None
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._client = MooncakeClient(config, self._calls, on_joined=self._wake.set)
+        self._client = MooncakeClient(config, self._calls, on_joined=self._wake.set, timed=self._timed_stage)
         self._buffers = RegisteredBuffers(config.buffer_bytes, self._client.register)
         self.max_get_bytes = self._buffers.capacity  #: BoundedGets: one get's values share the transfer buffer
         self._metrics.add_gauges(self._gauges)
@@ -140,11 +146,13 @@ class MooncakeTier(MooncakeControl):
     def get(self, keys: Sequence[ChunkHash]) -> Iterator[list[memoryview | None]]:
         views: list[memoryview | None] = [None] * len(keys)
         lease = self._get(keys, views) if keys and self._usable("get") else None
+        handed = monotonic()
         try:
             yield views
         finally:
             if lease is not None:
                 lease.release()
+                self._timed_stage("get", "held", monotonic() - handed)
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
         out = [False] * len(items)
@@ -160,13 +168,17 @@ class MooncakeTier(MooncakeControl):
             self._skipped("unavailable", len(todo))
             return out
         sizes = [items[i][1].nbytes for i in todo]
-        deadline = monotonic() + self.config.timeout_s + sum(sizes) / self.config.min_rate_bytes
+        asked = monotonic()
+        deadline = asked + self.config.timeout_s + sum(sizes) / self.config.min_rate_bytes
         lease = self._buffers.take(sizes, deadline)
         try:
+            copying = monotonic()
+            self._timed_stage("put", "buffer", copying - asked)
             staged = [(i, slot) for i, slot in zip(todo, lease.slots) if slot is not None]
             self._skipped("no_buffer", len(todo) - len(staged))
             for i, slot in staged:
                 items[i][1].write_into(slot.view)
+            self._timed_stage("put", "copy", monotonic() - copying)
         except BaseException:
             lease.release()
             raise
@@ -231,12 +243,16 @@ class MooncakeTier(MooncakeControl):
         except TierError as exc:
             self._failed("get", exc)
             return None
+        finally:
+            self._timed_stage("get", "sizes", monotonic() - start)
         found = [i for i, n in enumerate(sizes) if n is not None and 0 < n <= self.config.max_value_bytes]
         if not found:
             return None
         wanted = [sizes[i] or 0 for i in found]
         deadline = start + self.config.timeout_s + sum(wanted) / self.config.min_rate_bytes
+        asked = monotonic()
         lease = self._buffers.take(wanted, deadline)
+        self._timed_stage("get", "buffer", monotonic() - asked)
         slots = [(i, slot) for i, slot in zip(found, lease.slots) if slot is not None]
         if len(slots) < len(found):
             self._metrics.inc(NO_BUFFER, len(found) - len(slots), tier=self.name)
@@ -327,58 +343,12 @@ class MooncakeTier(MooncakeControl):
         log.info("mooncake tier %s: %s ran out of the %.1fs left after queueing here", self.name, op, exc.ran_s)
         return False
 
+    def _timed_stage(self, op: str, stage: str, seconds: float) -> None:
+        self._metrics.observe(STAGE_SECONDS, seconds, op=op, stage=stage, tier=self.name)
+
     def _skipped(self, reason: str, n: int = 1) -> None:
         if n:
             self._metrics.inc(SKIPPED_STORES, n, tier=self.name, reason=reason)
-
-    def _breaker_changed(self, state: BreakerState) -> None:
-        if state is BreakerState.OPEN:
-            self._metrics.inc(BREAKER_OPENS, tier=self.name)
-            log.warning("mooncake tier %s: master %s keeps failing; circuit open, probing every %.1fs", self.name,
-                        self.config.master_address, self.config.breaker_cooldown_s)
-            self._start_health()
-        else:
-            log.warning("mooncake tier %s: master %s answers again; circuit closed", self.name,
-                        self.config.master_address)
-
-    def _start_health(self) -> None:
-        with self._lock:
-            self._wake.set()
-            if self._closed or (self._health is not None and self._health.is_alive()):
-                return
-            self._health = threading.Thread(target=self._watch, name=f"kvtier-{self.name}-health", daemon=True)
-            self._health.start()
-
-    def _watch(self) -> None:
-        """Join the pool until joined, and probe the master while the breaker is open; then end."""
-        cooldown = self.config.breaker_cooldown_s
-        while not self._closed:
-            self._wake.clear()
-            if not self._client.joined:
-                try:
-                    joined = self._client.join(monotonic() + self.config.connect_timeout_s)
-                except ConfigError as exc:  # e.g. no VRAM segments in this build: retrying cannot help
-                    log.error("mooncake tier %s: cannot join the pool: %s", self.name, exc)
-                    return
-                wait = 0.0 if joined else cooldown
-            elif self._breaker.state is BreakerState.OPEN:
-                if self._breaker.probe_due() and self._probe():
-                    self._breaker.success()
-                wait = self._breaker.seconds_to_next_probe()
-            else:
-                with self._lock:
-                    if not self._wake.is_set():
-                        self._health = None
-                        return
-                continue
-            self._wake.wait(max(0.01, wait))
-
-    def _probe(self) -> bool:
-        try:
-            codes = self._client.exists([self._probe_key], monotonic() + self.config.timeout_s)
-        except TierError:
-            return False
-        return all(code >= 0 for code in codes)
 
     # -- names and gauges ------------------------------------------------------------------------------------
     def _name(self, key: ChunkHash) -> str:

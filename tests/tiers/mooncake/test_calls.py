@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
+from tests.harness import wait_for
 
 
 def test_result_exception_and_deadline():
@@ -43,3 +44,21 @@ def test_busy_workers_fail_fast_and_close_refuses_new_calls():
     with pytest.raises(CallNotStarted):
         calls.run(ran.append, 2, deadline=time.monotonic() + 5)
     assert calls.close(wait_s=5) and ran == []
+
+
+def test_on_end_gets_every_finished_call_with_its_times_late_ones_too():
+    calls = DeadlineCalls(2, "t")
+    ended: list = []
+    assert calls.run(lambda: "quick", deadline=time.monotonic() + 5, on_end=ended.append) == "quick"
+    assert wait_for(lambda: len(ended) == 1)
+    assert ended[0].submitted <= ended[0].started <= ended[0].ended and ended[0].result == "quick"
+    release = threading.Event()
+    with pytest.raises(CallTimedOut):
+        calls.run(lambda: release.wait(10), deadline=time.monotonic() + 0.1, on_end=ended.append)
+    assert len(ended) == 1  # still running
+    release.set()
+    assert wait_for(lambda: len(ended) == 2) and ended[1].late and ended[1].ended >= ended[1].started
+    with pytest.raises(KeyError):  # a call that raised ends too
+        calls.run({}.__getitem__, "missing", deadline=time.monotonic() + 5, on_end=ended.append)
+    assert wait_for(lambda: len(ended) == 3) and isinstance(ended[2].error, KeyError)
+    assert calls.close(wait_s=5)

@@ -81,3 +81,31 @@ def test_a_get_queued_for_the_buffer_that_then_runs_out_is_busy_and_a_full_one_i
     assert wait_for(lambda: tier._buffers.largest_free == tier._buffers.capacity, timeout=HANG_GUARD_S)
     tier._client._store = tier._client._store._store
     tier.delete(keys)
+
+
+def staged(tier: MooncakeTier, op: str, stage: str) -> tuple[float, float]:
+    """(calls, seconds) the tier's stage histogram holds for ``op``/``stage``."""
+    labels = {"op": op, "stage": stage, "tier": "mooncake"}
+    samples = {s.name: s.value for m in tier._metrics.registry.collect() for s in m.samples if s.labels == labels}
+    name = "kvtier_mooncake_stage_seconds"
+    return samples.get(f"{name}_count", 0.0), samples.get(f"{name}_sum", 0.0)
+
+
+def test_every_stage_of_a_put_and_a_get_is_timed_and_a_late_transfer_when_it_ends(tier):
+    keys = [bytes([i]) * 32 for i in range(2)]
+    assert tier.put([(k, BytesPayload(bytes([7]) * (100 << 10))) for k in keys]) == [True, True]
+    for stage in ("buffer", "copy", "turn", "start", "transfer"):
+        assert staged(tier, "put", stage)[0] == 1, stage
+    with tier.get(keys) as views:
+        assert all(v is not None for v in views)
+    for stage in ("sizes", "buffer", "turn", "start", "transfer", "held"):
+        assert staged(tier, "get", stage)[0] == 1, stage
+    tier._client._store = SlowGets(tier._client._store)
+    with tier.get(keys) as views:  # past its deadline: a miss, the transfer still under way
+        assert views == [None, None]
+        assert staged(tier, "get", "transfer")[0] == 1
+    assert wait_for(lambda: staged(tier, "get", "transfer")[0] == 2, timeout=HANG_GUARD_S)
+    assert staged(tier, "get", "transfer")[1] >= SLOW_S  # the late call's whole time, recorded when it ended
+    assert wait_for(lambda: tier._buffers.largest_free == tier._buffers.capacity, timeout=HANG_GUARD_S)
+    tier._client._store = tier._client._store._store
+    tier.delete(keys)
