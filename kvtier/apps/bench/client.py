@@ -55,8 +55,10 @@ class RequestResult:
     completion_tokens: int | None = None
     text: str = ""
     error: str = ""
-    #: the replica that served it, when a kvtier route in front named it (its ``x-kvtier-replica`` header)
+    #: the replica that served it, when a kvtier route in front named it (its ``x-kvtier-replica`` header), and
+    #: the number of the router's decision that placed it (``x-kvtier-decision``: the order the router saw)
     replica: str | None = None
+    decision: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -74,6 +76,8 @@ async def send(client: httpx.AsyncClient, target: Target, path: str, body: dict[
         async with client.stream("POST", target.url + path, json=body, headers=target.headers()) as response:
             result.status = response.status_code
             result.replica = response.headers.get("x-kvtier-replica")
+            decision = response.headers.get("x-kvtier-decision", "")
+            result.decision = int(decision) if decision.isdigit() else None
             if response.status_code != 200:
                 result.error = (await response.aread()).decode(errors="replace")[:500]
                 return result

@@ -12,9 +12,12 @@
   otherwise), with each replica's state and load. ``GET /metrics``: Prometheus text.
 * ``/admin/v1/...``: the admin API, fanned out to every replica and merged (kvtier.apps.route.admin).
 
-Every answer from a replica carries ``x-kvtier-replica`` naming it. ``server_config`` serves the app with the
-router's HTTP limits: heads too large or with too many headers are a 431, heads and bodies that do not arrive
-in time a 408, connections beyond the cap a 503, each counted (``endpoint="http"``).
+Every answer from a replica carries ``x-kvtier-replica`` naming it, and a generation's answer
+``x-kvtier-decision``: the number of the routing decision that placed it (1, 2, ...: the order in which this
+router placed requests, which a client's send times do not always give; ``kvtier sim`` replays in it).
+``server_config`` serves the app with the router's HTTP limits: heads too large or with too many headers are a
+431, heads and bodies that do not arrive in time a 408, connections beyond the cap a 503, each counted
+(``endpoint="http"``).
 """
 
 from __future__ import annotations

@@ -78,6 +78,8 @@ class Plan:
     reason: Reason
     keys: list[ChunkHash]
     expected_cached: int
+    #: this router's decisions so far, this one included (``x-kvtier-decision``: the order it placed requests in)
+    decision: int = 0
 
 
 class Router:
@@ -85,6 +87,7 @@ class Router:
         self.config, self.tokenizer = config, tokenizer
         self.metrics = metrics if metrics is not None else Metrics()
         self.replicas = [Replica(entry, config.proxy) for entry in config.replicas]
+        self.decisions = 0  #: routing decisions made (every attempt's), numbering ``Plan.decision``
         idx = config.index
         self.index = FleetIndex(recent_ttl_s=idx.recent_ttl_s, in_flight_ttl_s=idx.in_flight_ttl_s,
                                 shared_ttl_s=idx.shared_ttl_s, replicas=len(self.replicas))
@@ -192,6 +195,7 @@ class Router:
             ticket.done()
             raise
         self.health.request_ok(replica)
+        response.headers["x-kvtier-decision"] = str(plan.decision)
         if parsed.session is not None and isinstance(self.policy, StickySessions):
             self.policy.remember(parsed.session, replica.name)
         return response
@@ -220,7 +224,9 @@ class Router:
         namespace = candidates[i].namespace(self.record)
         # a replica computes at least the prompt's last token, so it uses no more than the chunks before it
         usable = (len(ids or ()) - 1) // namespace.chunk_size * namespace.chunk_size if namespace else 0
-        return Plan(candidates[i], decision.reason, keys[i], min(sum(cached[i].values()), max(usable, 0)))
+        self.decisions += 1
+        return Plan(candidates[i], decision.reason, keys[i], min(sum(cached[i].values()), max(usable, 0)),
+                    self.decisions)
 
     @staticmethod
     def _keys(namespace: Namespace, ids: list[int] | None, salt: bytes,

@@ -80,8 +80,23 @@ def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None =
                                 int(result.get("completion_tokens") or 0), chunk_tokens, f"{workload}:{user}",
                                 _seconds(result.get("ttft_s")), _seconds(result.get("e2e_s")), _draw_key(body),
                                 _replica(result.get("replica"))))
-    out.sort(key=lambda r: r.arrival_s)
+    out = _in_router_order(out, [_decision(recorded.get((r, u), {}).get("decision")) for r, u, _ in runner.sent])
     return out[:limit] if limit is not None else out
+
+
+def _in_router_order(requests: list[TraceRequest], decisions: list[int | None]) -> list[TraceRequest]:
+    """By arrival; in the router's decision order where every request has its number (``x-kvtier-decision``):
+    requests sent within milliseconds of each other reach a router in either order, and a round-robin router's
+    choices follow that order. A request decided after one sent later arrives with it (arrivals never go back)."""
+    if not requests or any(d is None for d in decisions):
+        return sorted(requests, key=lambda r: r.arrival_s)
+    ordered = [r for _, r in sorted(zip(decisions, requests), key=lambda pair: pair[0])]
+    latest = float("-inf")
+    out = []
+    for request in ordered:
+        latest = max(latest, request.arrival_s)
+        out.append(request if request.arrival_s == latest else dataclasses.replace(request, arrival_s=latest))
+    return out
 
 
 def _draw_key(body: dict[str, Any]) -> bytes:
@@ -91,6 +106,10 @@ def _draw_key(body: dict[str, Any]) -> bytes:
                                        for m in body["messages"]])
     prompt = body.get("prompt")
     return prompt_digest(text=prompt) if isinstance(prompt, str) else prompt_digest(ids=prompt or None)
+
+
+def _decision(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _replica(value: Any) -> str | None:

@@ -259,6 +259,7 @@ def test_kvtier_sim_replaying_a_bench_run_draws_what_the_router_drew(fleet, tmp_
         names = tuple(replica.name for replica in live.router.replicas)
     assert [r.status for r in run.results] == [200] * 12
     assert {r.replica for r in run.results} == set(names)  # every answer named its replica; the draws spread
+    assert [r.decision for r in sorted(run.results, key=lambda r: r.sent_at)] == list(range(1, 13))  # one at a time
     write_json([run], tmp_path / "run.json", {"workload": "multiround", "spec": dataclasses.asdict(spec)})
     requests = read_bench_json(tmp_path / "run.json", chunk_tokens=16)
     sim = FleetConfig(replicas=3, tiers=(SimTier(chunks=1000),), routing=routing, replica_names=names)

@@ -12,6 +12,7 @@ from kvtier.apps.sim.bench_replay import chat_token_ids, read_bench_json
 from kvtier.apps.sim.fleet import FleetConfig, SimTier
 from kvtier.apps.sim.replay import replay
 from kvtier.base.errors import ConfigError
+from kvtier.fleet.scoring import Routing, RoutingConfig
 from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec
 
 
@@ -75,3 +76,25 @@ def test_unknown_target_or_workload_is_a_config_error(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ConfigError, match="unknown workload"):
         read_bench_json(path, chunk_tokens=16)
+
+
+def test_requests_replay_in_the_routers_decision_order_when_every_one_has_its_number(tmp_path):
+    # users 1 and 2 of round 0 were sent 0.1 s apart and reached the router the other way round; a round-robin
+    # router placed them in that order, so only the router's order replays its placements
+    spec = MultiRoundSpec(users=3, rounds=1, system_words=4, turn_words=6)
+    names = ("h:1", "h:2", "h:3")
+    sent = {0: 0.0, 1: 1.0, 2: 1.1}
+    decided = {0: 1, 1: 3, 2: 2}  # user 2's request was decided second
+    recorded = [{"round": 0, "user": u, "text": "ok", "sent_at": sent[u], "status": 200, "completion_tokens": 1,
+                 "replica": names[decided[u] - 1], "decision": decided[u]} for u in range(3)]
+    requests = read_bench_json(bench_file(tmp_path, "multiround", spec, recorded), chunk_tokens=16)
+    assert [r.session for r in requests] == ["multiround:0", "multiround:2", "multiround:1"]
+    assert [r.arrival_s for r in requests] == [0.0, 1.1, 1.1]  # arrivals never go back
+    round_robin = FleetConfig(replicas=3, tiers=(SimTier(chunks=100),), replica_names=names,
+                              routing=RoutingConfig(Routing.ROUND_ROBIN))
+    assert replay(requests, round_robin, 16).placements_matched == 3
+    for row in recorded[1:]:  # one request without its number: the send order, and user 1 placed second
+        row.pop("decision")
+    requests = read_bench_json(bench_file(tmp_path, "multiround", spec, recorded), chunk_tokens=16)
+    assert [r.session for r in requests] == ["multiround:0", "multiround:1", "multiround:2"]
+    assert replay(requests, round_robin, 16).placements_matched == 1
