@@ -113,8 +113,9 @@ class Replica:
                 "--max-num-seqs", "4", "--num-gpu-blocks-override", str(device_blocks),
                 "--kv-events-config", json.dumps(events))
         env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.server = VllmServer(model, free_port(), out / f"{label}.log", kvtier=tiers.config(out / f"{label}-disk"),
-                                 args=args, env=env)
+        self.metrics_port = free_port()  # the worker's own metrics (histograms too; vLLM's /metrics has none)
+        kvtier = {**tiers.config(out / f"{label}-disk"), "metrics_port": self.metrics_port}
+        self.server = VllmServer(model, free_port(), out / f"{label}.log", kvtier=kvtier, args=args, env=env)
 
     @property
     def name(self) -> str:
@@ -141,11 +142,11 @@ class Replica:
 
 
 def mooncake_stages(replicas: list[Replica]) -> dict[str, dict[str, float]]:
-    """Where the replicas' Mooncake calls spent their time so far (kvtier_mooncake_stage_seconds), per
-    ``op/stage``: seconds in all, calls, and calls over 10 s."""
+    """Where the replicas' Mooncake calls spent their time so far (kvtier_mooncake_stage_seconds, from each
+    worker's own metrics), per ``op/stage``: seconds in all, calls, and calls over 10 s."""
     out: dict[str, dict[str, float]] = {}
     for replica in replicas:
-        for series, value in replica.server.metrics().items():
+        for series, value in scrape(f"http://127.0.0.1:{replica.metrics_port}").items():
             name, _, labels = series.partition("{")
             if not name.startswith("kvtier_mooncake_stage_seconds_"):
                 continue
