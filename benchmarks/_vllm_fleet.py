@@ -144,22 +144,26 @@ class Replica:
 def mooncake_stages(replicas: list[Replica]) -> dict[str, dict[str, float]]:
     """Where the replicas' Mooncake calls spent their time so far (kvtier_mooncake_stage_seconds, from each
     worker's own metrics), per ``op/stage``: seconds in all, calls, and calls over 10 s."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, dict[str, float]] = {}
     for replica in replicas:
-        for series, value in scrape(f"http://127.0.0.1:{replica.metrics_port}").items():
-            name, _, labels = series.partition("{")
-            if not name.startswith("kvtier_mooncake_stage_seconds_"):
+        text = httpx.get(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            if family.name != "kvtier_mooncake_stage_seconds":
                 continue
-            tags = dict(part.split("=", 1) for part in labels.rstrip("}").split(",") if "=" in part)
-            key = f"{tags.get('op', '').strip(chr(34))}/{tags.get('stage', '').strip(chr(34))}"
-            row = out.setdefault(key, {"seconds": 0.0, "calls": 0.0, "over_10s": 0.0})
-            if name.endswith("_sum"):
-                row["seconds"] += value
-            elif name.endswith("_count"):
-                row["calls"] += value
-                row["over_10s"] += value
-            elif name.endswith("_bucket") and tags.get("le") == '"10.0"':
-                row["over_10s"] -= value
+            for sample in family.samples:
+                labels = sample.labels
+                key = f"{labels['op']}/{labels['stage']}"
+                row = out.setdefault(key, {"seconds": 0.0, "calls": 0.0, "over_10s": 0.0})
+                if sample.name.endswith("_sum"):
+                    row["seconds"] += sample.value
+                elif sample.name.endswith("_count"):
+                    row["calls"] += sample.value
+                    row["over_10s"] += sample.value
+                elif sample.name.endswith("_bucket") and float(labels["le"]) == 10.0:
+                    row["over_10s"] -= sample.value
     return {k: {f: round(v, 2) for f, v in row.items()} for k, row in sorted(out.items())}
 
 

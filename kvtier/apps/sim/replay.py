@@ -32,15 +32,11 @@ class LoadModel:
         self._prefill_rate = prefill_tokens_per_s
         self._decode_rate = decode_tokens_per_s
         self._free_at = [0.0] * replicas
-        self._finishing: list[list[float]] = [[] for _ in range(replicas)]  # heaps of finish times
         self._prefilling: list[list[tuple[float, int]]] = [[] for _ in range(replicas)]  # (first token, tokens)
         self._running: list[list[tuple[float, float]]] = [[] for _ in range(replicas)]  # (first token, last)
 
     def in_flight(self, now: float) -> list[int]:
-        for done in self._finishing:
-            while done and done[0] <= now:
-                heapq.heappop(done)
-        return [len(done) for done in self._finishing]
+        return [len(running) for running in self._unfinished(now)]
 
     def prefill_tokens(self, now: float) -> list[int]:
         """Per replica, the router's count of prompt tokens its in-flight requests have yet to compute."""
@@ -51,9 +47,12 @@ class LoadModel:
 
     def decode_streams(self, now: float) -> list[int]:
         """Per replica, its requests past their first token and not yet finished."""
-        for i, running in enumerate(self._running):
-            self._running[i] = [span for span in running if span[1] > now]
-        return [sum(1 for first, _ in running if first <= now) for running in self._running]
+        return [sum(1 for first, _ in running if first <= now) for running in self._unfinished(now)]
+
+    def _unfinished(self, now: float) -> list[list[tuple[float, float]]]:
+        """Per replica, (first token, last token) of its requests not finished by ``now`` (finished ones dropped)."""
+        self._running = [[span for span in running if span[1] > now] for running in self._running]
+        return self._running
 
     def admit(self, replica: int, request: TraceRequest, computed_tokens: int, routed_tokens: int = 0) -> float:
         """Queue a request that computes ``computed_tokens``, counted by the router as ``routed_tokens`` to
@@ -65,7 +64,6 @@ class LoadModel:
         if request.measured_e2e_s is not None:
             finish = now + request.measured_e2e_s
             first = now + (request.measured_ttft_s if request.measured_ttft_s is not None else request.measured_e2e_s)
-        heapq.heappush(self._finishing[replica], finish)
         self._running[replica].append((first, finish))
         if routed_tokens > 0:
             heapq.heappush(self._prefilling[replica], (first, routed_tokens))
