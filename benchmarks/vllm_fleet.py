@@ -59,7 +59,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from _util import routed_per_replica  # noqa: E402
 from _vllm_fleet import (  # noqa: E402
-    BLOCK,
     CHUNK,
     PRIVATE_ARMS,
     SHARED_ARMS,
@@ -119,13 +118,15 @@ def run_phase(arms, replicas, specs, model, out, concurrency):
 def measure(arms, specs, replicas, args, model, out, rows: dict, tier_chunks: int,
             shared_chunks: int | None = None) -> dict:
     """``arms`` side by side, each predicted by ``kvtier sim`` (kvtier's private tiers ``tier_chunks`` per
-    replica, a shared store of ``shared_chunks``, vLLM's device cache split between the arms): their rows are
-    added to ``rows``; returns where the cached prompt tokens came from."""
+    replica, a shared store of ``shared_chunks``, vLLM's device cache of ``--device-blocks`` per replica, the
+    other arms' requests beside it where they ran): their rows are added to ``rows``; returns where the cached
+    prompt tokens came from."""
     runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
-    device = args.device_blocks * BLOCK // CHUNK // len(arms)
+    files = [out / f"arm-{arm.label}.json" for arm in arms]
     sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
-                                   sim_fleet(arm, [r.name for r in replicas], device, tier_chunks, shared_chunks,
-                                             PREFILL_TOKENS_PER_S))
+                                   sim_fleet(arm, [r.name for r in replicas], args.device_blocks, tier_chunks,
+                                             shared_chunks, PREFILL_TOKENS_PER_S),
+                                   [f for f in files if f.name != f"arm-{arm.label}.json"])
             for arm in arms}
     rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
     return place_shares(runs, hits)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import re
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -82,6 +83,23 @@ def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None =
                                 _replica(result.get("replica"))))
     out = _in_router_order(out, [_decision(recorded.get((r, u), {}).get("decision")) for r, u, _ in runner.sent])
     return out[:limit] if limit is not None else out
+
+
+def read_background(paths: Sequence[str | Path], *, chunk_tokens: int,
+                    but: tuple[str | Path, str | None] | None = None) -> list[TraceRequest]:
+    """Every run's requests in the bench JSONs ``paths``, but the run being replayed itself (``but``: its file
+    and target, None for the file's first run): what else went through the replicas at the time
+    (kvtier.apps.sim.replay's ``background``)."""
+    skip = None
+    if but is not None:
+        runs = _load(but[0]).get("runs") or [{}]
+        skip = (Path(but[0]).resolve(), but[1] if but[1] is not None else runs[0].get("target"))
+    out: list[TraceRequest] = []
+    for path in paths:
+        for run in _load(path).get("runs") or []:
+            if (Path(path).resolve(), run.get("target")) != skip:
+                out += read_bench_json(path, chunk_tokens=chunk_tokens, target=run.get("target"))
+    return out
 
 
 def _in_router_order(requests: list[TraceRequest], decisions: list[int | None]) -> list[TraceRequest]:

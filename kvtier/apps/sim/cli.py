@@ -55,6 +55,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="Mooncake: cut prompts to input_length, so partial last blocks are never stored")
     t.add_argument("--chunk-tokens", type=int, default=64, help="bench JSON: tokens per chunk (default 64)")
     t.add_argument("--target", help="bench JSON: the target (label) whose run to replay (default: the first)")
+    t.add_argument("--background", nargs="+", metavar="BENCH_JSON", default=[],
+                   help="bench JSON: other runs that shared the replicas at the time (the replayed run itself left "
+                        "out); each request is placed where it ran (the fleet's replica_names) and holds room "
+                        "in that replica's device cache and tiers until its measured end")
     p.add_argument("--out", default="results/sim", help="folder for sim.json and sim.png")
     p.set_defaults(func=run)
     return p
@@ -95,6 +99,13 @@ def load_requests(args: argparse.Namespace):
         args.chunk_tokens
 
 
+def load_background(args: argparse.Namespace) -> list:
+    """The --background runs' requests (the replayed run itself left out)."""
+    from kvtier.apps.sim.bench_replay import read_background
+
+    return read_background(args.background, chunk_tokens=args.chunk_tokens, but=(args.trace, args.target))
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -104,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         fleet = load_fleet(args)
         requests, chunk_tokens = load_requests(args)
+        background = load_background(args) if args.background else []
         capacities = _csv(args.capacities, int) or [None]
         policies = _csv(args.policies, str) or [None]
         if any(p is not None and p != "lru" for p in policies) and "lru" not in policies:
@@ -111,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         with tqdm(total=len(requests) * len(capacities) * len(policies), unit="req", desc="kvtier sim",
                   mininterval=1.0) as bar:
             study = run_study(requests, fleet, chunk_tokens, capacities=capacities, policies=policies,
-                              belady=not args.no_belady, progress=lambda n: bar.update(n - bar.n))
+                              belady=not args.no_belady, progress=lambda n: bar.update(n - bar.n),
+                              background=background)
     except ConfigError as exc:
         print(f"kvtier sim: {exc}", file=sys.stderr)
         return 2
