@@ -1,19 +1,18 @@
 """A vLLM replica's device prefix cache, as vLLM v1's block pool keeps it.
 
 vLLM caches KV in fixed blocks of ``block_size`` tokens, each full block keyed by a hash chained through its
-predecessors. A running request holds its blocks; when it finishes, its blocks go to the back of a free queue
-*last block first*, so a prompt's tail is evicted before its head. A new request first takes the longest
-chain of its blocks the cache still holds (out of the free queue, if there), then allocates the rest from the
-front of the free queue, evicting whatever those blocks held. What this model keeps of that:
+predecessors. A running request holds its blocks. When it finishes, its blocks are freed last block first:
+those caching a full block go to the back of the free queue, so a prompt's tail is evicted before its head;
+those caching nothing (the partial last block) go to the front, to be reused first. A new request takes the
+longest chain of its blocks the cache holds (out of the free queue, if there), then allocates the rest from
+the front of the free queue, evicting whatever those blocks cached; it starts only if the pool can hold it
+whole. tests/integrations/test_vllm_device_model.py runs the same requests through vLLM's own
+``KVCacheManager`` and checks every hit and every refusal.
 
-* capacity in blocks; a block's key is the chain of its tokens (the router's own keys are not needed);
-* the prefix hit (whole blocks, in order), pinning while a request runs, the free queue's order on release;
-* eviction only when a block is allocated, so a request's blocks stay until others need the room.
-
-What it leaves out: a request is allocated whole when it arrives (vLLM allocates as chunked prefill proceeds,
-and queues or preempts when the pool is short; here a request that does not fit takes what is free and the
-rest of its blocks are not cached), and the block that holds the last prompt token is never a hit (vLLM
-recomputes at least one token; :meth:`admit` reports whole blocks, the caller caps the hit).
+What the simulator does with it (kvtier.apps.sim.replay): a request is allocated whole when it arrives and
+holds its blocks until it ends. vLLM allocates as chunked prefill proceeds and leaves a request the pool
+cannot hold waiting for room; here such a request finds its hit and caches nothing. A block filled by output
+tokens caches nothing here (vLLM caches it too).
 """
 
 from __future__ import annotations
@@ -46,72 +45,88 @@ class DevicePool:
         if blocks < 0:
             raise ValueError(f"a device holds a non-negative number of blocks, got {blocks}")
         self.blocks = blocks
-        self._never_used = blocks
-        self._holders: dict[bytes, int] = {}  # cached block -> requests holding it (0: in the free queue)
-        self._free: OrderedDict[bytes, None] = OrderedDict()  # cached blocks nobody holds, front evicted first
+        self._next_block = 0  # blocks never used yet: ids from here to ``blocks``
+        self._key_of: dict[int, bytes] = {}  # block id -> the key it caches (full blocks only)
+        self._cached: dict[bytes, dict[int, None]] = {}  # key -> the blocks caching it (the first one serves a hit)
+        self._holders: dict[int, int] = {}  # block id -> running requests holding it
+        self._free: OrderedDict[int, None] = OrderedDict()  # blocks nobody holds, in eviction order
 
     def cached_blocks(self, keys: Sequence[bytes]) -> int:
         """Blocks of the longest prefix of ``keys`` the device holds now."""
         n = 0
         for key in keys:
-            if key not in self._holders:
+            if key not in self._cached:
                 break
             n += 1
         return n
 
-    def admit(self, keys: Sequence[bytes]) -> tuple[int, list[bytes]]:
-        """A request with these block keys starts: returns its prefix hit in blocks and the blocks it now holds
-        (pass them to :meth:`release` when it ends)."""
-        hit = self.cached_blocks(keys)
-        held = list(keys[:hit])
-        for key in held:
-            self._hold(key)
-        for key in keys[hit:]:
-            if key in self._holders:  # a block repeated further into the same prompt
-                self._hold(key)
-            elif not self._allocate():
-                break
-            else:
-                self._holders[key] = 1
-            held.append(key)
+    def admit(self, keys: Sequence[bytes], blocks: int, most_hit: int | None = None) -> tuple[int, list[int]]:
+        """A request whose full blocks have ``keys`` starts, holding ``blocks`` blocks in all (its partial last
+        block and the blocks its output fills too): returns its prefix hit in blocks (at most ``most_hit``) and
+        the blocks it holds until :meth:`release`. A request the pool cannot hold whole takes nothing and
+        holds nothing (vLLM would leave it waiting for room): the hit is what it would find."""
+        hit = min(self.cached_blocks(keys), len(keys) if most_hit is None else most_hit)
+        found = [next(iter(self._cached[key])) for key in keys[:hit]]
+        free_found = sum(1 for block in found if not self._holders.get(block))
+        if blocks - hit > (self.blocks - self._next_block) + len(self._free) - free_found:
+            return hit, []
+        for block in found:
+            self._free.pop(block, None)
+            self._holders[block] = self._holders.get(block, 0) + 1
+        held = found
+        for i in range(hit, blocks):
+            block = self._allocate()
+            self._holders[block] = 1
+            if i < len(keys):  # a full block: cached under its key (beside any other block caching it)
+                self._key_of[block] = keys[i]
+                self._cached.setdefault(keys[i], {})[block] = None
+            held.append(block)
         return hit, held
 
-    def release(self, held: Sequence[bytes]) -> None:
-        """A request ended: its blocks join the back of the free queue, its last block first."""
-        for key in reversed(held):
-            count = self._holders.get(key)
-            if count is None or count == 0:
+    def release(self, held: Sequence[int]) -> None:
+        """A request ended: its cached blocks join the back of the free queue, its last block first; blocks that
+        cache nothing go to the front, to be reused first (vLLM's ``BlockPool.free_blocks``)."""
+        uncached: list[int] = []
+        for block in reversed(held):
+            count = self._holders.get(block, 0)
+            if not count:
                 continue
-            self._holders[key] = count - 1
-            if count == 1:
-                self._free[key] = None
+            self._holders[block] = count - 1
+            if count > 1:
+                continue
+            if block in self._key_of:
+                self._free[block] = None
+            else:
+                uncached.append(block)
+        for block in reversed(uncached):
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
 
-    def _hold(self, key: bytes) -> None:
-        if self._holders[key] == 0:
-            del self._free[key]
-        self._holders[key] += 1
-
-    def _allocate(self) -> bool:
-        if self._never_used:
-            self._never_used -= 1
-            return True
-        if not self._free:
-            return False
-        evicted, _ = self._free.popitem(last=False)
-        del self._holders[evicted]
-        return True
+    def _allocate(self) -> int:
+        if self._next_block < self.blocks:
+            self._next_block += 1
+            return self._next_block - 1
+        block, _ = self._free.popitem(last=False)
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            owners = self._cached[key]
+            del owners[block]
+            if not owners:
+                del self._cached[key]
+        return block
 
 
 class FleetDevices:
-    """Every replica's :class:`DevicePool`, and when each running request gives its blocks back.
+    """Every replica's :class:`DevicePool` of ``blocks`` blocks as vLLM counts them (``--num-gpu-blocks-override``;
+    one is vLLM's null block, never cached), and when each running request gives its blocks back.
 
     Time only moves forward: :meth:`settle` releases the requests that ended by ``now``, in the order they
     ended, before anything new is looked up or admitted at ``now``."""
 
     def __init__(self, replicas: int, blocks: int, block_size: int) -> None:
-        self.pools = [DevicePool(blocks) for _ in range(replicas)]
+        self.pools = [DevicePool(max(blocks - 1, 0)) for _ in range(replicas)]
         self.block_size = block_size
-        self._ends: list[tuple[float, int, int, list[bytes]]] = []  # (end, sequence, replica, held blocks)
+        self._ends: list[tuple[float, int, int, list[int]]] = []  # (end, sequence, replica, held blocks)
         self._sequence = 0
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
@@ -128,13 +143,16 @@ class FleetDevices:
         most = max(prompt_tokens - 1, 0) // self.block_size
         return [min(pool.cached_blocks(keys), most) * self.block_size for pool in self.pools]
 
-    def start(self, replica: int, keys: Sequence[bytes], prompt_tokens: int) -> tuple[int, list[bytes]]:
+    def start(self, replica: int, keys: Sequence[bytes], prompt_tokens: int,
+              output_tokens: int = 0) -> tuple[int, list[int]]:
         """A request starts on ``replica``: the tokens its device held (as :meth:`cached_tokens`), and the blocks
-        it holds until :meth:`end_at`."""
-        hit, held = self.pools[replica].admit(keys)
-        return min(hit, max(prompt_tokens - 1, 0) // self.block_size) * self.block_size, held
+        it holds until :meth:`end_at` (room for its prompt and ``output_tokens``)."""
+        most = max(prompt_tokens - 1, 0) // self.block_size
+        blocks = -(-(prompt_tokens + output_tokens) // self.block_size)
+        hit, held = self.pools[replica].admit(keys, blocks, most)
+        return hit * self.block_size, held
 
-    def end_at(self, replica: int, held: list[bytes], end_s: float) -> None:
+    def end_at(self, replica: int, held: list[int], end_s: float) -> None:
         """The request holding ``held`` on ``replica`` ends at ``end_s`` (released by the first later settle)."""
         heapq.heappush(self._ends, (end_s, self._sequence, replica, held))
         self._sequence += 1

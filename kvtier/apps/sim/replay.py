@@ -192,7 +192,7 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             if placed is not None:  # another run's request, where it ran
                 replicas[placed].serve(tokens)
                 if devices is not None:
-                    _, held = devices.start(placed, blocks, len(tokens))
+                    _, held = devices.start(placed, blocks, len(tokens), request.output_tokens)
                     devices.end_at(placed, held, request.arrival_s + (request.measured_e2e_s or 0.0))
                 continue
             index, routed = 0, 0
@@ -211,7 +211,8 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             if fleet.replica_names and request.measured_replica is not None:
                 result.placements_compared += 1
                 result.placements_matched += fleet.replica_name(index) == request.measured_replica
-            device_tokens, held = devices.start(index, blocks, len(tokens)) if devices is not None else (0, [])
+            device_tokens, held = (devices.start(index, blocks, len(tokens), request.output_tokens)
+                                  if devices is not None else (0, []))
             hits = replicas[index].serve(tokens)
             computed = _count(result, request, index, len(keys), hits, labels, device_tokens, chunk_tokens)
             wait_s, end_s = load.admit(index, request, computed, routed)
