@@ -5,6 +5,7 @@
     kvtier sim TRACE --replicas 4 --routing load-bounded --capacity 10000            # 4 x 2,500 chunks
     kvtier sim results/bench/multiround.json --chunk-tokens 64 --replicas 2 --sticky # a kvtier bench run
     kvtier sim TRACE --fleet fleet.yaml                                              # tiers, shared tier ...
+    kvtier sim arm-a.json --fleet fleet.yaml --background arm-b.json                 # runs side by side
 
 TRACE is a Mooncake-format JSONL trace (each 512-token block id becomes ``--block-tokens`` token ids, so one
 block is one chunk) or a ``kvtier bench`` result JSON (its prompts are rebuilt by the bench's workload code).
