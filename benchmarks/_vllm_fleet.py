@@ -58,9 +58,9 @@ STICKY = ("--policy", "round-robin", "--sticky")
 DEVICE_ONLY = ("--policy", "load-bounded", "--no-sticky", "--tie-break", "random", "--tier-weight", "recent=0")
 #: kvtier route's default: load-bounded prefix affinity with sticky sessions (under the session bound)
 TIER_AWARE = ("--policy", "load-bounded", "--sticky")
-#: in the simulator a replica's vLLM device cache is its ``memory`` tier and kvtier's tiers its ``disk`` tier;
-#: a router that knows only the device gives the second no weight
-DEVICE_WEIGHTS = (("disk", 0.0), ("shared", 0.0))
+#: in the simulator a router that knows only vLLM's device cache (the tier ``device``) does not see kvtier's
+#: tiers at all: they weigh nothing
+DEVICE_WEIGHTS = (("memory", 0.0), ("disk", 0.0), ("shared", 0.0))
 
 PRIVATE_ARMS = (
     Arm("round-robin", ROUND_ROBIN),
@@ -91,8 +91,9 @@ class Tiers:
 
     def config(self, folder: Path) -> dict:
         tiers: list[dict] = [{"kind": "memory", "capacity_bytes": self.memory}]
-        if self.disk is not None:
-            tiers.append({"kind": "disk", "path": str(folder), "capacity_bytes": self.disk, "fsync": False})
+        if self.disk is not None:  # what the memory tier evicts, every chunk of it (not only chunks hit twice)
+            tiers.append({"kind": "disk", "path": str(folder), "capacity_bytes": self.disk, "fsync": False,
+                          "write": "back", "admission": "always"})
         if self.redis_url is not None:  # one store for the fleet: its medium is SHARED (the connector's default)
             tiers.append({"kind": "redis", "url": self.redis_url, "timeout_s": 30.0})
         if self.mooncake is not None:  # a shared store too: SHARED
@@ -288,14 +289,14 @@ def kill_phase(replicas: list[Replica], arm: Arm, spec: MultiRoundSpec, follow: 
     return record
 
 
-def sim_fleet(arm: Arm, names: list[str], device_blocks: int, tier_chunks: int, shared_chunks: int | None,
+def sim_fleet(arm: Arm, names: list[str], device_blocks: int, tiers: list[dict], shared_chunks: int | None,
               prefill_tokens_per_s: float) -> dict:
     """The fleet file ``kvtier sim`` replays ``arm``'s requests through: vLLM's device cache of ``device_blocks``
-    per replica (the whole of it: the other arms' requests go through it beside this one's, see
-    :func:`sim_predict`), kvtier's private tiers as one ``disk`` tier (which admits every chunk at once, as
-    kvtier's memory tier in front of the real disk does). The replicas carry the names the arm's router knows
-    them by (``names``: every replica's, host:port), so the replay's rendezvous homes and random draws are the
-    router's, and a decode stream costs what it costs kvtier route by default."""
+    per replica, kvtier's own ``tiers`` per replica (the fleet file's tier list, as the replicas run them) and a
+    shared store of ``shared_chunks``, each whole: the other arms' requests go through them beside this one's
+    (:func:`sim_predict`). The replicas carry the names the arm's router knows them by (``names``: every
+    replica's, host:port), so the replay's rendezvous homes and random draws are the router's, and a decode
+    stream costs what it costs kvtier route by default."""
     from kvtier.apps.route.config import DEFAULT_DECODE_STREAM_TOKENS
 
     mine = [names[i] for i in arm.replicas] if arm.replicas is not None else list(names)
@@ -304,8 +305,7 @@ def sim_fleet(arm: Arm, names: list[str], device_blocks: int, tier_chunks: int, 
              "routing": arm.sim_routing if n > 1 else "round-robin", "sticky": arm.sim_sticky,
              "tie_break": arm.sim_tie_break,
              "prefill_tokens_per_s": prefill_tokens_per_s, "decode_tokens_per_s": 30, "vllm_block_size": BLOCK,
-             "vllm_device_blocks": device_blocks,
-             "tiers": [{"kind": "disk", "chunks": tier_chunks, "policy": "lru", "admission": "always"}]}
+             "vllm_device_blocks": device_blocks, "tiers": tiers}
     if arm.sim_weights:
         fleet["tier_weights"] = dict(arm.sim_weights)
     if shared_chunks is not None:
