@@ -126,7 +126,7 @@ def measure(arms, specs, replicas, args, model, out, rows: dict, sim_tiers: list
     sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
                                    sim_fleet(arm, [r.name for r in replicas], args.device_blocks, sim_tiers,
                                              shared_chunks, PREFILL_TOKENS_PER_S),
-                                   [f for f in files if f.name != f"arm-{arm.label}.json"])
+                                   [f for f in files if f.name != f"arm-{arm.label}.json"], model)
             for arm in arms}
     rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
     return place_shares(runs, hits)

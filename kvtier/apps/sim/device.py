@@ -6,21 +6,23 @@ those caching a full block go to the back of the free queue, so a prompt's tail 
 those caching nothing (the partial last block) go to the front, to be reused first. A new request takes the
 longest chain of its blocks the cache holds (out of the free queue, if there), then allocates the rest from
 the front of the free queue, evicting whatever those blocks cached; it starts only if the pool can hold it
-whole. tests/integrations/test_vllm_device_model.py runs the same requests through vLLM's own
-``KVCacheManager`` and checks every hit and every refusal.
+whole, else waits. tests/integrations/test_vllm_device_model.py runs the same requests through vLLM's own
+``KVCacheManager`` and checks every hit, every wait and every admission.
 
-What the simulator does with it (kvtier.apps.sim.replay): a request is allocated whole when it arrives and
-holds its blocks until it ends. vLLM allocates as chunked prefill proceeds and leaves a request the pool
-cannot hold waiting for room; here such a request finds its hit and caches nothing. A block filled by output
-tokens caches nothing here (vLLM caches it too).
+What the simulator does with it (kvtier.apps.sim.replay, :class:`FleetDevices`): a request is allocated whole
+when it starts and holds its blocks until it ends; one the pool cannot hold waits, first come first served, as
+in vLLM's queue, and takes its blocks when room comes back (vLLM allocates as chunked prefill proceeds). The
+hit a request counts is what the device held when it arrived. A block filled by output tokens caches nothing
+here (vLLM caches it too).
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 #: the tier name the router's view and the hit counts give a replica's device cache
 DEVICE = "device"
@@ -116,17 +118,33 @@ class DevicePool:
         return block
 
 
+@dataclass
+class Running:
+    """A request on a replica's device: the blocks it holds, or, while it waits for room, what it will take."""
+
+    replica: int
+    keys: Sequence[bytes]
+    blocks: int
+    most_hit: int
+    held: list[int] | None = None  # None: waiting for room
+    end_s: float | None = None
+
+
 class FleetDevices:
     """Every replica's :class:`DevicePool` of ``blocks`` blocks as vLLM counts them (``--num-gpu-blocks-override``;
-    one is vLLM's null block, never cached), and when each running request gives its blocks back.
+    one is vLLM's null block, never cached), the requests waiting for room on each, and when each running
+    request gives its blocks back.
 
-    Time only moves forward: :meth:`settle` releases the requests that ended by ``now``, in the order they
-    ended, before anything new is looked up or admitted at ``now``."""
+    A request the pool cannot hold whole waits, first come first served, as in vLLM's queue: it takes its blocks
+    when the requests ahead of it have and enough have been given back (what it finds on the device is counted
+    when it arrives). Time only moves forward: :meth:`settle` releases the requests that ended by ``now``, in the
+    order they ended, admitting waiting ones as room appears, before anything new is looked up at ``now``."""
 
     def __init__(self, replicas: int, blocks: int, block_size: int) -> None:
         self.pools = [DevicePool(max(blocks - 1, 0)) for _ in range(replicas)]
         self.block_size = block_size
-        self._ends: list[tuple[float, int, int, list[int]]] = []  # (end, sequence, replica, held blocks)
+        self._ends: list[tuple[float, int, Running]] = []  # (end, sequence, request)
+        self._waiting: list[deque[Running]] = [deque() for _ in range(replicas)]
         self._sequence = 0
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
@@ -134,8 +152,10 @@ class FleetDevices:
 
     def settle(self, now: float) -> None:
         while self._ends and self._ends[0][0] <= now:
-            _, _, replica, held = heapq.heappop(self._ends)
-            self.pools[replica].release(held)
+            end, _, request = heapq.heappop(self._ends)
+            assert request.held is not None
+            self.pools[request.replica].release(request.held)
+            self._admit_waiting(request.replica, end)
 
     def cached_tokens(self, keys: Sequence[bytes], prompt_tokens: int) -> list[int]:
         """Per replica, the prompt's tokens a request arriving now would find on its device (whole blocks, never
@@ -144,15 +164,40 @@ class FleetDevices:
         return [min(pool.cached_blocks(keys), most) * self.block_size for pool in self.pools]
 
     def start(self, replica: int, keys: Sequence[bytes], prompt_tokens: int,
-              output_tokens: int = 0) -> tuple[int, list[int]]:
-        """A request starts on ``replica``: the tokens its device held (as :meth:`cached_tokens`), and the blocks
-        it holds until :meth:`end_at` (room for its prompt and ``output_tokens``)."""
+              output_tokens: int = 0) -> tuple[int, Running]:
+        """A request arrives on ``replica``: the tokens its device holds (as :meth:`cached_tokens`), and its place
+        there, running or waiting for room, until :meth:`end_at` (room for its prompt and ``output_tokens``)."""
         most = max(prompt_tokens - 1, 0) // self.block_size
-        blocks = -(-(prompt_tokens + output_tokens) // self.block_size)
-        hit, held = self.pools[replica].admit(keys, blocks, most)
-        return hit * self.block_size, held
+        request = Running(replica, keys, -(-(prompt_tokens + output_tokens) // self.block_size), most)
+        hit = min(self.pools[replica].cached_blocks(keys), most)
+        if request.blocks > self.pools[replica].blocks:
+            request.held = []  # never fits: vLLM refuses it; nothing is cached
+        elif not self._waiting[replica]:
+            _, held = self.pools[replica].admit(keys, request.blocks, most)
+            request.held = held or None
+        if request.held is None:
+            self._waiting[replica].append(request)
+        return hit * self.block_size, request
 
-    def end_at(self, replica: int, held: list[int], end_s: float) -> None:
-        """The request holding ``held`` on ``replica`` ends at ``end_s`` (released by the first later settle)."""
-        heapq.heappush(self._ends, (end_s, self._sequence, replica, held))
+    def end_at(self, request: Running, end_s: float) -> None:
+        """``request`` ends at ``end_s``: it gives its blocks back at the first settle from then on (one still
+        waiting then takes its blocks when its turn comes, and gives them back at once)."""
+        request.end_s = end_s
+        if request.held is not None:
+            self._push_end(request, end_s)
+
+    def _push_end(self, request: Running, end_s: float) -> None:
+        heapq.heappush(self._ends, (end_s, self._sequence, request))
         self._sequence += 1
+
+    def _admit_waiting(self, replica: int, now: float) -> None:
+        waiting, pool = self._waiting[replica], self.pools[replica]
+        while waiting:
+            request = waiting[0]
+            _, held = pool.admit(request.keys, request.blocks, request.most_hit)
+            if not held:
+                return
+            waiting.popleft()
+            request.held = held
+            if request.end_s is not None:
+                self._push_end(request, max(request.end_s, now))

@@ -192,8 +192,8 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             if placed is not None:  # another run's request, where it ran
                 replicas[placed].serve(tokens)
                 if devices is not None:
-                    _, held = devices.start(placed, blocks, len(tokens), request.output_tokens)
-                    devices.end_at(placed, held, request.arrival_s + (request.measured_e2e_s or 0.0))
+                    _, running = devices.start(placed, blocks, len(tokens), request.output_tokens)
+                    devices.end_at(running, request.arrival_s + (request.measured_e2e_s or 0.0))
                 continue
             index, routed = 0, 0
             if len(replicas) > 1:
@@ -211,14 +211,14 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             if fleet.replica_names and request.measured_replica is not None:
                 result.placements_compared += 1
                 result.placements_matched += fleet.replica_name(index) == request.measured_replica
-            device_tokens, held = (devices.start(index, blocks, len(tokens), request.output_tokens)
-                                  if devices is not None else (0, []))
+            device_tokens, running = (devices.start(index, blocks, len(tokens), request.output_tokens)
+                                     if devices is not None else (0, None))
             hits = replicas[index].serve(tokens)
             computed = _count(result, request, index, len(keys), hits, labels, device_tokens, chunk_tokens)
             wait_s, end_s = load.admit(index, request, computed, routed)
             result.replicas[index].wait_s.append(wait_s)
-            if devices is not None:
-                devices.end_at(index, held, end_s)
+            if running is not None:
+                devices.end_at(running, end_s)
             n += 1
             if progress is not None and (n % 64 == 0 or n == len(requests)):
                 progress(n)

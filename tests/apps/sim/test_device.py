@@ -75,14 +75,14 @@ def test_other_runs_requests_take_the_device_room_the_replayed_one_needed():
     assert replay(mine, fleet, CHUNK, background=elsewhere).saved_tokens == 19 * BLOCK
 
 
-@pytest.mark.parametrize("arrival, saved", [(0.5, 19 * BLOCK), (1.5, 0)])
-def test_a_running_request_keeps_its_blocks_until_its_measured_end(arrival, saved):
+@pytest.mark.parametrize("runner_blocks, saved", [(30, 0), (8, 19 * BLOCK)])
+def test_a_request_that_does_not_fit_waits_for_room_and_then_takes_it(runner_blocks, saved):
     ids = prompt(1)
     fleet = device_fleet(device_blocks=32)
     mine = [request(ids, 0.0, e2e_s=1.0), request(ids, 10.0)]
-    runner = request(prompt(50, 30 * BLOCK), arrival, replica=fleet.replica_names[0])
-    # 31 blocks of room: the first request holds 21 until 1.0 s, so a runner of 31 arriving before then does not
-    # fit and takes nothing; arriving after, it evicts the first's blocks
+    runner = request(prompt(50, runner_blocks * BLOCK), 0.5, replica=fleet.replica_names[0])
+    # 31 blocks of room, the first request holds 21 until 1.0 s: a runner of 31 waits until then and takes the
+    # first's blocks (the repeat finds nothing); one of 9 fits beside it and evicts nothing
     assert replay(mine, fleet, CHUNK, background=[runner]).saved_tokens == saved
 
 
