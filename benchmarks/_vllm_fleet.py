@@ -58,9 +58,9 @@ STICKY = ("--policy", "round-robin", "--sticky")
 DEVICE_ONLY = ("--policy", "load-bounded", "--no-sticky", "--tie-break", "random", "--tier-weight", "recent=0")
 #: kvtier route's default: load-bounded prefix affinity with sticky sessions (under the session bound)
 TIER_AWARE = ("--policy", "load-bounded", "--sticky")
-#: in the simulator a replica's vLLM device cache is its ``memory`` tier and kvtier's tiers its ``disk`` tier;
-#: a router that knows only the device gives the second no weight
-DEVICE_WEIGHTS = (("disk", 0.0), ("shared", 0.0))
+#: in the simulator a router that knows only vLLM's device cache (the tier ``device``) does not see kvtier's
+#: tiers at all: they weigh nothing
+DEVICE_WEIGHTS = (("memory", 0.0), ("disk", 0.0), ("shared", 0.0))
 
 PRIVATE_ARMS = (
     Arm("round-robin", ROUND_ROBIN),
@@ -91,8 +91,9 @@ class Tiers:
 
     def config(self, folder: Path) -> dict:
         tiers: list[dict] = [{"kind": "memory", "capacity_bytes": self.memory}]
-        if self.disk is not None:
-            tiers.append({"kind": "disk", "path": str(folder), "capacity_bytes": self.disk, "fsync": False})
+        if self.disk is not None:  # what the memory tier evicts, every chunk of it (not only chunks hit twice)
+            tiers.append({"kind": "disk", "path": str(folder), "capacity_bytes": self.disk, "fsync": False,
+                          "write": "back", "admission": "always"})
         if self.redis_url is not None:  # one store for the fleet: its medium is SHARED (the connector's default)
             tiers.append({"kind": "redis", "url": self.redis_url, "timeout_s": 30.0})
         if self.mooncake is not None:  # a shared store too: SHARED
@@ -288,13 +289,14 @@ def kill_phase(replicas: list[Replica], arm: Arm, spec: MultiRoundSpec, follow: 
     return record
 
 
-def sim_fleet(arm: Arm, names: list[str], device_chunks: int, tier_chunks: int, shared_chunks: int | None,
+def sim_fleet(arm: Arm, names: list[str], device_blocks: int, tiers: list[dict], shared_chunks: int | None,
               prefill_tokens_per_s: float) -> dict:
-    """The fleet file ``kvtier sim`` replays ``arm``'s requests through: vLLM's device cache is each replica's
-    ``memory`` tier (its share of it: the arms run side by side), kvtier's private tiers the ``disk`` tier (which
-    admits every chunk at once, as kvtier's memory tier in front of the real disk does). The replicas carry the
-    names the arm's router knows them by (``names``: every replica's, host:port), so the replay's rendezvous homes
-    and random draws are the router's, and a decode stream costs what it costs kvtier route by default."""
+    """The fleet file ``kvtier sim`` replays ``arm``'s requests through: vLLM's device cache of ``device_blocks``
+    per replica, kvtier's own ``tiers`` per replica (the fleet file's tier list, as the replicas run them) and a
+    shared store of ``shared_chunks``, each whole: the other arms' requests go through them beside this one's
+    (:func:`sim_predict`). The replicas carry the names the arm's router knows them by (``names``: every
+    replica's, host:port), so the replay's rendezvous homes and random draws are the router's, and a decode
+    stream costs what it costs kvtier route by default."""
     from kvtier.apps.route.config import DEFAULT_DECODE_STREAM_TOKENS
 
     mine = [names[i] for i in arm.replicas] if arm.replicas is not None else list(names)
@@ -303,8 +305,7 @@ def sim_fleet(arm: Arm, names: list[str], device_chunks: int, tier_chunks: int, 
              "routing": arm.sim_routing if n > 1 else "round-robin", "sticky": arm.sim_sticky,
              "tie_break": arm.sim_tie_break,
              "prefill_tokens_per_s": prefill_tokens_per_s, "decode_tokens_per_s": 30, "vllm_block_size": BLOCK,
-             "tiers": [{"kind": "memory", "chunks": device_chunks, "policy": "lru"},
-                       {"kind": "disk", "chunks": tier_chunks, "policy": "lru", "admission": "always"}]}
+             "vllm_device_blocks": device_blocks, "tiers": tiers}
     if arm.sim_weights:
         fleet["tier_weights"] = dict(arm.sim_weights)
     if shared_chunks is not None:
@@ -312,18 +313,24 @@ def sim_fleet(arm: Arm, names: list[str], device_chunks: int, tier_chunks: int, 
     return fleet
 
 
-def sim_predict(arm_file: Path, label: str, fleet: dict) -> dict:
+def sim_predict(arm_file: Path, label: str, fleet: dict, beside: list[Path], model: str) -> dict:
     """``kvtier sim``'s token hit ratio, requests per replica and sticky breaks for one arm's recorded requests
-    (chunks of 128 tokens, as kvtier stores them; each held in flight as long as it was measured, and new
-    conversations keyed by their first vLLM block, as the router sees them)."""
-    from kvtier.apps.sim.bench_replay import read_bench_json
+    (chunks of 128 tokens, as kvtier stores them; chat prompts as ``model``'s token ids; each held in flight as
+    long as it was measured, and new conversations keyed by their first vLLM block, as the router sees them),
+    with the requests of the arms run beside it (``beside``: their bench JSONs) placed where they ran, in the
+    replicas' device caches and tiers."""
+    from kvtier.apps.sim.bench_replay import read_background, read_bench_json
     from kvtier.apps.sim.fleet import FleetConfig
     from kvtier.apps.sim.replay import replay
+    from kvtier.integrations.prompts import PromptTokenizer
 
-    # the fleet file beside the arm's requests (JSON is YAML): `kvtier sim arm-L.json --fleet fleet-L.yaml`
+    # the fleet file beside the arm's requests (JSON is YAML):
+    # `kvtier sim arm-L.json --fleet fleet-L.yaml --tokenizer MODEL --background <the other arm-*.json>`
     arm_file.with_name(f"fleet-{label}.yaml").write_text(json.dumps(fleet, indent=1))
-    requests = read_bench_json(arm_file, chunk_tokens=CHUNK, target=label)
-    result = replay(requests, FleetConfig.from_dict(fleet), CHUNK, label=label)
+    tokenizer = PromptTokenizer(model).chat
+    requests = read_bench_json(arm_file, chunk_tokens=CHUNK, target=label, tokenizer=tokenizer)
+    background = read_background(beside, chunk_tokens=CHUNK, tokenizer=tokenizer)
+    result = replay(requests, FleetConfig.from_dict(fleet), CHUNK, label=label, background=background)
     return {"token_hit_ratio": result.token_hit_ratio, "requests": [r.requests for r in result.replicas],
             "sticky_breaks": result.sticky_breaks, "placed_as_run": result.placements_matched,
             "placements_compared": result.placements_compared}

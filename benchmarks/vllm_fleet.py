@@ -4,10 +4,10 @@ tier; a replica killed mid-run; and `kvtier sim`'s prediction of every arm next 
 
 Three `kvtier vllm serve` replicas of SmolLM2-135M-Instruct (float32, blocks of 32 tokens, one OpenMP thread
 each: three replicas share this machine's two cores), each with the kvtier connector over private tiers (memory,
-then disk; chunks of 128 tokens) and vLLM's KV events on (ZMQ PUB + replay socket). In front of the same three
-replicas, one `kvtier route` process per arm, each with its own conversations (another seed per arm), run
-interleaved behind one bound of ``--concurrency`` requests in flight, so load from elsewhere on this shared
-machine falls on every arm alike:
+then a disk taking every chunk the memory tier evicts; chunks of 128 tokens) and vLLM's KV events on (ZMQ PUB +
+replay socket). In front of the same three replicas, one `kvtier route` process per arm, each with its own
+conversations (another seed per arm), run interleaved behind one bound of ``--concurrency`` requests in flight,
+so load from elsewhere on this shared machine falls on every arm alike:
 
 * **round-robin**: ``--policy round-robin --no-sticky``, no events;
 * **sticky**: a session's later requests back to its first replica (round-robin for first requests), no events;
@@ -59,7 +59,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from _util import routed_per_replica  # noqa: E402
 from _vllm_fleet import (  # noqa: E402
-    BLOCK,
     CHUNK,
     PRIVATE_ARMS,
     SHARED_ARMS,
@@ -116,16 +115,18 @@ def run_phase(arms, replicas, specs, model, out, concurrency):
     return runs, served, hits, breaks
 
 
-def measure(arms, specs, replicas, args, model, out, rows: dict, tier_chunks: int,
+def measure(arms, specs, replicas, args, model, out, rows: dict, sim_tiers: list[dict],
             shared_chunks: int | None = None) -> dict:
-    """``arms`` side by side, each predicted by ``kvtier sim`` (kvtier's private tiers ``tier_chunks`` per
-    replica, a shared store of ``shared_chunks``, vLLM's device cache split between the arms): their rows are
-    added to ``rows``; returns where the cached prompt tokens came from."""
+    """``arms`` side by side, each predicted by ``kvtier sim`` (kvtier's tiers ``sim_tiers`` per replica, a shared
+    store of ``shared_chunks``, vLLM's device cache of ``--device-blocks`` per replica, the other arms' requests
+    beside it where they ran): their rows are added to ``rows``; returns where the cached prompt tokens came
+    from."""
     runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
-    device = args.device_blocks * BLOCK // CHUNK // len(arms)
+    files = [out / f"arm-{arm.label}.json" for arm in arms]
     sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
-                                   sim_fleet(arm, [r.name for r in replicas], device, tier_chunks, shared_chunks,
-                                             PREFILL_TOKENS_PER_S))
+                                   sim_fleet(arm, [r.name for r in replicas], args.device_blocks, sim_tiers,
+                                             shared_chunks, PREFILL_TOKENS_PER_S),
+                                   [f for f in files if f.name != f"arm-{arm.label}.json"], model)
             for arm in arms}
     rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
     return place_shares(runs, hits)
@@ -222,8 +223,8 @@ def main() -> None:
     p.add_argument("--device-blocks", type=int, default=160,
                    help="vLLM's own cache per replica, in blocks of 32 tokens (at least max-model-len's 96)")
     p.add_argument("--memory", default="2GiB",
-                   help="kvtier's memory tier per replica (private phase): enough for every conversation a replica "
-                        "sees, as the disk tier below admits a chunk only when sighted twice")
+                   help="kvtier's memory tier per replica (private phase); the disk tier below takes every chunk it "
+                        "evicts")
     p.add_argument("--disk", default="4GiB", help="kvtier's disk tier per replica (private phase)")
     p.add_argument("--shared-memory", default="128MiB", help="kvtier's memory tier per replica (shared phase)")
     p.add_argument("--redis-bytes", default="3GiB", help="the shared store's size: redis-server's maxmemory, or the "
@@ -252,16 +253,19 @@ def main() -> None:
         with ExitStack() as stack:
             tiers = Tiers(args.memory, args.disk)
             replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
-            tier_chunks = (parse_size(args.memory) + parse_size(args.disk)) // chunk_bytes
+            # kvtier's tiers as the simulator runs them: the memory tier, then the disk taking what it evicts
+            sim_tiers = [{"kind": "memory", "chunks": parse_size(args.memory) // chunk_bytes},
+                         {"kind": "disk", "chunks": parse_size(args.disk) // chunk_bytes, "write": "back",
+                          "admission": "always"}]
             if "private" in phases:
                 specs = [with_seed(base, 100 + i) for i in range(len(PRIVATE_ARMS))]
-                places["private"] = measure(PRIVATE_ARMS, specs, replicas, args, model, out, rows, tier_chunks)
+                places["private"] = measure(PRIVATE_ARMS, specs, replicas, args, model, out, rows, sim_tiers)
                 save(out, rows, places, killed)
                 load["after_private"] = os.getloadavg()[0]
             if "trace" in phases:
                 trace = TraceSpec(**(QUICK_TRACE if args.quick else FULL_TRACE))
                 specs = [dataclasses.replace(trace, salt=1 + i) for i in range(len(TRACE_ARMS))]
-                places["trace"] = measure(TRACE_ARMS, specs, replicas, args, model, out, rows, tier_chunks)
+                places["trace"] = measure(TRACE_ARMS, specs, replicas, args, model, out, rows, sim_tiers)
                 save(out, rows, places, killed)
                 load["after_trace"] = os.getloadavg()[0]
             if "kill" in phases:
@@ -282,10 +286,10 @@ def main() -> None:
             tiers, arms = shared_store(stack, args, store)
             replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
             specs = [with_seed(base, 300 + i) for i in range(len(arms))]
-            n = len(arms)  # the arms share the small memory tiers and the store
             places["shared" if store == "redis" else "mooncake"] = measure(
-                arms, specs, replicas, args, model, out, rows, parse_size(args.shared_memory) // chunk_bytes // n,
-                parse_size(args.redis_bytes) // chunk_bytes // n)
+                arms, specs, replicas, args, model, out, rows,
+                [{"kind": "memory", "chunks": parse_size(args.shared_memory) // chunk_bytes}],
+                parse_size(args.redis_bytes) // chunk_bytes)
             if store == "mooncake":
                 stages = mooncake_stages(replicas)
             save(out, rows, places, killed)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import re
 import zlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -52,9 +53,15 @@ class _ReplayRunner:
         return SimpleNamespace(text=result.get("text") or "", status=result.get("status", 0))
 
 
+#: a chat's token ids as the served model's server computes them (kvtier.integrations.prompts.PromptTokenizer.chat)
+ChatTokenizer = Callable[[list[dict[str, Any]]], "Sequence[int] | None"]
+
+
 def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None = None,
-                    limit: int | None = None) -> list[TraceRequest]:
-    """The requests of one target's run in a bench JSON, in the order they were sent."""
+                    limit: int | None = None, tokenizer: ChatTokenizer | None = None) -> list[TraceRequest]:
+    """The requests of one target's run in a bench JSON, in the order they were sent. ``tokenizer``: chat prompts
+    become the served model's token ids, so chunk and block boundaries fall where the server's did (default:
+    :func:`chat_token_ids`, word-level ids)."""
     from kvtier.fleet import workloads as wl
 
     doc = _load(path)
@@ -74,7 +81,7 @@ def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None =
     asyncio.run(wl.WORKLOADS[workload](runner, spec=spec))
     out = []
     for round_, user, body in runner.sent:
-        ids = (np.asarray(body["prompt"], dtype="<u4") if "prompt" in body else chat_token_ids(body["messages"]))
+        ids = np.asarray(body["prompt"], dtype="<u4") if "prompt" in body else _chat_ids(body["messages"], tokenizer)
         result = recorded.get((round_, user), {})
         out.append(TraceRequest(float(result.get("sent_at", 0.0)), TokenPrompt(ids), len(ids),
                                 int(result.get("completion_tokens") or 0), chunk_tokens, f"{workload}:{user}",
@@ -82,6 +89,24 @@ def read_bench_json(path: str | Path, *, chunk_tokens: int, target: str | None =
                                 _replica(result.get("replica"))))
     out = _in_router_order(out, [_decision(recorded.get((r, u), {}).get("decision")) for r, u, _ in runner.sent])
     return out[:limit] if limit is not None else out
+
+
+def read_background(paths: Sequence[str | Path], *, chunk_tokens: int,
+                    but: tuple[str | Path, str | None] | None = None,
+                    tokenizer: ChatTokenizer | None = None) -> list[TraceRequest]:
+    """Every run's requests in the bench JSONs ``paths``, but the run being replayed itself (``but``: its file
+    and target, None for the file's first run): what else went through the replicas at the time
+    (kvtier.apps.sim.replay's ``background``)."""
+    skip = None
+    if but is not None:
+        runs = _load(but[0]).get("runs") or [{}]
+        skip = (Path(but[0]).resolve(), but[1] if but[1] is not None else runs[0].get("target"))
+    out: list[TraceRequest] = []
+    for path in paths:
+        for run in _load(path).get("runs") or []:
+            if (Path(path).resolve(), run.get("target")) != skip:
+                out += read_bench_json(path, chunk_tokens=chunk_tokens, target=run.get("target"), tokenizer=tokenizer)
+    return out
 
 
 def _in_router_order(requests: list[TraceRequest], decisions: list[int | None]) -> list[TraceRequest]:
@@ -97,6 +122,15 @@ def _in_router_order(requests: list[TraceRequest], decisions: list[int | None]) 
         latest = max(latest, request.arrival_s)
         out.append(request if request.arrival_s == latest else dataclasses.replace(request, arrival_s=latest))
     return out
+
+
+def _chat_ids(messages: list[dict[str, Any]], tokenizer: ChatTokenizer | None) -> np.ndarray:
+    if tokenizer is None:
+        return chat_token_ids(messages)
+    ids = tokenizer([{"role": str(m.get("role", "")), "content": str(m.get("content", ""))} for m in messages])
+    if ids is None:
+        raise ConfigError("the tokenizer has no chat template: chat prompts cannot become the model's token ids")
+    return np.asarray(ids, dtype="<u4")
 
 
 def _draw_key(body: dict[str, Any]) -> bytes:

@@ -5,6 +5,7 @@
     kvtier sim TRACE --replicas 4 --routing load-bounded --capacity 10000            # 4 x 2,500 chunks
     kvtier sim results/bench/multiround.json --chunk-tokens 64 --replicas 2 --sticky # a kvtier bench run
     kvtier sim TRACE --fleet fleet.yaml                                              # tiers, shared tier ...
+    kvtier sim arm-a.json --fleet fleet.yaml --background arm-b.json                 # runs side by side
 
 TRACE is a Mooncake-format JSONL trace (each 512-token block id becomes ``--block-tokens`` token ids, so one
 block is one chunk) or a ``kvtier bench`` result JSON (its prompts are rebuilt by the bench's workload code).
@@ -55,6 +56,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="Mooncake: cut prompts to input_length, so partial last blocks are never stored")
     t.add_argument("--chunk-tokens", type=int, default=64, help="bench JSON: tokens per chunk (default 64)")
     t.add_argument("--target", help="bench JSON: the target (label) whose run to replay (default: the first)")
+    t.add_argument("--tokenizer", metavar="MODEL_DIR",
+                   help="bench JSON: chat prompts become this model's token ids (its tokenizer and chat template, "
+                        "as the server computes them), so chunks and vLLM blocks fall where the server's did "
+                        "(default: word-level ids)")
+    t.add_argument("--background", nargs="+", metavar="BENCH_JSON", default=[],
+                   help="bench JSON: other runs that shared the replicas at the time (the replayed run itself left "
+                        "out); each request is placed where it ran (the fleet's replica_names) and holds room "
+                        "in that replica's device cache and tiers until its measured end")
     p.add_argument("--out", default="results/sim", help="folder for sim.json and sim.png")
     p.set_defaults(func=run)
     return p
@@ -83,7 +92,7 @@ def load_fleet(args: argparse.Namespace):
     return with_first_tier(fleet, args.capacity, args.policy)
 
 
-def load_requests(args: argparse.Namespace):
+def load_requests(args: argparse.Namespace, tokenizer=None):
     from kvtier.apps.sim.trace import is_mooncake, read_mooncake
 
     if is_mooncake(args.trace):
@@ -91,8 +100,25 @@ def load_requests(args: argparse.Namespace):
             args.block_tokens
     from kvtier.apps.sim.bench_replay import read_bench_json
 
-    return read_bench_json(args.trace, chunk_tokens=args.chunk_tokens, target=args.target, limit=args.limit), \
-        args.chunk_tokens
+    return read_bench_json(args.trace, chunk_tokens=args.chunk_tokens, target=args.target, limit=args.limit,
+                           tokenizer=tokenizer), args.chunk_tokens
+
+
+def chat_tokenizer(args: argparse.Namespace):
+    """--tokenizer's chat tokenizer (kvtier.integrations.prompts; needs transformers), or None."""
+    if not args.tokenizer:
+        return None
+    from kvtier.integrations.prompts import PromptTokenizer
+
+    return PromptTokenizer(args.tokenizer).chat
+
+
+def load_background(args: argparse.Namespace, tokenizer=None) -> list:
+    """The --background runs' requests (the replayed run itself left out)."""
+    from kvtier.apps.sim.bench_replay import read_background
+
+    return read_background(args.background, chunk_tokens=args.chunk_tokens, but=(args.trace, args.target),
+                           tokenizer=tokenizer)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         fleet = load_fleet(args)
-        requests, chunk_tokens = load_requests(args)
+        tokenizer = chat_tokenizer(args)
+        requests, chunk_tokens = load_requests(args, tokenizer)
+        background = load_background(args, tokenizer) if args.background else []
         capacities = _csv(args.capacities, int) or [None]
         policies = _csv(args.policies, str) or [None]
         if any(p is not None and p != "lru" for p in policies) and "lru" not in policies:
@@ -111,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         with tqdm(total=len(requests) * len(capacities) * len(policies), unit="req", desc="kvtier sim",
                   mininterval=1.0) as bar:
             study = run_study(requests, fleet, chunk_tokens, capacities=capacities, policies=policies,
-                              belady=not args.no_belady, progress=lambda n: bar.update(n - bar.n))
+                              belady=not args.no_belady, progress=lambda n: bar.update(n - bar.n),
+                              background=background)
     except ConfigError as exc:
         print(f"kvtier sim: {exc}", file=sys.stderr)
         return 2

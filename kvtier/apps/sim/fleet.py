@@ -23,6 +23,10 @@ YAML (every key optional)::
     vllm_block_size: 32         # the replicas are vLLM replicas of this --block-size, routed on their events:
                                 # a new prefix's tie-break hashes its first block, as `kvtier route` keys it
                                 # (default: none, kvtier replicas: the first chunk's key)
+    vllm_device_blocks: 160     # ... each with a device prefix cache of this many blocks (vLLM's KV cache:
+                                # --num-gpu-blocks-override, or what vLLM logs at start), kept as vLLM's block
+                                # pool keeps it (kvtier.apps.sim.device); the router weighs its hits as the
+                                # tier ``device`` (default: none, no device cache in front of kvtier's tiers)
     tiers:                      # each replica's own chain, fastest first
       - kind: memory            # memory | disk
         chunks: 2500            # capacity in chunks, or capacity_bytes: 64GiB (with codec_ratio)
@@ -126,6 +130,8 @@ class FleetConfig:
     prefill_tokens_per_s: float = 20_000.0
     decode_tokens_per_s: float = 30.0
     vllm_block_size: int | None = None
+    #: each vLLM replica's device prefix cache, in blocks of ``vllm_block_size`` (None: not simulated)
+    vllm_device_blocks: int | None = None
     #: the names kvtier route knows the replicas by (empty: their indices); see the YAML above
     replica_names: tuple[str, ...] = ()
 
@@ -138,12 +144,19 @@ class FleetConfig:
             raise ConfigError("kv_bytes_per_token, prefill_tokens_per_s and decode_tokens_per_s must be positive")
         if self.vllm_block_size is not None and self.vllm_block_size < 1:
             raise ConfigError(f"vllm_block_size must be positive, got {self.vllm_block_size}")
+        if self.vllm_device_blocks is not None and (self.vllm_device_blocks < 0 or self.vllm_block_size is None):
+            raise ConfigError(f"vllm_device_blocks must be a non-negative number of blocks, with vllm_block_size "
+                              f"set; got {self.vllm_device_blocks} blocks of {self.vllm_block_size} tokens")
         if self.replica_names and (len(self.replica_names) != self.replicas or len(set(self.replica_names))
                                    != self.replicas or not all(self.replica_names)):
             raise ConfigError(f"replica_names must name each of the {self.replicas} replicas once, "
                               f"got {list(self.replica_names)}")
         if self.routing.decode_stream_tokens < 0:
             raise ConfigError(f"decode_stream_tokens must not be negative, got {self.routing.decode_stream_tokens}")
+
+    def replica_index(self, name: str | None) -> int | None:
+        """The replica the fleet names ``name`` (None when it names none so)."""
+        return self.replica_names.index(name) if name in self.replica_names else None
 
     def replica_name(self, index: int) -> str:
         """The name the router knows replica ``index`` by (its index when the fleet names none)."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.apps.sim.device import DEVICE, FleetDevices
 from kvtier.apps.sim.fleet import FleetConfig
 from kvtier.apps.sim.replica import SIM_MODEL, SIM_SPEC, Replica, build_shared, written_chunks
 from kvtier.apps.sim.trace import TraceRequest
+from kvtier.base.errors import ConfigError
 from kvtier.base.keys import Namespace
 from kvtier.base.metrics import Metrics
 from kvtier.fleet.scoring import ReplicaView, RouteRequest
@@ -54,9 +56,10 @@ class LoadModel:
         self._running = [[span for span in running if span[1] > now] for running in self._running]
         return self._running
 
-    def admit(self, replica: int, request: TraceRequest, computed_tokens: int, routed_tokens: int = 0) -> float:
+    def admit(self, replica: int, request: TraceRequest, computed_tokens: int,
+              routed_tokens: int = 0) -> tuple[float, float]:
         """Queue a request that computes ``computed_tokens``, counted by the router as ``routed_tokens`` to
-        prefill; returns how long it waits before its prefill starts (by the load model)."""
+        prefill; returns how long it waits before its prefill starts (by the load model), and when it ends."""
         now = request.arrival_s
         start = max(now, self._free_at[replica])
         self._free_at[replica] = prefilled = start + computed_tokens / self._prefill_rate
@@ -67,7 +70,7 @@ class LoadModel:
         self._running[replica].append((first, finish))
         if routed_tokens > 0:
             heapq.heappush(self._prefilling[replica], (first, routed_tokens))
-        return start - now
+        return start - now, finish
 
 
 @dataclass
@@ -148,11 +151,17 @@ def first_key(tokens, keys: Sequence[bytes], vllm_blocks: Namespace | None) -> b
 
 
 def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: int, *, label: str = "",
-           model: str = SIM_MODEL, progress: Callable[[int], None] | None = None) -> SimResult:
+           model: str = SIM_MODEL, progress: Callable[[int], None] | None = None,
+           background: Sequence[TraceRequest] = ()) -> SimResult:
     """Replay ``requests`` in order through a fresh fleet built from ``fleet``.
 
     ``model`` names the cached model: it changes every chunk key (not the sharing between them), so the
     router's tie-breaks fall differently; replays under several names show how much a result owes to them.
+
+    ``background``: requests of other runs that went through the same replicas at the same time (each naming
+    the replica that served it, ``measured_replica``, with its measured end). They are not routed nor counted:
+    each is placed where it ran, from its arrival to its end, and takes room in that replica's device cache and
+    tiers as it did. Those naming no replica of the fleet ran elsewhere and are left out.
     """
     t0 = time.perf_counter()
     chunk_kv_bytes = fleet.kv_bytes_per_token * (requests[0].tokens_per_chunk if requests else chunk_tokens)
@@ -161,24 +170,38 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
     now = [0.0]  # the trace's time: the clock of the tiers' admission rate caps
     replicas = [Replica(fleet, chunk_tokens, chunk_kv_bytes, shared, model, clock=lambda: now[0])
                 for _ in range(fleet.replicas)]
+    devices = (FleetDevices(fleet.replicas, fleet.vllm_device_blocks, fleet.vllm_block_size)
+               if fleet.vllm_device_blocks is not None and fleet.vllm_block_size is not None else None)
     labels = replicas[0].labels
     router = fleet.routing.build()
+    unseen = frozenset(tier for tier, weight in fleet.routing.tier_weights if weight == 0)
     load = LoadModel(fleet.replicas, fleet.prefill_tokens_per_s, fleet.decode_tokens_per_s)
     namespace = Namespace(model, SIM_SPEC, chunk_tokens)
     vllm_blocks = vllm_namespace(fleet.vllm_block_size) if fleet.vllm_block_size is not None else None
-    result = SimResult(label, hit_chunks_by_tier=dict.fromkeys(labels, 0),
+    result = SimResult(label, hit_chunks_by_tier=dict.fromkeys(([DEVICE] if devices else []) + labels, 0),
                        replicas=[ReplicaStats() for _ in replicas])
     try:
-        for n, request in enumerate(requests, 1):
+        n = 0
+        for request, placed in _side_by_side(requests, background, fleet):
             now[0] = request.arrival_s
             tokens = request.prompt.tokens()
             keys = namespace.chunk_hashes(tokens)
+            blocks = devices.keys(tokens) if devices is not None else []
+            if devices is not None:
+                devices.settle(request.arrival_s)
+            if placed is not None:  # another run's request, where it ran
+                replicas[placed].serve(tokens)
+                if devices is not None:
+                    _, running = devices.start(placed, blocks, len(tokens), request.output_tokens)
+                    devices.end_at(running, request.arrival_s + (request.measured_e2e_s or 0.0))
+                continue
             index, routed = 0, 0
             if len(replicas) > 1:
                 now_s = request.arrival_s
                 in_flight, prefilling = load.in_flight(now_s), load.prefill_tokens(now_s)
                 decoding = load.decode_streams(now_s)
-                views = [ReplicaView({t: c * chunk_tokens for t, c in r.cached_chunks(keys).items()}, in_flight[i],
+                on_device = devices.cached_tokens(blocks, len(tokens)) if devices is not None else [0] * len(replicas)
+                views = [ReplicaView(_cached_view(r.located(keys), on_device[i], chunk_tokens, unseen), in_flight[i],
                                      prefilling[i], decoding[i], name=fleet.replica_name(i))
                          for i, r in enumerate(replicas)]
                 route = RouteRequest(len(tokens), first_key(tokens, keys, vllm_blocks), request.session,
@@ -188,9 +211,15 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             if fleet.replica_names and request.measured_replica is not None:
                 result.placements_compared += 1
                 result.placements_matched += fleet.replica_name(index) == request.measured_replica
+            device_tokens, running = (devices.start(index, blocks, len(tokens), request.output_tokens)
+                                     if devices is not None else (0, None))
             hits = replicas[index].serve(tokens)
-            computed = _count(result, request, index, len(keys), hits, labels)
-            result.replicas[index].wait_s.append(load.admit(index, request, computed, routed))
+            computed = _count(result, request, index, len(keys), hits, labels, device_tokens, chunk_tokens)
+            wait_s, end_s = load.admit(index, request, computed, routed)
+            result.replicas[index].wait_s.append(wait_s)
+            if running is not None:
+                devices.end_at(running, end_s)
+            n += 1
             if progress is not None and (n % 64 == 0 or n == len(requests)):
                 progress(n)
         _count_writes(result, replicas, shared_metrics, chunk_tokens, labels)
@@ -200,6 +229,33 @@ def replay(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: i
             replica.close()
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def _side_by_side(requests: Sequence[TraceRequest], background: Sequence[TraceRequest],
+                  fleet: FleetConfig) -> Iterator[tuple[TraceRequest, int | None]]:
+    """The replayed requests in their order (placed None: to route) merged by arrival with the background's,
+    each with the index of the replica it ran on (left out where the fleet names no such replica)."""
+    if background and not fleet.replica_names:
+        raise ConfigError("background requests are placed by the replica names they recorded: the fleet "
+                          "needs replica_names")
+    placed = [(r, fleet.replica_index(r.measured_replica)) for r in sorted(background, key=lambda r: r.arrival_s)]
+    own: Iterator[tuple[TraceRequest, int | None]] = ((r, None) for r in requests)
+    others = ((r, index) for r, index in placed if index is not None)
+    return heapq.merge(own, others, key=lambda pair: pair[0].arrival_s)
+
+
+def _cached_view(located: Sequence[str], device_tokens: int, chunk_tokens: int,
+                 unseen: frozenset[str]) -> dict[str, int]:
+    """What the router sees of a prompt on one replica: ``device_tokens`` on its device cache, then the
+    tokens beyond them in each kvtier tier (``located``: the tier holding each chunk of the held prefix); tiers
+    in ``unseen`` (weighted 0: a router that does not index them, as llm-d's device-only scorer) left out, so
+    they count neither in its choice nor in the prompt tokens it expects a replica to compute."""
+    cached = {DEVICE: device_tokens} if device_tokens and DEVICE not in unseen else {}
+    for i, label in enumerate(located):
+        beyond = (i + 1) * chunk_tokens - max(i * chunk_tokens, device_tokens)
+        if beyond > 0 and label not in unseen:
+            cached[label] = cached.get(label, 0) + beyond
+    return cached
 
 
 def _count_writes(result: SimResult, replicas: Sequence[Replica], shared_metrics: Metrics, chunk_tokens: int,
@@ -217,15 +273,23 @@ def _count_writes(result: SimResult, replicas: Sequence[Replica], shared_metrics
 
 
 def _count(result: SimResult, request: TraceRequest, index: int, chunks: int, hits: list[int],
-           labels: list[str]) -> int:
-    """Add one served request to the result; returns the prompt tokens it had to compute."""
-    hit = sum(hits)
-    saved = min(hit * request.tokens_per_chunk, request.input_tokens)
+           labels: list[str], device_tokens: int = 0, chunk_tokens: int = 1) -> int:
+    """Add one served request to the result; returns the prompt tokens it had to compute. ``device_tokens`` (in
+    the simulator's tokens, chunks of ``chunk_tokens``) the replica's device cache held: kvtier's tiers serve the
+    chunks beyond them, so the device's whole chunks are taken off the fastest tiers' hits first."""
+    device_chunks = device_tokens // chunk_tokens
+    hit = max(sum(hits), device_chunks)
+    saved = min(max(sum(hits) * request.tokens_per_chunk, device_tokens * request.tokens_per_chunk // chunk_tokens),
+                request.input_tokens)
     result.requests += 1
     result.chunks += chunks
     result.hit_chunks += hit
+    if device_chunks:
+        result.hit_chunks_by_tier[DEVICE] += device_chunks
+    taken = device_chunks
     for label, n in zip(labels, hits):
-        result.hit_chunks_by_tier[label] += n
+        result.hit_chunks_by_tier[label] += n - min(n, taken)
+        taken -= min(n, taken)
     result.input_tokens += request.input_tokens
     result.saved_tokens += saved
     stats = result.replicas[index]

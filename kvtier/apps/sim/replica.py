@@ -140,14 +140,13 @@ class Replica:
         self._sink = _Discard()
         self._source = _Zeros(chunk_tokens)
 
-    def cached_chunks(self, keys: Sequence[ChunkHash]) -> dict[str, int]:
-        """Chunks of the longest held prefix of ``keys``, by tier label (each in the fastest tier holding it)."""
-        where = self.cache.locate(keys)
-        out: dict[str, int] = {}
-        for t in where:
+    def located(self, keys: Sequence[ChunkHash]) -> list[str]:
+        """The longest held prefix of ``keys``: for each of its chunks, the label of the fastest tier holding it."""
+        out: list[str] = []
+        for t in self.cache.locate(keys):
             if t is None:
                 break
-            out[self.labels[t]] = out.get(self.labels[t], 0) + 1
+            out.append(self.labels[t])
         return out
 
     def serve(self, tokens: np.ndarray) -> list[int]:

@@ -87,8 +87,9 @@ def chunk_chains(requests: Sequence[TraceRequest], chunk_tokens: int) -> list[li
 def run_study(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens: int, *,
               capacities: Sequence[int | None] = (None,), policies: Sequence[str | None] = (None,),
               belady: bool = True, model: str = SIM_MODEL,
-              progress: Callable[[int], None] | None = None) -> Study:
-    """Replay ``requests`` once per (capacity, policy); None keeps the fleet's own value."""
+              progress: Callable[[int], None] | None = None, background: Sequence[TraceRequest] = ()) -> Study:
+    """Replay ``requests`` once per (capacity, policy); None keeps the fleet's own value. ``background``: other
+    runs' requests placed where they ran (kvtier.apps.sim.replay)."""
     if not requests:
         raise ConfigError("the trace has no requests")
     chains = chunk_chains(requests, chunk_tokens)
@@ -106,7 +107,8 @@ def run_study(requests: Sequence[TraceRequest], fleet: FleetConfig, chunk_tokens
             config = with_first_tier(sized, None, policy)
             label = f"{config.tiers[0].policy} @ {capacity if capacity is not None else 'fleet'}"
             step = (lambda n, base=done: progress(base + n)) if progress is not None else None
-            result = replay(requests, config, chunk_tokens, label=label, model=model, progress=step)
+            result = replay(requests, config, chunk_tokens, label=label, model=model, progress=step,
+                            background=background)
             done += len(requests)
             first = config.tiers[0].capacity_chunks(chunk_kv_bytes) * config.replicas
             study.points.append(Point(first, config.tiers[0].policy, result, optimum))

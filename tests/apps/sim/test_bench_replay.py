@@ -98,3 +98,23 @@ def test_requests_replay_in_the_routers_decision_order_when_every_one_has_its_nu
     requests = read_bench_json(bench_file(tmp_path, "multiround", spec, recorded), chunk_tokens=16)
     assert [r.session for r in requests] == ["multiround:0", "multiround:1", "multiround:2"]
     assert replay(requests, round_robin, 16).placements_matched == 1
+
+
+def test_chat_prompts_become_the_served_models_token_ids_with_its_tokenizer(tmp_path):
+    """With the served model's tokenizer a replayed chat prompt is the ids the server computed: as many as the
+    bench recorded as the prompt's tokens, and each round's ids extend the previous round's."""
+    from kvtier.integrations.prompts import PromptTokenizer
+
+    tokenizer = PromptTokenizer()  # the packaged SmolLM2-135M-Instruct
+    spec = MultiRoundSpec(users=1, rounds=2, system_words=20, turn_words=15, context_words=60)
+    recorded = [{"round": r, "user": 0, "text": "a short answer", "sent_at": float(r), "status": 200,
+                 "completion_tokens": 4} for r in range(2)]
+    path = bench_file(tmp_path, "multiround", spec, recorded)
+    requests = read_bench_json(path, chunk_tokens=16, tokenizer=tokenizer.chat)
+    words = read_bench_json(path, chunk_tokens=16)
+    first, second = (r.prompt.tokens() for r in requests)
+    messages = [{"role": "system", "content": "x"}]  # the ids are the template's, not word-level ids
+    assert list(first[:3]) == tokenizer.chat(messages)[:3] and list(first) != list(words[0].prompt.tokens())
+    assert requests[0].input_tokens == len(first)
+    # the next round's prompt starts with the first one's ids, up to the assistant's turn marker
+    assert np.array_equal(second[: len(first) - 3], first[:-3])

@@ -46,3 +46,32 @@ def test_help_documents_the_fleet_file(tmp_path):
     assert run.returncode == 0
     for word in ("replicas:", "tiers:", "shared:", "codec_ratio", "load_epsilon", "write: back"):
         assert word in run.stdout
+
+
+def test_runs_beside_the_replayed_one_take_its_device_room(tmp_path):
+    def bench(name: str, seed: int, users: int, rounds: int, sent) -> str:
+        spec = {"users": users, "rounds": rounds, "system_words": 5, "context_words": 300, "turn_words": 5,
+                "max_tokens": 4, "seed": seed}
+        requests = [{"round": r, "user": u, "status": 200, "sent_at": sent(r, u), "e2e_s": 1.0,
+                     "completion_tokens": 4, "text": "fine", "replica": "10.0.0.1:8000"}
+                    for r in range(rounds) for u in range(users)]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"config": {"workload": "multiround", "spec": spec},
+                                    "runs": [{"target": name, "requests": requests}]}))
+        return str(path)
+
+    mine = bench("mine", 1, 1, 2, lambda r, u: 10.0 * r)  # one conversation, its second turn 10 s after the first
+    beside = bench("beside", 2, 4, 1, lambda r, u: 2.0 + u)  # four others on the same replica in between
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("replica_names: ['10.0.0.1:8000']\nvllm_block_size: 16\nvllm_device_blocks: 48\n"
+                     "tiers:\n  - chunks: 0\n")
+
+    def hit_ratio(*more: str) -> float:
+        out = tmp_path / f"out{len(more)}"
+        run = kvtier("sim", mine, "--chunk-tokens", "64", "--fleet", str(fleet), "--no-belady", "--out", str(out),
+                     *more, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        return json.loads((out / "sim.json").read_text())["points"][0]["token_hit_ratio"]
+
+    assert hit_ratio() > 0.3  # the second turn finds the first on the device
+    assert hit_ratio("--background", beside, mine) == 0.0  # the others evicted it (mine itself left out)
