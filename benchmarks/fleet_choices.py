@@ -47,6 +47,9 @@ CHOICES = {
     "sticky, half pooled": ("round-robin", True, 0.5, 1.5),
 }
 ENOUGH = 0.9  #: a choice "has enough RAM" once it caches this share of what the workload can
+#: the arms of a vllm_fleet.py phase, side by side on the same replicas: one arm replayed alone gets this share of
+#: each vLLM device cache (its requests went through it beside the others')
+ARMS_SHARING_THE_DEVICE = 5
 
 
 def distinct_chunks(requests) -> int:
@@ -63,13 +66,14 @@ def distinct_chunks(requests) -> int:
 
 def fleet_for(base: dict, routing: str, sticky: bool, private: int, pooled: int, replicas: int,
               device_scale: int = 1) -> dict:
-    """``base`` (the run's fleet file) with kvtier's RAM and the routing replaced (and each device cache
-    ``device_scale`` times the run's)."""
+    """``base`` (the run's fleet file) with kvtier's RAM and the routing replaced: ``private`` chunks of one LRU
+    tier per replica, ``pooled`` in a shared one, and the arm's share of each vLLM device cache (``device_scale``
+    times it)."""
     fleet = dict(base, replicas=replicas, routing=routing, sticky=sticky)
-    fleet.pop("tier_weights", None)
-    device = dict(base["tiers"][0], chunks=base["tiers"][0]["chunks"] * device_scale)
-    fleet["tiers"] = [device, {"kind": "disk", "chunks": max(0, private), "policy": "lru", "admission": "always"}]
-    fleet.pop("shared", None)
+    for key in ("tier_weights", "replica_names", "shared"):
+        fleet.pop(key, None)
+    fleet["vllm_device_blocks"] = max(1, base["vllm_device_blocks"] // ARMS_SHARING_THE_DEVICE) * device_scale
+    fleet["tiers"] = [{"kind": "memory", "chunks": max(0, private), "policy": "lru", "admission": "always"}]
     if pooled:
         fleet["shared"] = {"chunks": pooled, "policy": "lru", "admission": "always"}
     return fleet

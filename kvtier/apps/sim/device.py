@@ -170,8 +170,8 @@ class FleetDevices:
         most = max(prompt_tokens - 1, 0) // self.block_size
         request = Running(replica, keys, -(-(prompt_tokens + output_tokens) // self.block_size), most)
         hit = min(self.pools[replica].cached_blocks(keys), most)
-        if request.blocks > self.pools[replica].blocks:
-            request.held = []  # never fits: vLLM refuses it; nothing is cached
+        if request.blocks == 0 or request.blocks > self.pools[replica].blocks:
+            request.held = []  # holds nothing, or never fits (vLLM refuses it): nothing is cached, nobody waits
         elif not self._waiting[replica]:
             _, held = self.pools[replica].admit(keys, request.blocks, most)
             request.held = held or None

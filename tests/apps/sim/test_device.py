@@ -86,6 +86,18 @@ def test_a_request_that_does_not_fit_waits_for_room_and_then_takes_it(runner_blo
     assert replay(mine, fleet, CHUNK, background=[runner]).saved_tokens == saved
 
 
+def test_requests_that_hold_nothing_or_never_fit_do_not_hold_up_the_queue():
+    from kvtier.apps.sim.device import FleetDevices
+
+    devices = FleetDevices(1, 8, BLOCK)  # 7 blocks of room
+    for tokens in (0, 20 * BLOCK):
+        _, request = devices.start(0, block_keys(prompt(tokens + 1, tokens), BLOCK), tokens)
+        assert request.held == []
+    keys = block_keys(prompt(2, 4 * BLOCK), BLOCK)
+    _, after = devices.start(0, keys, 4 * BLOCK)
+    assert after.held is not None and len(after.held) == 4
+
+
 def test_the_router_follows_the_device_it_sees():
     ids = prompt(1)
     fleet = device_fleet(replicas=3, tier_weights=(("memory", 0.0),))
