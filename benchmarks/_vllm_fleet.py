@@ -313,24 +313,30 @@ def sim_fleet(arm: Arm, names: list[str], device_blocks: int, tiers: list[dict],
     return fleet
 
 
-def sim_predict(arm_file: Path, label: str, fleet: dict, beside: list[Path], model: str) -> dict:
-    """``kvtier sim``'s token hit ratio, requests per replica and sticky breaks for one arm's recorded requests
-    (chunks of 128 tokens, as kvtier stores them; chat prompts as ``model``'s token ids; each held in flight as
-    long as it was measured, and new conversations keyed by their first vLLM block, as the router sees them),
-    with the requests of the arms run beside it (``beside``: their bench JSONs) placed where they ran, in the
-    replicas' device caches and tiers."""
-    from kvtier.apps.sim.bench_replay import read_background, read_bench_json
+def recorded_arms(files: dict[str, Path], model: str) -> dict[str, list]:
+    """Each arm's recorded requests (``files``: label -> its bench JSON), read once for all the arms' replays:
+    chunks of 128 tokens, as kvtier stores them, chat prompts as ``model``'s token ids."""
+    from kvtier.apps.sim.bench_replay import read_bench_json
+    from kvtier.integrations.prompts import PromptTokenizer
+
+    tokenizer = PromptTokenizer(model).chat
+    return {label: read_bench_json(path, chunk_tokens=CHUNK, target=label, tokenizer=tokenizer)
+            for label, path in files.items()}
+
+
+def sim_predict(label: str, fleet: dict, recorded: dict[str, list], out: Path) -> dict:
+    """``kvtier sim``'s token hit ratio, requests per replica and sticky breaks for arm ``label``'s recorded
+    requests (``recorded``: every arm's, from :func:`recorded_arms`; each held in flight as long as it was
+    measured, and new conversations keyed by their first vLLM block, as the router sees them), with the other
+    arms' requests placed where they ran, in the replicas' device caches and tiers."""
     from kvtier.apps.sim.fleet import FleetConfig
     from kvtier.apps.sim.replay import replay
-    from kvtier.integrations.prompts import PromptTokenizer
 
     # the fleet file beside the arm's requests (JSON is YAML):
     # `kvtier sim arm-L.json --fleet fleet-L.yaml --tokenizer MODEL --background <the other arm-*.json>`
-    arm_file.with_name(f"fleet-{label}.yaml").write_text(json.dumps(fleet, indent=1))
-    tokenizer = PromptTokenizer(model).chat
-    requests = read_bench_json(arm_file, chunk_tokens=CHUNK, target=label, tokenizer=tokenizer)
-    background = read_background(beside, chunk_tokens=CHUNK, tokenizer=tokenizer)
-    result = replay(requests, FleetConfig.from_dict(fleet), CHUNK, label=label, background=background)
+    (out / f"fleet-{label}.yaml").write_text(json.dumps(fleet, indent=1))
+    background = [r for other, requests in recorded.items() if other != label for r in requests]
+    result = replay(recorded[label], FleetConfig.from_dict(fleet), CHUNK, label=label, background=background)
     return {"token_hit_ratio": result.token_hit_ratio, "requests": [r.requests for r in result.replicas],
             "sticky_breaks": result.sticky_breaks, "placed_as_run": result.placements_matched,
             "placements_compared": result.placements_compared}

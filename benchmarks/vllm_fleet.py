@@ -68,6 +68,7 @@ from _vllm_fleet import (  # noqa: E402
     kill_phase,
     mooncake_stages,
     mooncake_tier,
+    recorded_arms,
     router,
     run_arms,
     sim_fleet,
@@ -122,11 +123,10 @@ def measure(arms, specs, replicas, args, model, out, rows: dict, sim_tiers: list
     beside it where they ran): their rows are added to ``rows``; returns where the cached prompt tokens came
     from."""
     runs, served, hits, breaks = run_phase(arms, replicas, specs, model, out, args.concurrency)
-    files = [out / f"arm-{arm.label}.json" for arm in arms]
-    sims = {arm.label: sim_predict(out / f"arm-{arm.label}.json", arm.label,
-                                   sim_fleet(arm, [r.name for r in replicas], args.device_blocks, sim_tiers,
-                                             shared_chunks, PREFILL_TOKENS_PER_S),
-                                   [f for f in files if f.name != f"arm-{arm.label}.json"], model)
+    recorded = recorded_arms({arm.label: out / f"arm-{arm.label}.json" for arm in arms}, model)
+    sims = {arm.label: sim_predict(arm.label, sim_fleet(arm, [r.name for r in replicas], args.device_blocks,
+                                                        sim_tiers, shared_chunks, PREFILL_TOKENS_PER_S),
+                                   recorded, out)
             for arm in arms}
     rows.update(summarize(arms, runs, served, breaks, args.replicas, sims))
     return place_shares(runs, hits)

@@ -18,26 +18,15 @@ here (vLLM caches it too).
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.fleet.vllm_index import vllm_namespace
+
 #: the tier name the router's view and the hit counts give a replica's device cache
 DEVICE = "device"
-
-
-def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained keys of the full blocks of ``tokens`` (a prefix's keys are a prefix of the longer prompt's)."""
-    keys: list[bytes] = []
-    parent = b""
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(b"".join(int(t).to_bytes(4, "little") for t in tokens[start:start + block_size]))
-        parent = digest.digest()
-        keys.append(parent)
-    return keys
 
 
 class DevicePool:
@@ -143,12 +132,14 @@ class FleetDevices:
     def __init__(self, replicas: int, blocks: int, block_size: int) -> None:
         self.pools = [DevicePool(max(blocks - 1, 0)) for _ in range(replicas)]
         self.block_size = block_size
+        self._namespace = vllm_namespace(block_size)  # the router's keys of vLLM blocks: chained, full blocks only
         self._ends: list[tuple[float, int, Running]] = []  # (end, sequence, request)
         self._waiting: list[deque[Running]] = [deque() for _ in range(replicas)]
         self._sequence = 0
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return block_keys(tokens, self.block_size)
+        """Chained keys of the full blocks of ``tokens`` (a prefix's keys are a prefix of the longer prompt's)."""
+        return self._namespace.chunk_hashes(tokens)
 
     def settle(self, now: float) -> None:
         while self._ends and self._ends[0][0] <= now:

@@ -11,14 +11,19 @@ import numpy as np
 import pytest
 
 from kvtier.apps.sim.bench_replay import read_background
-from kvtier.apps.sim.device import DevicePool, block_keys
+from kvtier.apps.sim.device import DevicePool
 from kvtier.apps.sim.fleet import FleetConfig, SimTier
 from kvtier.apps.sim.replay import _cached_view, replay
 from kvtier.apps.sim.trace import TokenPrompt, TraceRequest
 from kvtier.base.errors import ConfigError
 from kvtier.fleet.scoring import Routing, RoutingConfig
+from kvtier.fleet.vllm_index import vllm_namespace
 
 CHUNK, BLOCK = 128, 32
+
+
+def block_keys(tokens: np.ndarray) -> list:
+    return vllm_namespace(BLOCK).chunk_hashes(tokens)
 
 
 def prompt(seed: int, tokens: int = 640) -> np.ndarray:
@@ -40,19 +45,19 @@ def device_fleet(replicas: int = 1, device_blocks: int = 64, tier_chunks: int = 
 
 def test_a_freed_prompt_loses_its_tail_before_its_head():
     pool = DevicePool(5)
-    keys = block_keys(prompt(1, 4 * BLOCK), BLOCK)
+    keys = block_keys(prompt(1, 4 * BLOCK))
     assert pool.admit(keys, 4) == (0, [0, 1, 2, 3])
     pool.release([0, 1, 2, 3])
-    hit, held = pool.admit(block_keys(prompt(2, 3 * BLOCK), BLOCK), 3)  # one never-used block, then two evicted
+    hit, held = pool.admit(block_keys(prompt(2, 3 * BLOCK)), 3)  # one never-used block, then two evicted
     assert hit == 0 and len(held) == 3
     assert pool.cached_blocks(keys) == 2  # its first two blocks are still there
 
 
 def test_a_request_the_pool_cannot_hold_whole_takes_nothing():
     pool = DevicePool(4)
-    first = block_keys(prompt(1, 3 * BLOCK), BLOCK)
+    first = block_keys(prompt(1, 3 * BLOCK))
     pool.admit(first, 3)
-    assert pool.admit(block_keys(prompt(2, 2 * BLOCK), BLOCK), 2) == (0, [])
+    assert pool.admit(block_keys(prompt(2, 2 * BLOCK)), 2) == (0, [])
     assert pool.cached_blocks(first) == 3
 
 
@@ -91,9 +96,9 @@ def test_requests_that_hold_nothing_or_never_fit_do_not_hold_up_the_queue():
 
     devices = FleetDevices(1, 8, BLOCK)  # 7 blocks of room
     for tokens in (0, 20 * BLOCK):
-        _, request = devices.start(0, block_keys(prompt(tokens + 1, tokens), BLOCK), tokens)
+        _, request = devices.start(0, block_keys(prompt(tokens + 1, tokens)), tokens)
         assert request.held == []
-    keys = block_keys(prompt(2, 4 * BLOCK), BLOCK)
+    keys = block_keys(prompt(2, 4 * BLOCK))
     _, after = devices.start(0, keys, 4 * BLOCK)
     assert after.held is not None and len(after.held) == 4
 
