@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from _util import routed_per_replica  # noqa: E402
+from _util import routed_per_replica, stop_children_on_signal  # noqa: E402
 from _vllm_fleet import (  # noqa: E402
     CHUNK,
     PRIVATE_ARMS,
@@ -238,6 +238,7 @@ def main() -> None:
     p.add_argument("--out", default="results/vllm_fleet")
     p.add_argument("--png", default="docs/vllm_fleet.png")
     args = p.parse_args()
+    stop_children_on_signal()
     from kvtier.integrations.models import ensure_smollm2
 
     model = args.model or str(ensure_smollm2())
