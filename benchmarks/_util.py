@@ -1,9 +1,11 @@
-"""Small helpers shared by the benchmarks: timing, the RESULT line, and a `kvtier route` process."""
+"""Small helpers shared by the benchmarks: timing, the RESULT line, a `kvtier route` process, and stopping what a
+benchmark started when it is told to stop."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -26,6 +28,20 @@ def median(values: list[float]) -> float:
 def result(figures: dict[str, float]) -> None:
     """Print the one closing line every benchmark ends with."""
     print("RESULT " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}))
+
+
+def stop_children_on_signal() -> None:
+    """Make SIGTERM and SIGHUP end the benchmark as Ctrl-C does: ``SystemExit`` in the main thread, so every
+    ``with`` block unwinds and stops the replicas, routers and stores it started (they run in sessions of their own
+    and would outlive a benchmark killed outright). A second signal during that clean-up is ignored."""
+
+    def stop(signum, _frame):
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 def drop_caches() -> bool:

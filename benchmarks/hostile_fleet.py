@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _hostile_attacks as attacks  # noqa: E402
 import _hostile_channel as channel  # noqa: E402
 from _hostile_procs import lowest_nice, rss_mb, schedstat_ms, unniced  # noqa: E402
-from _util import result  # noqa: E402
+from _util import result, stop_children_on_signal  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
 from tests.apps.route.fleet import ROOT, ReplicaProcess  # noqa: E402
@@ -323,6 +323,7 @@ def main() -> None:
     p.add_argument("--only", help="comma-separated attack name prefixes (e.g. R-1,E-3)")
     p.add_argument("--out", default="results/hostile_fleet")
     args = p.parse_args()
+    stop_children_on_signal()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     socket.setdefaulttimeout(60)

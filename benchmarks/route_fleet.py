@@ -33,7 +33,7 @@ import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from _util import routed_per_replica, router_process
+from _util import routed_per_replica, router_process, stop_children_on_signal
 
 from kvtier.apps.bench import report
 from kvtier.apps.bench.cli import bench
@@ -101,6 +101,7 @@ def main() -> None:
                    help="extra kvtier serve arguments (one torch thread each: the machine is shared)")
     p.add_argument("--out", default="results/route_fleet")
     args = p.parse_args()
+    stop_children_on_signal()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

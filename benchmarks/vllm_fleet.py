@@ -26,16 +26,16 @@ median request is a miss; vLLM's device cache is held to ``--device-blocks`` (ab
 the 5 arms' 25 conversations pass through it between a conversation's rounds, so by its next round a session's
 blocks have left the device and sit only in kvtier's tiers of the replica that served it.
 
-``--phases``: ``private`` (the arms above), ``trace`` (the same five arms driven by six conversations of the
-Mooncake trace in ../shared/workloads, the rows that share a first block, each conversation's turns in order and the
-conversations side by side; a 512-token trace block becomes 32 tokens and prompts are capped at 2,900, and each arm
-gets the same rows with its own token ids), ``kill`` (the tier-aware arm again, one replica SIGKILLed a third of the
-way in and started again, then new conversations once the router has it back), ``shared`` (once per store of
-``--shared-store``: the replicas restarted with a small memory tier and the store behind it, one redis-server, or a
-Mooncake pool of a ``mooncake_master`` and one segment host of ``--redis-bytes`` whose arms are labelled
-``+mooncake``; round-robin, sticky, device-only and tier-aware, the last knowing the ``SHARED`` medium as one store
-of the fleet). Writes JSON under --out (``arm-LABEL.json``: each arm's run as `kvtier bench` writes it, which
-``kvtier sim`` replays), a PNG (``--png``); last line ``RESULT {json}``.
+``--phases``: ``private`` (the arms above), ``trace`` (the same five arms driven by six conversations of the Mooncake
+trace in ../shared/workloads, the rows that share a first block, each cut to its first four turns as the chat has four
+rounds, each conversation's turns in order and the conversations side by side; a 512-token trace block becomes 32
+tokens and prompts are capped at 2,900, and each arm gets the same rows with its own token ids), ``kill`` (the
+tier-aware arm again, one replica SIGKILLed a third of the way in and started again, then new conversations once the
+router has it back), ``shared`` (once per store of ``--shared-store``: the replicas restarted with a small memory tier
+and the store behind it, one redis-server, or a Mooncake pool of a ``mooncake_master`` and one segment host of
+``--redis-bytes`` whose arms are labelled ``+mooncake``; round-robin, sticky, device-only and tier-aware, the last
+knowing the ``SHARED`` medium as one store of the fleet). Writes JSON under --out (``arm-LABEL.json``: each arm's run
+as `kvtier bench` writes it, which ``kvtier sim`` replays), a PNG (``--png``); last line ``RESULT {json}``.
 
     PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,trace,kill,shared]
         [--shared-store redis,mooncake] [--out results/vllm_fleet]
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from _util import routed_per_replica  # noqa: E402
+from _util import routed_per_replica, stop_children_on_signal  # noqa: E402
 from _vllm_fleet import (  # noqa: E402
     CHUNK,
     PRIVATE_ARMS,
@@ -87,9 +87,11 @@ from tests.apps.route.fleet import scrape  # noqa: E402
 FULL = dict(users=5, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
 QUICK = dict(users=4, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
 #: the trace phase: conversations of the Mooncake trace (rows sharing their first block), a 512-token block as 32
-#: tokens so that most prompts fit the model's context whole; each arm the same rows with other token ids
-FULL_TRACE = dict(conversations=6, requests=30, min_turns=4, block_tokens=32, max_prompt_tokens=2900, max_tokens=4,
-                  seed=0, sessions=True)
+#: tokens so that most prompts fit the model's context whole; each arm the same rows with other token ids; each
+#: conversation its first four turns, as the chat has four rounds (whole, the trace's longer conversations gave
+#: round-robin hits on two turns in five, and its median sat on the line between its hits and its misses)
+FULL_TRACE = dict(conversations=6, requests=24, min_turns=4, max_turns=4, block_tokens=32, max_prompt_tokens=2900,
+                  max_tokens=4, seed=0, sessions=True)
 QUICK_TRACE = {**FULL_TRACE, "conversations": 4, "requests": 16}
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, K and V, 3 KV heads of 64, float32
 #: the Mooncake pool's master: seconds without a heartbeat before a client's segment leaves the pool, and the
@@ -236,6 +238,7 @@ def main() -> None:
     p.add_argument("--out", default="results/vllm_fleet")
     p.add_argument("--png", default="docs/vllm_fleet.png")
     args = p.parse_args()
+    stop_children_on_signal()
     from kvtier.integrations.models import ensure_smollm2
 
     model = args.model or str(ensure_smollm2())

@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-from _util import evict_page_cache, result  # noqa: E402
+from _util import evict_page_cache, result, stop_children_on_signal  # noqa: E402
 from _vllm_serve_client import cpu_delta, itl_under_load, omp_binding, server_counter, server_cpu, summarize, vllm_bench  # noqa: E402
 from _vllm_serve_report import plot, print_table, targets  # noqa: E402
 
@@ -207,6 +207,7 @@ def main() -> None:
                         "memory tier in interleaved pairs")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
+    stop_children_on_signal()
     if args.report:
         run = json.loads(Path(args.report).read_text())
         out = Path(args.out)

@@ -155,7 +155,8 @@ class TraceSpec:
 
     ``conversations`` 0: the trace's first ``requests`` rows, in order. ``conversations`` N: N of the trace's
     conversations (the rows that share their first block id) of at least ``min_turns`` rows, drawn with
-    ``seed``, at most ``requests`` rows of them in trace order; sent back to back, each conversation's turns in
+    ``seed``, each cut to its first ``max_turns`` rows (0: whole), at most ``requests`` rows of them in trace
+    order; sent back to back, each conversation's turns in
     order and the conversations side by side (the runner bounds how many are in flight). ``salt`` (0: none)
     gives every block other token ids, so runs with different salts share nothing. ``sessions``: each request
     names its conversation in OpenAI's ``user`` field."""
@@ -170,6 +171,7 @@ class TraceSpec:
     token_range: tuple[int, int] = (1000, 30000)
     conversations: int = 0
     min_turns: int = 4
+    max_turns: int = 0
     seed: int = 0
     salt: int = 0
     sessions: bool = False
@@ -201,8 +203,10 @@ def trace_rows(spec: TraceSpec) -> list[tuple[int, int, dict]]:
     if len(candidates) < spec.conversations:
         raise ConfigError(f"{path}: {len(candidates)} conversations of {spec.min_turns}+ turns, "
                           f"{spec.conversations} asked for")
+    if spec.max_turns and spec.max_turns < spec.min_turns:
+        raise ConfigError(f"max_turns {spec.max_turns} is below min_turns {spec.min_turns}")
     picked = random.Random(spec.seed).sample(candidates, spec.conversations)
-    conversation = {i: c for c, first in enumerate(picked) for i in by_first[first]}
+    conversation = {i: c for c, first in enumerate(picked) for i in by_first[first][: spec.max_turns or None]}
     return [(i, conversation[i], every[i]) for i in sorted(conversation)[: spec.requests]]
 
 

@@ -64,6 +64,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="replay this many of the trace's conversations (rows sharing a first block, drawn with "
                         "--seed) side by side, each in turn order (0: the first --requests rows)")
     t.add_argument("--min-turns", type=int, default=4, help="--conversations draws from those with this many rows")
+    t.add_argument("--max-turns", type=int, default=0, help="--conversations keeps each one's first this many rows "
+                                                            "(0: all)")
     p.set_defaults(func=run)
     return p
 
@@ -76,7 +78,7 @@ def workload_spec(args: argparse.Namespace):
         return wl.QASpec(args.data, args.docs, args.questions, args.doc_chars, args.order, args.max_tokens, args.seed)
     return wl.TraceSpec(args.data, args.requests, args.block_tokens, args.max_prompt_tokens, args.max_tokens,
                         args.timestamps, args.speed, conversations=args.conversations, min_turns=args.min_turns,
-                        seed=args.seed, sessions=args.sessions)
+                        max_turns=args.max_turns, seed=args.seed, sessions=args.sessions)
 
 
 WORKLOAD_FUNCS = wl.WORKLOADS

@@ -1,23 +1,23 @@
 """Memory the transfer engine moves values out of and into: registered once, carved per call.
 
-Mooncake's zero-copy calls (``batch_put_from`` / ``batch_get_into``) need memory registered with the transfer
-engine (RDMA pins and maps it; registering costs milliseconds, so it is done once, never per call). The tier
-keeps one arena of ``buffer_bytes``, allocated, faulted in and registered on first use, carved by the first-fit
-allocator the memory tier uses. A batch that could fit the arena waits for room (other batches release theirs)
-until its deadline; a value that then finds no room is a miss or a skipped store. Callers keep their gets within
-the arena (the tier's ``max_get_bytes``, kvtier.core.bounded), so concurrent ones queue rather than miss.
+Mooncake's zero-copy calls (``batch_put_from`` / ``batch_get_into``) need memory registered with the transfer engine
+(RDMA pins and maps it; registering costs milliseconds, so it is done once, never per call). The tier keeps one
+arena of ``buffer_bytes``, allocated, faulted in and registered on first use, carved by the first-fit allocator the
+memory tier uses. A batch that could fit the arena waits for room (other batches release theirs) until its deadline,
+gets ahead of puts; a value that then finds no room is a miss or a skipped store. Callers keep their gets within the
+arena (the tier's ``max_get_bytes``, kvtier.core.bounded), so concurrent ones queue rather than miss.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from time import monotonic
 
 import numpy as np
 
 from kvtier.base.errors import TierError
 from kvtier.native.allocator import Allocator
+from kvtier.tiers.mooncake.turns import LoadsFirst
 
 #: Registers (address, bytes, owner, deadline) with the transfer engine; 0 on success; may raise TierError.
 Register = Callable[[int, int, object, float], int]
@@ -55,6 +55,7 @@ class RegisteredBuffers:
         self._alloc = Allocator(arena_bytes, align=_ALIGN)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  #: notified whenever a lease is released
+        self._order = LoadsFirst(self._freed)
         self._creating = threading.Lock()  # one arena, registered once, however many first takes race
         self._arena: np.ndarray | None = None
         self._view = memoryview(b"")
@@ -66,10 +67,11 @@ class RegisteredBuffers:
         """The arena's bytes: the most one batch can hold (each size rounded up to 64 bytes)."""
         return self._alloc.capacity
 
-    def take(self, sizes: Sequence[int], deadline: float) -> Lease:
+    def take(self, sizes: Sequence[int], deadline: float, load: bool = False) -> Lease:
         """A slot for each size. A batch that fits the arena at all waits, until ``deadline`` (monotonic), for
         the whole batch to fit in what is free; past it, and at once for a batch larger than the arena, each
-        size that fits what is free then gets a slot and the others None."""
+        size that fits what is free then gets a slot and the others None. A ``load`` (a get) goes first: a save
+        waits while any load waits for room (turns.LoadsFirst)."""
         if self._arena is None:
             with self._creating:
                 if self._arena is None:
@@ -80,15 +82,14 @@ class RegisteredBuffers:
                 return Lease(self, slots)
             need = sum(self._alloc.rounded(max(n, 1)) for n in sizes)
             if need <= self._alloc.capacity:
-                waited = False
-                while not (need <= self._alloc.capacity - self._alloc.used and self._place(sizes, slots)):
-                    left = deadline - monotonic()
-                    if left <= 0:
-                        break
-                    if not waited:
-                        waited, self.waited = True, self.waited + 1
-                    self._freed.wait(left)
-                else:
+
+                def fits() -> bool:  # places the whole batch when it does
+                    return need <= self._alloc.capacity - self._alloc.used and self._place(sizes, slots)
+
+                if self._order.may_take(load) and fits():
+                    return Lease(self, slots)
+                self.waited += 1
+                if self._order.wait(load, fits, deadline):
                     return Lease(self, slots)
             for i, n in enumerate(sizes):
                 self._place_one(i, n, slots)

@@ -25,6 +25,7 @@ from kvtier.tiers.mooncake.config import (
     master_host_port,
     segment_size,
 )
+from kvtier.tiers.mooncake.turns import Turns
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,7 +124,7 @@ class MooncakeClient:
         self.segment_bytes = segment_size(config, _free_memory(config.segment_device))
         self.joined = False
         self._joining = threading.Lock()  # one join attempt at a time
-        self._transfers = threading.BoundedSemaphore(config.max_transfers)
+        self._transfers = Turns(config.max_transfers)  # loads ahead of saves
 
     # -- joining the pool ----------------------------------------------------------------------------------
     def join(self, deadline: float) -> bool:
@@ -215,11 +216,11 @@ class MooncakeClient:
 
     def _transfer(self, op: str, fn: Callable[..., list[int]], keys: list[str], ptrs: list[int], sizes: list[int],
                   deadline: float, on_late: Callable[[Any], None]) -> list[int]:
-        """A batch that moves bytes, once one of ``max_transfers`` turns is free (CallNotStarted if none is
-        before ``deadline``). The turn ends when the caller stops waiting, so a call stuck on a frozen peer
-        holds it up to its deadline, not for as long as the engine takes to give up."""
+        """A batch that moves bytes, once one of ``max_transfers`` turns is free, gets ahead of puts (turns.py;
+        CallNotStarted if none is before ``deadline``). The turn ends when the caller stops waiting, so a call
+        stuck on a frozen peer holds it up to its deadline, not for as long as the engine takes to give up."""
         asked = monotonic()
-        turn = self._transfers.acquire(timeout=max(0.0, deadline - asked))
+        turn = self._transfers.acquire(op == "get", max(0.0, deadline - asked))
         self._timed(op, "turn", monotonic() - asked)
         if not turn:
             raise CallNotStarted(f"{fn.__name__}: other transfers of this tier held every turn until the deadline")

@@ -251,7 +251,7 @@ class MooncakeTier(MooncakeControl, MooncakeHealth):
         wanted = [sizes[i] or 0 for i in found]
         deadline = start + self.config.timeout_s + sum(wanted) / self.config.min_rate_bytes
         asked = monotonic()
-        lease = self._buffers.take(wanted, deadline)
+        lease = self._buffers.take(wanted, deadline, load=True)
         self._timed_stage("get", "buffer", monotonic() - asked)
         slots = [(i, slot) for i, slot in zip(found, lease.slots) if slot is not None]
         if len(slots) < len(found):

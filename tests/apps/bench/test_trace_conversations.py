@@ -54,6 +54,20 @@ def test_conversations_are_drawn_whole_and_kept_in_trace_order(tmp_path):
         wl.trace_rows(wl.TraceSpec(path=spec.path, conversations=3, min_turns=3))
 
 
+def test_max_turns_keeps_each_conversations_first_turns(tmp_path):
+    whole = wl.TraceSpec(path=str(_trace(tmp_path)), requests=100, block_tokens=8, conversations=2, min_turns=3)
+    cut = wl.TraceSpec(**{**whole.__dict__, "max_turns": 3})
+    rows, kept = wl.trace_rows(whole), wl.trace_rows(cut)
+    turns = {}
+    for i, c, _ in rows:
+        turns.setdefault(c, []).append(i)
+    assert max(len(v) for v in turns.values()) > 3  # the cut must drop something
+    assert [i for i, _, _ in kept] == sorted(i for v in turns.values() for i in v[:3])
+    assert wl.count("trace", cut) == len(kept) == 6
+    with pytest.raises(ConfigError, match="max_turns"):
+        wl.trace_rows(wl.TraceSpec(**{**whole.__dict__, "max_turns": 2}))
+
+
 def test_replay_keeps_each_conversation_in_order_and_runs_them_side_by_side(tmp_path):
     spec = wl.TraceSpec(path=str(_trace(tmp_path)), requests=100, block_tokens=8, conversations=2, min_turns=3,
                         sessions=True, max_tokens=2)

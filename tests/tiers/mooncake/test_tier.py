@@ -148,7 +148,7 @@ def test_transfers_take_turns_and_one_without_a_turn_keeps_no_buffer(master):
     try:
         assert tier.put([(keys[0], BytesPayload(values[0]))]) == [True]
         turns = tier._client._transfers
-        assert turns.acquire(timeout=5)  # another request's transfer holds the only turn
+        assert turns.acquire(False, 5)  # another request's transfer holds the only turn
         try:
             assert tier.put([(keys[1], BytesPayload(values[1]))]) == [False]
             with tier.get(keys[:1]) as got:
