@@ -102,9 +102,10 @@ class Tiers:
 
 
 class Replica:
-    """One ``kvtier vllm serve`` with the connector and vLLM's KV events (PUB + replay); one OpenMP thread."""
+    """One ``kvtier vllm serve`` with the connector and vLLM's KV events (PUB + replay); one OpenMP thread. Its log
+    is ``LABEL-PHASE.log`` (each phase starts the replicas again)."""
 
-    def __init__(self, model: str, out: Path, label: str, device_blocks: int, tiers: Tiers) -> None:
+    def __init__(self, model: str, out: Path, label: str, device_blocks: int, tiers: Tiers, phase: str) -> None:
         self.label = label
         self.events, self.replay = free_port(), free_port()
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
@@ -116,7 +117,7 @@ class Replica:
         env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.metrics_port = free_port()  # the worker's own metrics (histograms too; vLLM's /metrics has none)
         kvtier = {**tiers.config(out / f"{label}-disk"), "metrics_port": self.metrics_port}
-        self.server = VllmServer(model, free_port(), out / f"{label}.log", kvtier=kvtier, args=args, env=env)
+        self.server = VllmServer(model, free_port(), out / f"{label}-{phase}.log", kvtier=kvtier, args=args, env=env)
 
     @property
     def name(self) -> str:

@@ -136,8 +136,9 @@ def measure(arms, specs, replicas, args, model, out, rows: dict, sim_tiers: list
     return place_shares(runs, hits)
 
 
-def fleet_up(stack: ExitStack, model: str, out: Path, n: int, device_blocks: int, tiers: Tiers) -> list[Replica]:
-    replicas = [Replica(model, out, f"r{i}", device_blocks, tiers) for i in range(n)]
+def fleet_up(stack: ExitStack, model: str, out: Path, n: int, device_blocks: int, tiers: Tiers,
+             phase: str) -> list[Replica]:
+    replicas = [Replica(model, out, f"r{i}", device_blocks, tiers, phase) for i in range(n)]
     for replica in replicas:
         shutil.rmtree(out / f"{replica.label}-disk", ignore_errors=True)
         stack.callback(replica.server.stop)
@@ -257,7 +258,7 @@ def main() -> None:
     if {"private", "trace", "kill"} & set(phases):
         with ExitStack() as stack:
             tiers = Tiers(args.memory, args.disk)
-            replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
+            replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers, "private")
             # kvtier's tiers as the simulator runs them: the memory tier, then the disk taking what it evicts
             sim_tiers = [{"kind": "memory", "chunks": parse_size(args.memory) // chunk_bytes},
                          {"kind": "disk", "chunks": parse_size(args.disk) // chunk_bytes, "write": "back",
@@ -289,7 +290,7 @@ def main() -> None:
     for store in stores:
         with ExitStack() as stack:
             tiers, arms = shared_store(stack, args, store)
-            replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers)
+            replicas = fleet_up(stack, model, out, args.replicas, args.device_blocks, tiers, store)
             specs = [with_seed(base, 300 + i) for i in range(len(arms))]
             places["shared" if store == "redis" else "mooncake"] = measure(
                 arms, specs, replicas, args, model, out, rows,
