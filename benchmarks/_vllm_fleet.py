@@ -102,9 +102,10 @@ class Tiers:
 
 
 class Replica:
-    """One ``kvtier vllm serve`` with the connector and vLLM's KV events (PUB + replay); one OpenMP thread."""
+    """One ``kvtier vllm serve`` with the connector and vLLM's KV events (PUB + replay); one OpenMP thread. Its log
+    is ``LABEL-PHASE.log`` (each phase starts the replicas again)."""
 
-    def __init__(self, model: str, out: Path, label: str, device_blocks: int, tiers: Tiers) -> None:
+    def __init__(self, model: str, out: Path, label: str, device_blocks: int, tiers: Tiers, phase: str) -> None:
         self.label = label
         self.events, self.replay = free_port(), free_port()
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
@@ -116,7 +117,7 @@ class Replica:
         env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.metrics_port = free_port()  # the worker's own metrics (histograms too; vLLM's /metrics has none)
         kvtier = {**tiers.config(out / f"{label}-disk"), "metrics_port": self.metrics_port}
-        self.server = VllmServer(model, free_port(), out / f"{label}.log", kvtier=kvtier, args=args, env=env)
+        self.server = VllmServer(model, free_port(), out / f"{label}-{phase}.log", kvtier=kvtier, args=args, env=env)
 
     @property
     def name(self) -> str:
@@ -344,10 +345,13 @@ def sim_predict(label: str, fleet: dict, recorded: dict[str, list], out: Path) -
 
 def mooncake_tier(master) -> dict:
     """A replica's tier in the pool of ``master`` (tests.mooncake_master): it mounts no segment of its own, the
-    pool's memory is one segment host's, as the tests run it. Its transfer buffer holds five chunks of this model,
-    far less than a load: the cache cuts loads into gets that fit it, and they queue for it."""
+    pool's memory is one segment host's, as the tests run it. Its transfer buffer is the tier's default, 256
+    MiB: a load reads windows of two chunks of this model (16 MiB windows, 5.9 MB chunks), five at once (two
+    decoding, three read ahead), and with 32 MiB (five chunks) the windows read ahead waited for room behind the
+    others: 1.2 s a get, beside 0.6 s for the transfer turn and 0.7 s in the transfer, under the pool phase's
+    load (the 23:44 run, 62f1ad2)."""
     return {"kind": "mooncake", "master_address": master.master_address, "metadata_server": master.metadata_url,
-            "metrics_url": master.metrics_url, "segment_bytes": 0, "buffer_bytes": "32MiB", "timeout_s": 30.0}
+            "metrics_url": master.metrics_url, "segment_bytes": 0, "buffer_bytes": "256MiB", "timeout_s": 30.0}
 
 
 def with_seed(spec: MultiRoundSpec, seed: int) -> MultiRoundSpec:

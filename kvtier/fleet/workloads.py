@@ -154,12 +154,11 @@ class TraceSpec:
     """Requests of a Mooncake trace; each 512-token block id becomes ``block_tokens`` token ids.
 
     ``conversations`` 0: the trace's first ``requests`` rows, in order. ``conversations`` N: N of the trace's
-    conversations (the rows that share their first block id) of at least ``min_turns`` rows, drawn with
-    ``seed``, each cut to its first ``max_turns`` rows (0: whole), at most ``requests`` rows of them in trace
-    order; sent back to back, each conversation's turns in
-    order and the conversations side by side (the runner bounds how many are in flight). ``salt`` (0: none)
-    gives every block other token ids, so runs with different salts share nothing. ``sessions``: each request
-    names its conversation in OpenAI's ``user`` field."""
+    conversations (the rows that share their first block id) of at least ``min_turns`` rows, drawn with ``seed``,
+    each cut to its first ``max_turns`` rows (0: whole), at most ``requests`` rows of them in trace order; sent back
+    to back, each conversation's turns in order and the conversations side by side (the runner bounds how many are
+    in flight). ``salt`` (0: none) gives every block other token ids, so runs with different salts share nothing.
+    ``sessions``: each request names its conversation in OpenAI's ``user`` field."""
 
     path: str | None = None
     requests: int = 20
