@@ -112,7 +112,9 @@ def read_background(paths: Sequence[str | Path], *, chunk_tokens: int,
 def _in_router_order(requests: list[TraceRequest], decisions: list[int | None]) -> list[TraceRequest]:
     """By arrival; in the router's decision order where every request has its number (``x-kvtier-decision``):
     requests sent within milliseconds of each other reach a router in either order, and a round-robin router's
-    choices follow that order. A request decided after one sent later arrives with it (arrivals never go back)."""
+    choices follow that order. A request decided after one sent later arrives with it (arrivals never go back),
+    and still ends when it ended: its measured times are shortened by the shift, so a replica it held is free
+    again for the decisions that followed its end, as it was for the router."""
     if not requests or any(d is None for d in decisions):
         return sorted(requests, key=lambda r: r.arrival_s)
     ordered = [r for _, r in sorted(zip(decisions, requests), key=lambda pair: pair[0])]
@@ -120,8 +122,16 @@ def _in_router_order(requests: list[TraceRequest], decisions: list[int | None]) 
     out = []
     for request in ordered:
         latest = max(latest, request.arrival_s)
-        out.append(request if request.arrival_s == latest else dataclasses.replace(request, arrival_s=latest))
+        out.append(request if request.arrival_s == latest else _arriving_at(request, latest))
     return out
+
+
+def _arriving_at(request: TraceRequest, arrival_s: float) -> TraceRequest:
+    shift = arrival_s - request.arrival_s
+    ttft, e2e = request.measured_ttft_s, request.measured_e2e_s
+    return dataclasses.replace(request, arrival_s=arrival_s,
+                               measured_ttft_s=None if ttft is None else max(ttft - shift, 0.0),
+                               measured_e2e_s=None if e2e is None else max(e2e - shift, 0.0))
 
 
 def _chat_ids(messages: list[dict[str, Any]], tokenizer: ChatTokenizer | None) -> np.ndarray:

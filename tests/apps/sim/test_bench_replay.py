@@ -86,10 +86,14 @@ def test_requests_replay_in_the_routers_decision_order_when_every_one_has_its_nu
     sent = {0: 0.0, 1: 1.0, 2: 1.1}
     decided = {0: 1, 1: 3, 2: 2}  # user 2's request was decided second
     recorded = [{"round": 0, "user": u, "text": "ok", "sent_at": sent[u], "status": 200, "completion_tokens": 1,
-                 "replica": names[decided[u] - 1], "decision": decided[u]} for u in range(3)]
+                 "replica": names[decided[u] - 1], "decision": decided[u], "ttft_s": 0.5, "e2e_s": 3.0}
+                for u in range(3)]
     requests = read_bench_json(bench_file(tmp_path, "multiround", spec, recorded), chunk_tokens=16)
     assert [r.session for r in requests] == ["multiround:0", "multiround:2", "multiround:1"]
     assert [r.arrival_s for r in requests] == [0.0, 1.1, 1.1]  # arrivals never go back
+    # ...but user 1's request still ends when it ended, so a replica it held is free when it was for the router
+    assert requests[2].measured_e2e_s == pytest.approx(2.9) and requests[2].measured_ttft_s == pytest.approx(0.4)
+    assert requests[1].measured_e2e_s == pytest.approx(3.0)
     round_robin = FleetConfig(replicas=3, tiers=(SimTier(chunks=100),), replica_names=names,
                               routing=RoutingConfig(Routing.ROUND_ROBIN))
     assert replay(requests, round_robin, 16).placements_matched == 3
