@@ -39,6 +39,13 @@ FD_RESERVE = 256  #: descriptors kept for what the process opens itself (replica
 REFUSALS_PER_TURN = 32  #: timed-out connections answered per event-loop turn (~3 ms of work)
 
 
+#: how long kvtier's HTTP clients (kvtier bench, kvtier route's to its replicas) keep an idle connection for
+#: reuse: below the 5 s that uvicorn's servers (kvtier route, kvtier serve, vLLM's) keep one open, so that a
+#: client never sends on a connection the server is closing at that moment, which fails with no response at all
+#: (httpx's own default is 5 s too)
+CLIENT_KEEPALIVE_S = 2.0
+
+
 @dataclass(frozen=True)
 class HttpLimits:
     """Limits per connection and per server; see the module docstring."""

@@ -17,6 +17,7 @@ import httpx
 
 from kvtier.apps.bench.client import RequestResult, Target, scrape, send, served_model
 from kvtier.apps.bench.progress import TargetRow
+from kvtier.web.http_limits import CLIENT_KEEPALIVE_S
 
 
 @dataclass
@@ -65,9 +66,7 @@ async def run_workload(target: Target, workload: str, run: Callable[[Runner], Aw
 
     ``limit`` (shared between runs that go on at once) replaces the run's own ``concurrency`` bound.
     """
-    timeout = httpx.Timeout(timeout_s, connect=10.0)
-    limits = httpx.Limits(max_connections=max(64, concurrency * 2))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with bench_client(concurrency, timeout_s) as client:
         model = await served_model(client, target)
         before = await scrape(client, target)
         limit = limit if limit is not None else asyncio.Semaphore(max(1, concurrency))
@@ -79,6 +78,13 @@ async def run_workload(target: Target, workload: str, run: Callable[[Runner], Aw
              if k.startswith(("kvtier_hit_tokens_total", "kvtier_miss_tokens_total", "kvtier_stored_tokens_total"))
              and v != before.get(k, 0.0)}
     return RunResult(target.label, workload, runner.results, wall, delta)
+
+
+def bench_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
+    """The HTTP client of one run: a pool sized for ``concurrency``, idle connections dropped before a server
+    would close them (``CLIENT_KEEPALIVE_S``)."""
+    limits = httpx.Limits(max_connections=max(64, concurrency * 2), keepalive_expiry=CLIENT_KEEPALIVE_S)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
 
 
 async def wait_ready(target: Target, timeout_s: float) -> None:

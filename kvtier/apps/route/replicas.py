@@ -39,6 +39,7 @@ from kvtier.events.wire import Batch, SnapshotHead, WireError, namespace_from_js
 from kvtier.fleet.index import FleetIndex, PreparedSnapshot
 from kvtier.fleet.scoring import ReplicaView
 from kvtier.fleet.vllm_index import SHARED_MEDIUM, VllmReplicaIndex, vllm_namespace
+from kvtier.web.http_limits import CLIENT_KEEPALIVE_S
 
 if TYPE_CHECKING:
     from starlette.responses import Response
@@ -137,7 +138,8 @@ class Replica:
         where = urlsplit(self.url)
         self.name = f"{where.hostname}:{where.port or (443 if where.scheme == 'https' else 80)}"
         timeout = httpx.Timeout(proxy.read_timeout_s, connect=proxy.connect_timeout_s, pool=proxy.read_timeout_s)
-        limits = httpx.Limits(max_connections=proxy.max_connections, max_keepalive_connections=proxy.max_connections)
+        limits = httpx.Limits(max_connections=proxy.max_connections, max_keepalive_connections=proxy.max_connections,
+                              keepalive_expiry=CLIENT_KEEPALIVE_S)
         self.client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
         self.state = ReplicaState.UP
         self._ejected = asyncio.Event()  # set when ejected; a fresh one on readmission
