@@ -346,10 +346,8 @@ def sim_predict(label: str, fleet: dict, recorded: dict[str, list], out: Path) -
 def mooncake_tier(master) -> dict:
     """A replica's tier in the pool of ``master`` (tests.mooncake_master): it mounts no segment of its own, the
     pool's memory is one segment host's, as the tests run it. Its transfer buffer is the tier's default, 256
-    MiB: a load reads windows of two chunks of this model (16 MiB windows, 5.9 MB chunks), five at once (two
-    decoding, three read ahead), and with 32 MiB (five chunks) the windows read ahead waited for room behind the
-    others: 1.2 s a get, beside 0.6 s for the transfer turn and 0.7 s in the transfer, under the pool phase's
-    load (the 23:44 run, 62f1ad2)."""
+    MiB, room for every window a load reads at once (windows of two chunks of this model, five at once); with 32
+    MiB the windows read ahead waited for room (docs/operations/one-or-many.md, the pool under load)."""
     return {"kind": "mooncake", "master_address": master.master_address, "metadata_server": master.metadata_url,
             "metrics_url": master.metrics_url, "segment_bytes": 0, "buffer_bytes": "256MiB", "timeout_s": 30.0}
 

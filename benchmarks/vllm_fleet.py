@@ -89,9 +89,8 @@ QUICK = dict(users=4, rounds=4, system_words=60, context_words=1800, turn_words=
 #: the trace phase: conversations of the Mooncake trace (rows sharing their first block), a 512-token block as 48
 #: tokens, so that its prompts are as long as the chat's (841 to 2,900 tokens, capped to fit the model's context)
 #: and a miss costs what a miss costs there; each arm the same rows with other token ids; each conversation its
-#: first four turns, as the chat has four rounds. At 32 tokens a block and whole conversations, round-robin hit 12
-#: of 30 requests and missed on 561-token prompts in about the time a hit took under this load, so the median
-#: ratio measured the machine's queue, not the cache (1.3x to 3x over six runs).
+#: first four turns, as the chat has four rounds, so that round-robin's median request is a miss (why, with the
+#: runs that showed it: docs/operations/one-or-many.md, what changed since the 21:43 run)
 FULL_TRACE = dict(conversations=6, requests=24, min_turns=4, max_turns=4, block_tokens=48, max_prompt_tokens=2900,
                   max_tokens=4, seed=0, sessions=True)
 QUICK_TRACE = {**FULL_TRACE, "conversations": 4, "requests": 16}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier.apps.sim.bench_replay import read_background
-from kvtier.apps.sim.device import DevicePool
+from kvtier.apps.sim.device import DevicePool, FleetDevices
 from kvtier.apps.sim.fleet import FleetConfig, SimTier
 from kvtier.apps.sim.replay import _cached_view, replay
 from kvtier.apps.sim.trace import TokenPrompt, TraceRequest
@@ -92,8 +92,6 @@ def test_a_request_that_does_not_fit_waits_for_room_and_then_takes_it(runner_blo
 
 
 def test_requests_that_hold_nothing_or_never_fit_do_not_hold_up_the_queue():
-    from kvtier.apps.sim.device import FleetDevices
-
     devices = FleetDevices(1, 8, BLOCK)  # 7 blocks of room
     for tokens in (0, 20 * BLOCK):
         _, request = devices.start(0, block_keys(prompt(tokens + 1, tokens)), tokens)
