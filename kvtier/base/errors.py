@@ -39,3 +39,7 @@ class PinBudgetExceeded(InvalidArgument):
 
 class NotSupported(InvalidArgument):
     """A tier cannot do what a cache-control call asks (a shared store without pins, say): nothing changed."""
+
+
+class MissingDependency(ConfigError):
+    """An optional module a feature needs is not installed; the message names the extra that brings it."""

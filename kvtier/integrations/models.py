@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from kvtier.base.errors import ConfigError
+from kvtier.base.extras import require
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -39,6 +40,7 @@ def ensure_smollm2(home: Path | None = None) -> Path:
     target = (home or kvtier_home()) / "models" / SMOLLM2_NAME
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
+    require("transformers", "gguf", "accelerate", purpose=f"converting the packaged {SMOLLM2_NAME} (once)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = smollm2_package_dir()
