@@ -49,15 +49,22 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def _dispatch(argv: list[str]) -> int:
-    parser = _Parser(prog="kvtier", description="Tiered prefix KV cache for LLM serving.")
+def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser for ``argv``'s command (only that command's module is imported) and ``argv`` parsed by it:
+    what ``kvtier ARGV`` would run, without running it. argparse's SystemExit on an error or ``--help``."""
+    parser = _Parser(prog="kvtier", description="Tiered prefix KV cache for LLM serving.",
+                     epilog="kvtier COMMAND --help gives a command's options and their defaults.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, purpose) in COMMANDS.items():
         if argv[:1] == [name]:
             importlib.import_module(module).add_parser(sub)
         else:
-            sub.add_parser(name, help=f"{purpose} (kvtier {name} --help)")
-    args = parser.parse_args(argv)
+            sub.add_parser(name, help=purpose)
+    return parser, parser.parse_args(argv)
+
+
+def _dispatch(argv: list[str]) -> int:
+    parser, args = parse(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
