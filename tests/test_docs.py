@@ -90,7 +90,7 @@ def _record_pages() -> set[str]:
 
 
 #: What belongs in a record, not a guide: issue numbers, run timestamps, load averages, "the 21:43 run".
-LAB_NOTES = re.compile(r"#\d|\bissues?\b|\d{1,2}:\d{2}(?:-\d{1,2}:\d{2})? UTC|\b\d{1,2}:\d{2} run\b"
+LAB_NOTES = re.compile(r"(?<![\w(/])#\d|\bissues? #?\d|\d{1,2}:\d{2}(?:-\d{1,2}:\d{2})? UTC|\b\d{1,2}:\d{2} run\b"
                        r"|load average|\b20\d\d-\d\d-\d\d\b|what changed since", re.IGNORECASE)
 
 
@@ -107,7 +107,7 @@ def test_guides_carry_no_issue_numbers_or_run_history():
 
 def test_no_page_names_an_issue():
     pages = list((ROOT / "docs").rglob("*.md"))
-    hits = [str(p.relative_to(ROOT)) for p in pages if re.search(r"#\d|\bissues? \d", p.read_text(), re.I)]
+    hits = [str(p.relative_to(ROOT)) for p in pages if re.search(r"(?<![\w(/])#\d|\bissues? #?\d", p.read_text(), re.I)]
     assert not hits, f"issue numbers in the docs: {hits}"
 
 
