@@ -15,11 +15,12 @@ rounds of the four arms (kvtier / LMCache x memory / disk) are interleaved, thei
 round. Disk reads are timed with the page cache dropped (as benchmarks/_util.evict_page_cache). Disk stores
 count until the last chunk is visible: kvtier's are fsynced by then, LMCache's are not (its backend writes
 without fsync), so LMCache's fsync of its files is timed too and shown added. Each process also times one plain
-``copy_`` of the same bytes per round: its own limit. Figures: best and median of ``--rounds`` (interference on
-a shared machine only adds time); ratios > 1 mean kvtier is faster. The other peers measured by this project on
-this machine are not rerun here: SGLang's ``HiCacheFile`` (benchmarks/sglang_backend.py) and raw Mooncake
-Store calls (benchmarks/mooncake_tier.py); docs/benchmarks/alternatives.md links their records. Last line:
-``RESULT {json}``.
+``copy_`` of the same bytes per round: its own limit; LMCache's side also times its connector's chunk copies
+alone, which separates what LMCache's engine adds from the copy a CPU connector makes. Figures: best and median
+of ``--rounds`` (interference on a shared machine only adds time); ratios > 1 mean kvtier is faster. The other
+peers measured by this project on this machine are not rerun here: SGLang's ``HiCacheFile``
+(benchmarks/sglang_backend.py) and raw Mooncake Store calls (benchmarks/mooncake_tier.py);
+docs/benchmarks/alternatives.md links their records. Last line: ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class LMCacheSide:
         self.log_path = base / "lmcache.log"
         cmd = [python, str(HERE / "_alternatives_lmcache.py"), "--tokens", str(args.tokens),
                "--layers", str(LAYERS), "--heads", str(HEADS), "--head-dim", str(HEAD_DIM),
-               "--chunk-size", str(args.chunk_size), "--seed", str(SEED), "--dir", str(base)]
+               "--chunk-size", str(args.chunk_size), "--seed", str(SEED), "--rounds", str(args.rounds),
+               "--dir", str(base)]
         if args.lmcache_odirect:
             cmd.append("--odirect")
         self.log = open(self.log_path, "wb")
@@ -155,6 +157,8 @@ def summarise(runs: dict, nbytes: int) -> dict:
     out: dict = {}
     for (side, tier), rows in runs.items():
         phases = ["copy_s", "store_s", "retrieve_s"]
+        if side == "lmcache":
+            phases += ["connector_store_s", "connector_retrieve_s"]
         if side == "lmcache" and tier == "disk":
             for row in rows:
                 row["store_fsync_s"] = row["store_s"] + row["fsync_s"]
@@ -183,6 +187,10 @@ def report(figures: dict) -> None:
             kv, lm = figures[f"kvtier_{tier}_{phase}_gbps"], figures[f"lmcache_{tier}_{phase}_gbps"]
             print(f"{tier:6} {phase:8}  kvtier {kv:6.2f} GB/s  LMCache {lm:6.2f} GB/s  kvtier/LMCache "
                   f"{figures[f'{tier}_{phase}_ratio']:.2f} (median {figures[f'{tier}_{phase}_median_ratio']:.2f})")
+    print(f"LMCache's connector copies alone (torch copy_ of each chunk's token range): store "
+          f"{figures['lmcache_memory_connector_store_gbps']:.2f} GB/s, retrieve "
+          f"{figures['lmcache_memory_connector_retrieve_gbps']:.2f} GB/s; one flat copy in its process "
+          f"{figures['lmcache_memory_copy_gbps']:.2f} GB/s")
     print(f"disk store with LMCache's files fsynced as kvtier's are: {figures['lmcache_disk_store_fsync_gbps']:.2f}"
           f" GB/s, kvtier/LMCache {figures['disk_store_ratio_lmcache_fsynced']:.2f}")
     print("not rerun here: SGLang HiCacheFile (benchmarks/sglang_backend.py), raw Mooncake Store "
