@@ -1,7 +1,8 @@
 """LMCache's half of ``benchmarks/alternatives.py``; runs in LMCache's own interpreter (scripts/lmcache-venv.sh).
 
-LMCache pins versions of packages kvtier's environment also holds (numpy, transformers, ...), so it lives in a
-virtual environment of its own, and this script is started there as a subprocess. It never imports kvtier.
+Installing LMCache 0.5.6 into kvtier's environment would change versions installed there (numpy, protobuf,
+transformers, ...), so it lives in a virtual environment of its own, and this script is started there as a
+subprocess. It never imports kvtier.
 
 Protocol: one JSON object per line on stdin, one JSON object per line answered on the original stdout (LMCache's
 own log lines go to stderr). The first answer, unasked, is ``{"ready": ..., "kv_sha256": ...}``; then each
