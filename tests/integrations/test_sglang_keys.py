@@ -1,23 +1,28 @@
 """What SGLang 0.5.23's page keys carry into kvtier's HiCache backend, and clears that stay in their namespace.
 
 Page keys come from SGLang's own ``get_storage_hash_str`` (the function its cache controller calls on a request's
-radix key). ``RadixKey`` itself does not import on this machine (``radix_cache`` pulls in torchvision, see
-``sglang_pool``), so ``Key`` carries the three attributes SGLang's function reads from it: ``token_ids``,
-``extra_key`` (SGLang appends the LoRA adapter's id to it) and ``cache_salt``. Images, audio and video reach the
-key as their placeholder tokens, which SGLang replaces by 62-bit values derived from each item's content hash
-(``MultimodalDataItem.pad_values``, from ``MM_PAD_SHIFT_VALUE`` = 1,000,000 up).
+radix key) over SGLang's own ``RadixKey``. ``radix_cache`` does not import on this machine (it pulls in
+torchvision, see ``sglang_pool``), so ``RadixKey`` is compiled from its source in that module. Images, audio and
+video reach the key as their placeholder tokens, which SGLang replaces by 62-bit values derived from each item's
+content hash (``MultimodalDataItem.pad_values``, from ``MM_PAD_SHIFT_VALUE`` = 1,000,000 up). What SGLang does
+in code that does not import here (the LoRA id appended to ``extra_key``, prompt embeddings refused while the
+radix cache is on) is checked in its source, so these tests fail the day SGLang keys less.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import __future__
+import ast
+from array import array
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="scripts/setup.sh test installs sglang")
 
+import sglang  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 from tests.integrations.sglang_pool import HostPool, backend  # noqa: E402
@@ -26,16 +31,25 @@ PAGE = 4
 MM_PAD_SHIFT = 1_000_000  #: SGLang's MM_PAD_SHIFT_VALUE: placeholder values start here
 
 
-@dataclass
-class Key:
-    """The attributes of SGLang's ``RadixKey`` that ``get_storage_hash_str`` reads (module docstring)."""
+SRT = Path(sglang.__file__).parent / "srt"
 
-    token_ids: list[int]
-    extra_key: str | None = None
-    cache_salt: str | None = None
 
-    def __len__(self) -> int:
-        return len(self.token_ids)
+def sglang_class(relative: str, name: str) -> type:
+    """Class ``name`` of SGLang's module at ``srt/relative``, compiled from its source alone (module docstring)."""
+    path = SRT / relative
+    node = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    namespace = {"__name__": f"sglang_source.{name}", "array": array, "Optional": Optional}
+    code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, namespace)  # noqa: S102 - SGLang's own installed source
+    return namespace[name]
+
+
+RadixKey = sglang_class("mem_cache/radix_cache.py", "RadixKey")
+
+
+def radix_key(tokens, extra_key: str | None = None, cache_salt: str | None = None):
+    return RadixKey(array("q", tokens), extra_key, cache_salt=cache_salt)
 
 
 def disk(path: Path, **extra) -> dict:
@@ -59,7 +73,7 @@ def flush(store) -> None:
         getattr(tier, "flush", lambda: None)()
 
 
-def keys_of(key: Key) -> list[str]:
+def keys_of(key) -> list[str]:
     return get_storage_hash_str(key, None, page_size=PAGE)
 
 
@@ -69,7 +83,7 @@ def stored(tmp_path):
     pool = HostPool("layer_first")
     pool.fill(3)
     store = backend(pool, disk(tmp_path))
-    base = Key(text(1) + image(1) + text(1, seed=1), extra_key="lora-1", cache_salt="s")
+    base = radix_key(text(1) + image(1) + text(1, seed=1), extra_key="lora-1", cache_salt="s")
     assert all(store.batch_set_v1(keys_of(base), pool.host_indices(0, 4)))
     flush(store)
     yield store, base
@@ -81,16 +95,16 @@ def test_every_input_sglang_keys_makes_another_page(stored, change):
     """Another image, adapter, extra key or salt: none of the request's pages is a hit (from the first one
     it changes: the image's pages; every page for the rest, which seed the chain)."""
     store, base = stored
-    other = {"image": Key(text(1) + image(2) + text(1, seed=1), "lora-1", "s"),
-             "lora": Key(base.token_ids, "lora-2", "s"), "extra_key": Key(base.token_ids, None, "s"),
-             "cache_salt": Key(base.token_ids, "lora-1", "t")}[change]
+    other = {"image": radix_key(text(1) + image(2) + text(1, seed=1), "lora-1", "s"),
+             "lora": radix_key(base.token_ids, "lora-2", "s"), "extra_key": radix_key(base.token_ids, None, "s"),
+             "cache_salt": radix_key(base.token_ids, "lora-1", "t")}[change]
     assert store.batch_exists(keys_of(base)) == 4
     assert store.batch_exists(keys_of(other)) == (1 if change == "image" else 0)
 
 
 def test_the_same_image_twice_is_a_hit(stored):
     store, base = stored
-    again = Key(list(base.token_ids), "lora-1", "s")
+    again = radix_key(list(base.token_ids), "lora-1", "s")  # a new key object: equal content, equal pages
     pool = store.mem_pool_host
     assert store.batch_get_v1(keys_of(again), pool.host_indices(8, 4)) == [True] * 4  # into other host pages
     assert torch.equal(pool.kv_buffer[:, :, 32:48], pool.kv_buffer[:, :, :16])
@@ -100,7 +114,7 @@ def test_the_same_image_twice_is_a_hit(stored):
                          ids=["tenant", "model", "tp-rank"])
 def test_clear_leaves_other_namespaces_pages_in_the_same_disk_path(tmp_path, other):
     """Tenant (or model, or rank) b's pages left in the disk path survive tenant a's clear; a's are gone."""
-    keys = keys_of(Key(text(3)))
+    keys = keys_of(radix_key(text(3)))
     pool = HostPool("layer_first")
     pool.fill(5)
     tenant = {"tenant": other["tenant"]} if "tenant" in other else {}
@@ -124,3 +138,15 @@ def test_clear_leaves_other_namespaces_pages_in_the_same_disk_path(tmp_path, oth
     assert torch.equal(dst.kv_buffer[:, :, :12], pool.kv_buffer[:, :, :12])
     assert b.clear() is True and b.batch_exists(keys) == 0  # and b's own clear does remove them
     b.close()
+
+
+def test_sglang_keys_lora_and_refuses_prompt_embeddings_with_its_radix_cache_on():
+    """The two facts kvtier relies on that live in SGLang code that does not import here (module docstring)."""
+    init = next(n for n in ast.walk(ast.parse((SRT / "managers/schedule_batch.py").read_text()))
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__" and "lora_id" in ast.unparse(n.args))
+    appends = [ast.unparse(n) for n in ast.walk(init) if isinstance(n, ast.Assign)
+               and ast.unparse(n.targets[0]) == "extra_key"]
+    assert any("lora_id" in a for a in appends), appends  # Req: extra_key = (extra_key or '') + lora_id
+    tokenize = (SRT / "managers/tokenizer_manager.py").read_text()
+    refusal = tokenize[tokenize.index("if obj.input_embeds is not None:"):][:400]
+    assert "disable_radix_cache" in refusal and "raise ValueError" in refusal
