@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import __future__
 import ast
+import os
+import subprocess
+import sys
 from array import array
 from pathlib import Path
 from typing import Optional
@@ -150,3 +153,37 @@ def test_sglang_keys_lora_and_refuses_prompt_embeddings_with_its_radix_cache_on(
     tokenize = (SRT / "managers/tokenizer_manager.py").read_text()
     refusal = tokenize[tokenize.index("if obj.input_embeds is not None:"):][:400]
     assert "disable_radix_cache" in refusal and "raise ValueError" in refusal
+
+
+WRITER = """
+import sys
+from tests.integrations.sglang_pool import HostPool, backend
+from tests.integrations.test_sglang_keys import disk, flush, keys_of, radix_key, text
+pool = HostPool("layer_first")
+pool.fill(5)
+store = backend(pool, disk(sys.argv[1], tenant="b"))
+assert all(store.batch_set_v1(keys_of(radix_key(text(3))), pool.host_indices(0, 3)))
+flush(store)
+store.close()
+"""
+
+
+def test_another_servers_pages_survive_this_servers_clear(tmp_path):
+    """S-1 across processes: server b (its own process, ended) left pages in the disk path; server a's clear
+    removes a's pages only, and b's still load, equal to what b stored."""
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", WRITER, str(tmp_path)], check=True, env=env, timeout=300)
+    keys = keys_of(radix_key(text(3)))
+    a = backend(HostPool("layer_first"), disk(tmp_path, tenant="a"))
+    a.mem_pool_host.fill(6)
+    assert all(a.batch_set_v1(keys, a.mem_pool_host.host_indices(0, 3)))
+    flush(a)
+    assert a.clear() is True and a.batch_exists(keys) == 0
+    a.close()
+    b = backend(HostPool("layer_first"), disk(tmp_path, tenant="b"))
+    assert b.batch_get_v1(keys, b.mem_pool_host.host_indices(0, 3)) == [True] * 3
+    written = HostPool("layer_first")
+    written.fill(5)
+    assert torch.equal(b.mem_pool_host.kv_buffer[:, :, :12], written.kv_buffer[:, :, :12])
+    b.close()
