@@ -5,13 +5,18 @@ replica refuses as malformed JSON (lone surrogates, integers of thousands of dig
 NaN) the router refuses the same way, with the same 400, before it costs a replica anything. The router
 forwards bodies untouched (a replica may accept fields the router never heard of), so beyond that it checks
 only what it needs and what no replica could serve: a JSON object, ``messages`` (chat) or ``prompt``
-(completions) of the right shapes, token ids in ``[0, 2**32)`` (what a chunk key encodes), ``stream`` a
-boolean, ``user`` a string, ``max_tokens`` positive. Anything else is the replica's business.
+(completions, or ``prompt_embeds``) of the right shapes, token ids in ``[0, 2**32)`` (what a chunk key
+encodes), ``stream`` a boolean, ``user`` a string, ``max_tokens`` positive. Anything else is the replica's business.
 
 The tenant salt comes from the ``Authorization`` header exactly as kvtier serve derives it (``tenant_salt``),
 never from the body. The session comes from ``X-Session-ID`` or ``user``; one longer than
 ``MAX_SESSION_ID_BYTES`` is a 400, and what the router keeps is a digest of the tenant's salt and the id, so a
 session is remembered per tenant, in the same few bytes however long its id.
+
+What the router scores is the prompt's text or token ids alone. A request whose KV depends on more (chat content
+parts other than text: images, audio, video; ``prompt_embeds``; a ``cache_salt``) is routed by load alone
+(``Prompt()``): the blocks replicas publish for such prompts carry extra keys and are never indexed
+(kvtier.fleet.vllm_index), so scoring its token ids would predict hits on another prompt's blocks.
 
 Decoding costs the GIL in one call, in proportion to the objects a body holds, so a body over ``WHOLE_BODY_BYTES``
 is not decoded whole: its top level is split into fields without building their values (msgspec's raw values: the
@@ -42,6 +47,9 @@ TOKEN_ID_LIMIT = 1 << 32  #: chunk keys encode token ids as 32-bit integers
 WHOLE_BODY_BYTES = 1 << 20  #: bodies up to this size are decoded whole
 PREFIX_BYTES = 1 << 20  #: of a longer body's ``messages`` or ``prompt`` array, the bytes decoded
 _PREFIXED = ("messages", "prompt")
+#: fields that make a prompt's KV differ from its text's (vLLM's extensions): such a request is routed by load
+#: alone, as an image prompt is, never scored against the blocks of the same token ids without them
+UNSCORED_FIELDS = ("prompt_embeds", "cache_salt")
 
 
 # msgspec, not pydantic models: checking a chat of 250k messages (what 8 MiB holds) took pydantic 1.05 s of CPU
@@ -63,7 +71,10 @@ class _ChatBody(_Body, kw_only=True):
 
 
 class _CompletionBody(_Body, kw_only=True):
-    prompt: str | list[Any]  #: text, ids, or a batch (list of texts or of id lists): checked in _completion_prompt
+    #: text, ids, or a batch (list of texts or of id lists): checked in _completion_prompt; may be left out only
+    #: when ``prompt_embeds`` is given (vLLM's extension)
+    prompt: str | list[Any] | None = None
+    prompt_embeds: Any = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,8 @@ def parse_request(body: bytes, chat: bool, headers: dict[str, str]) -> ParsedReq
         raise RequestError("the request body must be a JSON object")
     parsed = _convert(value, _ChatBody if chat else _CompletionBody)
     prompt = _chat_prompt(parsed) if chat else _completion_prompt(parsed)
+    if any(value.get(name) is not None for name in UNSCORED_FIELDS):
+        prompt = Prompt()  # its KV depends on more than the token ids the router would hash
     if cut and (prompt.messages is not None or prompt.ids is not None):
         prompt = Prompt(prompt.messages, prompt.text, prompt.ids, cut=True)
     header = headers.get(SESSION_HEADER)
@@ -159,6 +172,10 @@ def _chat_prompt(body: _ChatBody) -> Prompt:
 
 def _completion_prompt(body: _CompletionBody) -> Prompt:
     prompt = body.prompt
+    if prompt is None:
+        if body.prompt_embeds is None:
+            raise RequestError("prompt is required (or prompt_embeds)", param="prompt")
+        return Prompt()
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         batch = _convert(prompt, list[str] if isinstance(prompt[0], str) else list[list[int]], "prompt")
         prompt = batch[0]  # a batch: routed by its first prompt

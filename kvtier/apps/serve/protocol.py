@@ -4,8 +4,9 @@ Decoding is greedy unless a request asks for sampling: ``temperature`` (0 to 2; 
 ``top_p``, ``top_k`` (vLLM's extension; -1 or 0 means no limit), ``seed`` and the presence and frequency
 penalties become the request's SamplingParams. ``n`` must be 1: one answer per request. Out-of-range values
 are refused with a 400 that says why, rather than silently clamped. Unknown fields are refused too, so a typo
-never passes unnoticed. kvtier's own field, ``cache_ttl_s`` (seconds, not negative), gives the prompt's cached KV a
-retention time (``KVCache.store(ttl_s=)``).
+never passes unnoticed. The server serves text only: content parts other than text (images, audio, video,
+files) and prompt embeddings are refused by name with a 400 (``refuse_non_text``). kvtier's own field,
+``cache_ttl_s`` (seconds, not negative), gives the prompt's cached KV a retention time (``KVCache.store(ttl_s=)``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,29 @@ class ChatRequest(_Common):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+#: request fields that carry prompt embeddings (vLLM's ``/v1/completions`` extension)
+EMBEDDING_FIELDS = ("prompt_embeds",)
+
+
+def refuse_non_text(body: dict[str, Any]) -> None:
+    """RequestError (400) for any input but text: a content part whose ``type`` is not ``"text"`` (``image_url``,
+    ``input_audio``, ``video_url``, ``file`` ...) or prompt embeddings. The server's model reads text, and its
+    cache keys are token ids only: such an input can be neither served nor cached correctly, so it is refused
+    by name rather than as an unknown field."""
+    for name in EMBEDDING_FIELDS:
+        if name in body:
+            raise RequestError(f"kvtier serve serves text only: {name} (prompt embeddings) is not supported; "
+                               "send the prompt as text or token ids", param=name)
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise RequestError(f"kvtier serve serves text only: messages[{i}].content[{j}] is a {kind[:64]!r} "
+                                   "part; send text parts only", param="messages")
+
+
 def parse(model: type[_Common], body: Any) -> Any:
     """Validate a decoded JSON body; raise RequestError (400) with every problem spelled out.
 
@@ -144,6 +168,7 @@ def parse(model: type[_Common], body: Any) -> Any:
     """
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    refuse_non_text(body)
     try:
         request = model.model_validate(body, strict=True)
     except ValidationError as exc:

@@ -6,8 +6,14 @@ SGLang hands the backend pages of its host KV pool under its own chained page ha
   cache: the model (``model_id``, default SGLang's model name), the pool's KV geometry (layers, heads,
   head_dim, dtype; MLA's latent width), the page size, the tensor-parallel rank and size (MLA KV is the same
   on every rank: rank 0 of 1), pipeline / context-parallel shard and MLA flag (the adapter field) and the
-  ``tenant`` salt. Two servers share a page only when all of these agree. SGLang's own ``cache_salt`` and
-  extra key are already inside its page hashes.
+  ``tenant`` salt. Two servers share a page only when all of these agree. What a request adds is inside
+  SGLang's page hash already (a SHA-256 chain over whole 64-bit token ids, ``get_storage_hash_str``): the
+  chain is seeded by the request's ``extra_key`` (with the LoRA adapter's id appended) and ``cache_salt``, and
+  images, audio and video are their placeholder tokens, which SGLang replaces by values derived from each
+  item's content hash. SGLang refuses prompt embeddings (``input_embeds``) unless its radix cache is off, and
+  then no storage backend is used. The backend sees page keys only, never the request.
+* **Owner.** Every page is stored owned by the namespace-and-tenant root, so ``clear`` removes this backend's
+  pages only, even from a disk path other models, ranks or tenants left pages in.
 * **Pages.** Stored as kvtier's canonical chunk (``pages.py``), so any of the supported host layouts reads any
   page. Reads decode straight into the host pool's page (``batch_get_v1``: no copy beyond what a tier
   needs); writes read straight out of it.
@@ -49,6 +55,7 @@ from kvtier.integrations.sglang.config import BackendConfig
 from kvtier.integrations.sglang.pages import PoolGeometry, check_buffer, geometry_of, key_token_ids
 from kvtier.integrations.sglang.side_pools import SidePool, restorable
 from kvtier.tiers import SharedStore
+from kvtier.tiers.control import Controlled, Feature, tenant_tag
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -155,15 +162,21 @@ class KVTierStorage(HiCacheStorage):
 
     @_never_raises(lambda *_, **__: False)
     def clear(self) -> bool:
-        """Forget every page in this server's own tiers (memory, and disk: a directory per server and rank),
-        side pools included. Pages in shared tiers (Redis, Valkey, Mooncake) stay: other servers may be
-        reading them. True once done."""
+        """Forget this backend's pages (its namespace and tenant: every page is stored owned by ``owner``) in its
+        memory and disk tiers, side pools included; pages of other models, ranks or tenants left in the same disk
+        path stay. Pages in shared tiers (Redis, Valkey, Mooncake) stay too: other servers may be reading them.
+        A local tier that records no owners is left as it is (logged): it cannot tell this backend's pages from
+        others'. True once done."""
+        owner = tenant_tag(self._root)
         for cache in [self.cache, *(side.cache for side in self._side.values())]:
             for tier in cache.tiers if cache is not None else []:
-                list_keys = getattr(tier, "list_keys", None)
-                if list_keys is not None and not isinstance(tier, SharedStore):
-                    tier.delete(list_keys())
-        log.info("kvtier HiCache backend: cleared this server's tiers")
+                if isinstance(tier, SharedStore):
+                    continue
+                if isinstance(tier, Controlled) and Feature.TENANTS in tier.supports:
+                    tier.clear(tenant=owner)
+                else:
+                    log.warning("kvtier HiCache backend: tier %s records no owners; not cleared", tier.name)
+        log.info("kvtier HiCache backend: cleared this server's pages")
         return True
 
     def close(self) -> None:
@@ -235,12 +248,12 @@ class KVTierStorage(HiCacheStorage):
 
     def _load(self, keys: Sequence[str], pages: _HostPages) -> list[bool]:
         ids = self.kvtier_keys(keys)
-        good = self.cache.retrieve_keyed(ids, key_token_ids(ids, self.geometry.page_size), pages)
+        good = self.cache.retrieve_keyed(ids, key_token_ids(ids, self.geometry.page_size), pages, salt=self._root)
         return [True] * good + [False] * (len(keys) - good)
 
     def _store(self, keys: Sequence[str], pages: _HostPages) -> list[bool]:
         ids = self.kvtier_keys(keys)
-        held = self.cache.store_keyed(ids, key_token_ids(ids, self.geometry.page_size), pages)
+        held = self.cache.store_keyed(ids, key_token_ids(ids, self.geometry.page_size), pages, salt=self._root)
         missing = [i for i, ok in enumerate(held) if not ok]  # already stored, or refused by every tier
         if missing:
             for i, tier in zip(missing, self.cache.locate([ids[i] for i in missing])):

@@ -88,6 +88,7 @@ class SidePool:
         ns = kv_cache.namespace
         self.cache = KVCache(self.spec, ns.model, scaled_config(kv_cache.config, self.name, nbytes / kv_page_bytes),
                              tp_rank=ns.tp_rank, tp_size=ns.tp_size, adapter=f"{ns.adapter};pool={self.name}")
+        self._owner = root  #: the KV pages' owner (the backend's namespace and tenant): one clear covers both
         self._root = root + b"pool=" + self.name.encode() + b";"
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
 
@@ -114,7 +115,8 @@ class SidePool:
         if offsets is None:
             return [False] * len(keys)
         ids = self.keys(keys)
-        written = self.cache.store_keyed(ids, key_token_ids(ids, 1), _FlatPages(self.pool, offsets, self.spec))
+        written = self.cache.store_keyed(ids, key_token_ids(ids, 1), _FlatPages(self.pool, offsets, self.spec),
+                                         salt=self._owner)
         return [w or t is not None for w, t in zip(written, self.cache.locate(ids))]
 
     def load(self, keys: Sequence[str], host_indices: torch.Tensor | None) -> list[bool]:
@@ -125,7 +127,7 @@ class SidePool:
             return [False] * len(keys)
         ids = self.keys(keys)
         sink = _FlatPages(self.pool, offsets, self.spec)
-        return [self.cache.retrieve_keyed([key], key_token_ids([key], 1), _Shifted(sink, i)) == 1
+        return [self.cache.retrieve_keyed([key], key_token_ids([key], 1), _Shifted(sink, i), salt=self._owner) == 1
                 for i, key in enumerate(ids)]
 
 

@@ -100,3 +100,23 @@ def test_a_body_under_the_threshold_is_decoded_whole_as_before():
     messages = [{"role": "user", "content": "hi"}] * 20_000  # 0.7 MB
     parsed = parse_request(json.dumps({"messages": messages}).encode(), True, {})
     assert len(parsed.prompt.messages) == 20_000 and not parsed.prompt.cut
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt_embeds": "AAAA"}, {"prompt": "the cache", "prompt_embeds": ["AAAA"]},
+    {"prompt": "the cache", "cache_salt": "s"}, {"prompt": [1, 2, 3], "cache_salt": "s"},
+])
+def test_a_completion_whose_kv_is_more_than_its_tokens_is_routed_unscored(body):
+    """Prompt embeddings or a cache salt: not scored as the text or ids beside them (replicas' blocks for such
+    prompts carry extra keys and are never indexed), and a prompt of embeddings alone is accepted."""
+    prompt = parse_request(json.dumps(body).encode(), False, {}).prompt
+    assert prompt.messages is None and prompt.text is None and prompt.ids is None
+
+
+def test_a_chat_with_a_cache_salt_or_an_image_is_routed_unscored():
+    text = [{"role": "user", "content": "hi"}]
+    image = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                          {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    assert parse_request(json.dumps({"messages": text}).encode(), True, {}).prompt.messages == text
+    for body in ({"messages": text, "cache_salt": "s"}, {"messages": image}):
+        assert parse_request(json.dumps(body).encode(), True, {}).prompt.messages is None

@@ -127,6 +127,30 @@ def test_stores_are_indexed_per_medium_from_token_ids_and_removals_undo_them(pub
     assert follower.cached([7, 7, 7, 7]) == {}
 
 
+def test_blocks_of_images_embeddings_or_a_salt_and_their_descendants_are_never_indexed(publisher):
+    """vLLM's per-block extra keys, in its event shape (``to_event_extra_keys``): an image's blocks, a prompt of
+    embeddings (placeholder token ids) and a salted block are not indexed, nor any block chained after them, so a
+    text prompt of the same token ids is never scored against them; the text before the image is."""
+    follower = Follower(publisher)
+    text = list(range(300, 320))
+    placeholders = [9] * 8  # an image's placeholder ids: the same for every image of its size
+
+    async def scenario():
+        publisher.send(op="batch", events=[
+            stored([31, 32], None, text[:8]),
+            {**stored([33, 34], 32, placeholders), "extra_keys": [[["mm-a", 0]], [["mm-a", 4]]]},
+            stored([35], 34, text[16:20]),
+            {**stored([41, 42], None, [0] * 8), "extra_keys": [["digest-1"], ["digest-2"]]},
+            {**stored([51, 52], None, text[:8], "CPU"), "extra_keys": [["salt"], None]},
+        ])
+        await until(lambda: follower.counts.get("orphan", 0) >= 1, "the batch")
+
+    run(follower, scenario)
+    assert follower.cached(text[:8] + placeholders + text[16:20]) == {"GPU": 2}
+    assert follower.cached([0] * 8) == {} and follower.cached(text[:8]) == {"GPU": 2}
+    assert follower.counts["unindexed"] == 3 and follower.counts["orphan"] == 1
+
+
 def test_malformed_messages_and_events_are_counted_drops(publisher):
     follower = Follower(publisher)
     prompt = list(range(4))
