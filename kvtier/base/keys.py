@@ -219,7 +219,8 @@ class SpanKey:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end <= SPAN_END:
-            raise InvalidArgument(f"span [{self.start}, {self.end}) of a {self.kind.value} key is empty or out of range")
+            raise InvalidArgument(f"span [{self.start}, {self.end}) of a {self.kind.value} key is empty or out of "
+                                  "range")
         if not isinstance(self.value, bytes):
             raise InvalidArgument(f"a {self.kind.value} span key's value must be bytes")
 

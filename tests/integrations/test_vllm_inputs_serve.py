@@ -23,7 +23,12 @@ pytest.importorskip("vllm")
 from kvtier.net.ports import free_port  # noqa: E402
 from tests.harness import wait_for  # noqa: E402
 from tests.integrations.test_vllm_serve import document  # noqa: E402
-from tests.integrations.vllm_inputs import embedding_matrix, encode_embeds, random_embeds, save_random_lora  # noqa: E402
+from tests.integrations.vllm_inputs import (  # noqa: E402
+    embedding_matrix,
+    encode_embeds,
+    random_embeds,
+    save_random_lora,
+)
 from tests.integrations.vllm_server import VllmServer  # noqa: E402
 
 pytestmark = [pytest.mark.slow,

@@ -10,8 +10,9 @@ Dynamo, ``vllm serve --kv-events-config``) see what kvtier's tiers hold.
   ``to_event_extra_keys``): the LoRA name (also in ``lora_name``), ``(mm identifier, offset in the block)`` pairs,
   the cache salt (first block) and the prompt-embeddings digest of the block's span; ``None`` for a block with
   none. So a router that hashes ``token_ids`` itself never takes an image or embeddings prompt's blocks for a
-  text prompt's. A run of chunks stored together in one chain (one adapter) becomes one ``BlockStored``. vLLM collects them after each step
-  (``get_kv_connector_kv_cache_events``) and ships them to the scheduler with the step's output.
+  text prompt's. A run of chunks stored together in one chain (one adapter) becomes one ``BlockStored``. vLLM
+  collects them after each step (``get_kv_connector_kv_cache_events``) and ships them to the scheduler with the
+  step's output.
 * Scheduler side: ``update_connector_output`` hands them to ``SchedulerEvents``; vLLM's scheduler takes them
   (``take_events``) and publishes them with its own KV events (ZMQ, when ``--kv-events-config`` enables it).
 

@@ -7,8 +7,8 @@ smallest answer.
 
 Wire format (little-endian, no pickling): request ``u32 salt_len, u32 extras_len, u32 n_tokens, salt, extras,
 u32 tokens`` (``extras``: the request's ExtraKeys encoding, kvtier.base.keys); response ``u64 cached_tokens``.
-A request whose extras do not decode closes the connection. A lookup has no side effects on the cache. Any failure (worker not up yet,
-socket gone) is a miss for that request, logged once per connection attempt.
+A request whose extras do not decode closes the connection. A lookup has no side effects on the cache. Any
+failure (worker not up yet, socket gone) is a miss for that request, logged once per connection attempt.
 
 The socket is only for this user's own vLLM processes, and the server treats whatever arrives on it as
 untrusted all the same: the socket file is 0600 inside a 0700 folder owned by the user (a folder that is
