@@ -8,7 +8,7 @@ cache is reset (``/reset_prefix_cache``), so vLLM alone recomputes the prompt an
 before the timings). TTFT is the wall time of a ``max_tokens=1`` completion, the median of ``--repeats``; the
 servers answer one request at a time.
 
-The digest: the connector's scheduler keys a prompt-embeddings request by a SHA-256 of each chunk's embedding
+The digest: the connector's scheduler keys a prompt-embeddings request by a BLAKE3 digest of each chunk's embedding
 bytes, once per request (``kvtier.integrations.vllm.inputs.request_extras`` on vLLM's own ``Request``), in the
 scheduler's loop. Its cost is timed here on a request with the same tensor, the median of 20, as a share of the
 kvtier TTFT (the smaller TTFT, so the larger share); the limit is 2%.

