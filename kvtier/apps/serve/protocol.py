@@ -4,8 +4,8 @@ Decoding is greedy unless a request asks for sampling: ``temperature`` (0 to 2; 
 ``top_p``, ``top_k`` (vLLM's extension; -1 or 0 means no limit), ``seed`` and the presence and frequency
 penalties become the request's SamplingParams. ``n`` must be 1: one answer per request. Out-of-range values
 are refused with a 400 that says why, rather than silently clamped. Unknown fields are refused too, so a typo
-never passes unnoticed. kvtier's own field, ``cache_ttl_s`` (seconds, not negative), gives the prompt's cached KV a
-retention time (``KVCache.store(ttl_s=)``).
+never passes unnoticed. kvtier's own field, ``cache_ttl_s`` (seconds, from 0 to ``MAX_TTL_S``: what every tier can
+hold), gives the prompt's cached KV a retention time (``KVCache.store(ttl_s=)``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtier.api.errors import RequestError
 from kvtier.integrations.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from kvtier.tiers.control import MAX_TTL_S
 
 
 class StreamOptions(BaseModel):
@@ -41,7 +42,7 @@ class _Common(BaseModel):
     user: str | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     #: kvtier's extension: the stored prompt KV expires this many seconds later (a miss from then on)
-    cache_ttl_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    cache_ttl_s: Annotated[float, Field(ge=0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None
 
     def check_sampling(self) -> None:
         """Refuse what no sampling setting can serve: more than one answer per request."""
