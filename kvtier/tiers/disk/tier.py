@@ -238,6 +238,11 @@ class DiskTier(DiskControl):
                 self._metrics.inc(SKIPPED_STORES, tier=self.name, reason="io_error")
                 self._index.abandon(job)
                 return
+            except Exception:  # a bug: this store is skipped; left pending, it would hold its room and queue slot
+                log.exception("disk tier %s: writing chunk %s failed", self.name, job.key.hex())
+                self._metrics.inc(SKIPPED_STORES, tier=self.name, reason="io_error")
+                self._index.abandon(job)
+                return
             if not self._index.publish(job):  # deleted while it was being written
                 self._unlink(path)
             self._metrics.inc(WRITTEN_BYTES, job.nbytes, tier=self.name)
