@@ -268,3 +268,25 @@ def test_a_tier_that_raises_an_untranslated_error_is_a_skipped_store_never_an_ex
         assert store(cache, 0, ttl_s=60) == 0 and cache.lookup(prompt(0)) == 0
         assert "kvtier_tier_errors_total" in cache.metrics.render_prometheus()
         assert store(cache, 1, ttl_s=60) == 2 * CHUNK and cache.lookup(prompt(1)) == 2 * CHUNK
+
+
+def test_a_promotion_whose_put_raises_still_loads_and_the_next_promotes(tmp_path, monkeypatch):
+    """The promotion of a disk hit into memory raising an untranslated error (injected): the load still returns
+    every token, and the next load's promotion lands."""
+    disk = DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=16 * CHUNK_BYTES, fsync=False)
+    with make_cache(memory(), disk) as cache:
+        store(cache, 0)
+        cache.tiers[1].flush()
+        keys = cache.keys(prompt(0))
+        cache.tiers[0].delete(keys)  # only on disk now: a load promotes
+        tier, put, calls = cache.tiers[0], cache.tiers[0].put, []
+
+        def raises_once(items):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyError("injected: a bug in one promotion")
+            return put(items)
+
+        monkeypatch.setattr(tier, "put", raises_once)  # the default tenant's entries: a plain put
+        assert cache.retrieve(prompt(0))[1] == 2 * CHUNK and tier.contains(keys) == [False, False]
+        assert cache.retrieve(prompt(0))[1] == 2 * CHUNK and tier.contains(keys) == [True, True]
