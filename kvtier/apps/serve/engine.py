@@ -109,11 +109,6 @@ class Engine:
         self._jobs.put(None)
         self._thread.join(timeout=30)
 
-    @property
-    def alive(self) -> bool:
-        """Whether the worker thread runs (False once it died, or after ``close``)."""
-        return self._thread.is_alive()
-
     def _run(self) -> None:
         """The worker: one job at a time. Whatever one job raises fails that job alone (an ERROR event) and the
         next is served; should the loop itself die, the jobs queued are failed, not left waiting for ever."""
