@@ -69,28 +69,34 @@ def test_after_a_sigkill_a_tenants_chunks_are_still_its_own_and_its_clear_finds_
     disk = tmp_path / "disk"
     tiers = f"  - {{kind: disk, path: '{disk}', capacity_bytes: 64MiB}}\n"
     replica = _replica(tmp_path, tiny_model_dir, tiers).start()
+    other = "rivers " + PROMPT  # the default tenant's
     try:
         replica.wait_healthy()
         assert _complete(replica.url, PROMPT, ALICE, cache_ttl_s=3600).status_code == 200
-        assert _complete(replica.url, "rivers " + PROMPT).status_code == 200  # the default tenant's
-        tag = tenant_tag(tenant_salt(ALICE))
-        assert wait_for(lambda: any(f".{tag}." in n for n in _chunk_names(disk))
-                        and any("." not in n for n in _chunk_names(disk)), timeout=30)  # written in the background
+        assert _complete(replica.url, other).status_code == 200
+        assert wait_for(lambda: _cached(replica.url, PROMPT, ALICE) > 0 and _cached(replica.url, other) > 0,
+                        timeout=30)  # written by the disk tier's background writers
         replica.stop(signal.SIGKILL)  # no clean close: nothing is written at exit
         replica.start()
         replica.wait_healthy()
-        alice = {"Authorization": f"Bearer {ALICE}"}
-        found = httpx.post(replica.url + "/admin/v1/lookup", json={"text": PROMPT}, headers=alice, timeout=30)
-        assert found.status_code == 200 and found.json()["cached_tokens"] > 0, found.text
-        cleared = httpx.post(replica.url + "/admin/v1/clear", json={}, headers=alice, timeout=30)
+        assert _cached(replica.url, PROMPT, ALICE) > 0 and _cached(replica.url, other) > 0
+        cleared = httpx.post(replica.url + "/admin/v1/clear", json={}, headers=_bearer(ALICE), timeout=30)
         assert cleared.status_code == 200, cleared.text
-        assert not any(f".{tag}." in n for n in _chunk_names(disk))  # every one of alice's chunks went
-        assert any("." not in n for n in _chunk_names(disk))  # the default tenant's stay
-        after = _complete(replica.url, PROMPT, ALICE)
-        assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert _cached(replica.url, PROMPT, ALICE) == 0  # alice's chunks were still alice's: all gone
+        assert _cached(replica.url, other) > 0  # the default tenant's stay
+        tag = tenant_tag(tenant_salt(ALICE))
+        assert not any(f".{tag}." in p.name for p in disk.glob("*/??/*"))
     finally:
         replica.stop()
 
 
-def _chunk_names(disk: Path) -> list[str]:
-    return [p.name for p in disk.glob("*/??/*")]
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _cached(url: str, prompt: str, key: str | None = None) -> int:
+    """Cached tokens of ``prompt`` for the tenant of ``key`` (None: the default tenant, asked as the admin)."""
+    body = {"text": prompt} if key else {"text": prompt, "tenant": "default"}
+    answer = httpx.post(url + "/admin/v1/lookup", json=body, headers=_bearer(key or ADMIN), timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["cached_tokens"]
