@@ -37,12 +37,13 @@ from kvtier.api.tenants import api_key, tenant_salt
 PREFIX = "/admin/v1"
 ADMIN_KEY_ENV = "KVTIER_ADMIN_KEY"
 MAX_TOKENS = 1 << 20  #: token ids one admin call may name
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]  #: what a chunk key encodes (32 bits)
 
 
 class LookupBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``POST /admin/v1/lookup``: how much of a prompt is cached, in all tiers together and in each."""
 
-    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
+    tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     text: str | None = None
     tenant: str | None = None  #: admin only: a configured tenant name or ``default``
 

@@ -159,7 +159,13 @@ class EventSubscriber:
             self._count("gap" if batch.epoch == self.epoch else "new_epoch")
             self.epoch = None  # the caller resynchronises; this batch is in the snapshot it gets
             return
-        self._sink.apply(batch)
+        try:
+            self._sink.apply(batch)
+        except Exception:  # the sink choked on one batch (a bug): resynchronise from a snapshot, go on listening
+            log.exception("event stream %s: applying batch %d failed; resynchronising", self._endpoint, batch.seq)
+            self._count("apply_failed")
+            self.epoch = None
+            return
         self.seq = batch.seq
         self._count("batch")
 
@@ -176,6 +182,10 @@ class EventSubscriber:
         except (TimeoutError, WireError) as exc:
             self._count("snapshot_failed")
             log.warning("event stream %s: no snapshot: %s", self._control_endpoint, exc or "timed out")
+            return False
+        except Exception:  # the sink choked on this snapshot (a bug): count it, and the caller asks again later
+            self._count("snapshot_failed")
+            log.exception("event stream %s: preparing a snapshot failed", self._control_endpoint)
             return False
         finally:
             dealer.close(linger=0)

@@ -6,7 +6,8 @@ penalties become the request's SamplingParams. ``n`` must be 1: one answer per r
 are refused with a 400 that says why, rather than silently clamped. Unknown fields are refused too, so a typo
 never passes unnoticed. The server serves text only: content parts other than text (images, audio, video,
 files) and prompt embeddings are refused by name with a 400 (``refuse_non_text``). kvtier's own field,
-``cache_ttl_s`` (seconds, not negative), gives the prompt's cached KV a retention time (``KVCache.store(ttl_s=)``).
+``cache_ttl_s`` (seconds, from 0 to ``MAX_TTL_S``: what every tier can hold), gives the prompt's cached KV a
+retention time (``KVCache.store(ttl_s=)``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtier.api.errors import RequestError
 from kvtier.integrations.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from kvtier.tiers.control import MAX_TTL_S
 
 
 class StreamOptions(BaseModel):
@@ -42,7 +44,7 @@ class _Common(BaseModel):
     user: str | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     #: kvtier's extension: the stored prompt KV expires this many seconds later (a miss from then on)
-    cache_ttl_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    cache_ttl_s: Annotated[float, Field(ge=0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None
 
     def check_sampling(self) -> None:
         """Refuse what no sampling setting can serve: more than one answer per request."""

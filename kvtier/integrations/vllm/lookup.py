@@ -150,6 +150,8 @@ class LookupServer:
             log.debug("kvtier lookup connection closed: %s", exc)
         except OSError as exc:
             log.warning("kvtier lookup connection failed: %s", exc)
+        except Exception:  # a bug in one lookup: this connection ends (the client counts a miss), others go on
+            log.exception("kvtier lookup failed")
         finally:
             with self._lock:
                 self._open.discard(conn)

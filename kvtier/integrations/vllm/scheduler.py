@@ -38,6 +38,7 @@ from kvtier.integrations.vllm.metadata import (
     pack_extras,
     pack_tokens,
 )
+from kvtier.tiers.control import MAX_TTL_S
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -48,12 +49,12 @@ log = logging.getLogger(__name__)
 
 def request_ttl(request: Request) -> float | None:
     """The retention time a request asks for its stores: ``kv_transfer_params={"kvtier": {"ttl_s": SECONDS}}``
-    (a positive, finite number), None without one.
+    (a positive number up to ``MAX_TTL_S``, what every tier can hold), None without one.
 
     Anything else there (a negative, zero, infinite or non-number ``ttl_s``, a ``kvtier`` value that is not an
-    object) is ignored with a warning, and the request is stored without a retention time: vLLM 0.32 has no
-    connector hook that rejects a request before scheduling, and raising in the scheduler's calls would fail
-    every request in the engine loop, not only this one. ``SchedulerSide.ignored_params`` counts them."""
+    object, one past ``MAX_TTL_S``) is ignored with a warning, and the request is stored without a retention time:
+    vLLM 0.32 has no connector hook that rejects a request before scheduling, and raising in the scheduler's calls
+    would fail every request in the engine loop, not only this one. ``SchedulerSide.ignored_params`` counts them."""
     params = getattr(request, "kv_transfer_params", None)
     ours = params.get("kvtier") if isinstance(params, dict) else None
     if ours is None:
@@ -63,8 +64,9 @@ def request_ttl(request: Request) -> float | None:
     ttl = ours.get("ttl_s")
     if ttl is None:
         return None
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < float("inf"):
-        raise ValueError(f"kv_transfer_params.kvtier.ttl_s must be a positive number of seconds, got {ttl!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl <= MAX_TTL_S:
+        raise ValueError(f"kv_transfer_params.kvtier.ttl_s must be a positive number of seconds up to {MAX_TTL_S}, "
+                         f"got {ttl!r}")
     return float(ttl)
 
 

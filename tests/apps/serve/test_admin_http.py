@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvtier.tiers.control import MAX_TTL_S
 from tests.apps.serve.conftest import LiveServer
 
 ADMIN, ALICE, BOB = "admin-secret", "alice-key", "bob-key"
@@ -182,7 +183,7 @@ def test_openapi_describes_every_admin_route(client, live):
     assert pin["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/PinBody")
 
 
-@pytest.mark.parametrize("ttl", [b"-1", b'"3600"', b"1e999", b"null"])
+@pytest.mark.parametrize("ttl", [b"-1", b'"3600"', b"1e999", b"1e308", b"%d" % (MAX_TTL_S + 1), b"null"])
 def test_a_bad_cache_ttl_is_a_400_that_stores_nothing(client, ttl):
     prompt = "rivers music weather " + PROMPT
     raw = b'{"model": "tiny", "max_tokens": 2, "prompt": "%s", "cache_ttl_s": %s}' % (prompt.encode(), ttl)
