@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from typing import Any
 
 import httpx
@@ -39,6 +38,7 @@ from kvtier.api.admin import MAX_BODY_BYTES, PREFIX, ROUTES, openapi, parse_body
 from kvtier.api.errors import RequestError, error_body
 from kvtier.api.json_body import decode_json
 from kvtier.api.tenants import api_key
+from kvtier.apps.route.proxy import sendable
 from kvtier.apps.route.replicas import Replica
 from kvtier.apps.route.service import Router
 from kvtier.web.body import read_body
@@ -46,7 +46,6 @@ from kvtier.web.body import read_body
 log = logging.getLogger(__name__)
 
 MAX_ANSWER_BYTES = 1 << 20  #: of one replica's answer to one admin call
-_NOT_IN_A_HEADER = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # bytes no HTTP/1.1 field value may hold
 _UNAUTHORIZED = "the admin API needs 'Authorization: Bearer <key>'"
 
 
@@ -86,7 +85,7 @@ def _authorization(request: Request) -> bytes:
     there is none (or several), it is no bearer key, or it holds bytes no replica could be sent."""
     values = [v for k, v in request.headers.raw if k.lower() == b"authorization"]
     value = values[0].strip(b" \t") if len(values) == 1 else b""
-    if not value or _NOT_IN_A_HEADER.search(value):
+    if not value or not sendable(value):
         raise RequestError(_UNAUTHORIZED, 401)
     if api_key(value.decode("latin-1")) is None:  # a malformed one raises its own 401
         raise RequestError(_UNAUTHORIZED, 401)

@@ -12,6 +12,8 @@ replica), and ``POST /admin/v1/lookup`` answering by the body's ``text``:
 * ``mistyped``: 200 and ``{"cached_tokens": "many"}``;
 * anything else: 200 and a well-formed lookup answer carrying the ``Authorization`` header's bytes (hex) as
   this replica received them.
+
+``POST /v1/completions`` answers a small completion carrying the ``Authorization`` bytes (hex) too.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ async def lookup(request: Request) -> Response:
                          "authorization": auth.hex()})
 
 
+async def complete(request: Request) -> Response:
+    auth = dict(request.headers.raw).get(b"authorization", b"")
+    return JSONResponse({"id": "cmpl-stub", "object": "text_completion", "authorization": auth.hex(),
+                         "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
 def create_app() -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -69,7 +78,8 @@ def create_app() -> Starlette:
         return PlainTextResponse("not kvtier", status_code=404)
 
     return Starlette(routes=[Route("/health", health), Route("/kvtier/info", info),
-                             Route("/admin/v1/lookup", lookup, methods=["POST"])])
+                             Route("/admin/v1/lookup", lookup, methods=["POST"]),
+                             Route("/v1/completions", complete, methods=["POST"])])
 
 
 if __name__ == "__main__":

@@ -139,6 +139,18 @@ def test_a2_authorization_bytes_reach_the_replicas_as_sent_and_no_key_is_echoed(
     assert ADMIN.encode() not in answer
 
 
+def test_a2_on_completions_a_padded_key_is_served_and_ejects_no_replica(fleet: Fleet) -> None:
+    all_up(fleet)
+    body = b'{"prompt": "the cache keeps a prefix", "max_tokens": 2}'
+    for _ in range(4):  # before: h11 refused to send it, each replica's "failure" counted towards its ejection
+        status, answer = post_raw_header(fleet.router_url, "/v1/completions", body, b"Bearer alice-key  ")
+        assert status == 200, answer[:500]
+    replicas = httpx.get(fleet.router_url + "/health", timeout=10).json()["replicas"]
+    assert all(r["state"] == "up" for r in replicas), replicas
+    status, answer = post_raw_header(fleet.router_url, "/v1/completions", body, b"Bearer alice\x01key")
+    assert status in (400, 401) and b"alice" not in answer, answer[:500]
+
+
 def post_raw_header(url: str, path: str, body: bytes, authorization: bytes) -> tuple[int, bytes]:
     """POST with an Authorization header httpx would refuse to send (http.client sends any bytes but CR/LF)."""
     host, port = url.removeprefix("http://").split(":")
