@@ -14,7 +14,9 @@ Who may do what (``authorize``), by the ``Authorization: Bearer <key>`` header:
   tenant, clearing beyond its own entries, pinning, unpinning and stats are 403. A server with no admin key
   configured answers 403 to every admin-only call.
 
-Bodies are JSON objects checked by msgspec, strictly (no coercion, no unknown field): a prompt is ``tokens``
+Bodies are at most ``MAX_BODY_BYTES`` (a 413 beyond), decoded by the same decoder as the completion endpoints
+(kvtier.api.json_body: nesting, integer length, NaN and lone surrogates are a 400, never a 500) and checked by
+msgspec, strictly (no coercion, no unknown field): a prompt is ``tokens``
 (token ids) or ``text`` (tokenized by the server's tokenizer as a completion prompt), exactly one of them;
 ``tenant`` (admin only) is a tenant name from the cache config's ``tenants``, or ``default`` (the empty salt).
 Anything else is a 400 that names the field (an unknown tenant name a 404, a pin past a tier's pin budget a 409),
@@ -32,12 +34,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvtier.api.errors import RequestError
+from kvtier.api.json_body import decode_json
 from kvtier.api.tenants import api_key, tenant_salt
 
 PREFIX = "/admin/v1"
 ADMIN_KEY_ENV = "KVTIER_ADMIN_KEY"
 MAX_TOKENS = 1 << 20  #: token ids one admin call may name
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]  #: what a chunk key encodes (32 bits)
+MAX_BODY_BYTES = 16 << 20  #: the largest admin request body any server accepts (MAX_TOKENS ids fit)
 
 
 class LookupBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -114,10 +118,7 @@ def authorize(header: str | None, admin_key: str | None, *, admin_only: bool) ->
 
 def parse_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
     """``raw`` as ``kind``: strict JSON, strict types; a 400 naming the field otherwise."""
-    try:
-        value = msgspec.json.decode(raw) if raw.strip() else {}
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    value = decode_json(raw) if raw.strip() else {}
     if not isinstance(value, dict):
         raise RequestError("the request body must be a JSON object")
     try:
