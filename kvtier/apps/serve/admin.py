@@ -27,7 +27,7 @@ from kvtier.web.body import read_body
 def add_admin_routes(app: FastAPI, backend: Backend, admin_key: str | None) -> None:
     """Serve the admin API for ``backend``'s cache on ``app``, guarded by ``admin_key`` (None: no admin; tenant
     keys may still look up and clear their own entries)."""
-    ops = AdminOps(lambda: backend.cache, name=backend.name, prompt=backend.completion_prompt, admin_key=admin_key)
+    ops = AdminOps(lambda: backend.cache, name=backend.name, prompt=backend.admin_prompt, admin_key=admin_key)
 
     for method, path, body_type, _, summary in ROUTES:
         app.add_api_route(PREFIX + path, _endpoint(ops, path, body_type is not None), methods=[method.upper()],

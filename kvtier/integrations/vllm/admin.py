@@ -10,8 +10,11 @@ bound to ``metrics_host``), so ``kvtier cache --url http://host:port`` works aga
   are ``cache_salt`` values), so a tenant key is a 403 here. Without an admin key every admin call answers
   **403**, not 404: the routes exist (``GET /admin/v1/openapi.json`` still describes them) and a 403 tells the
   operator that the server needs a key configured, where a 404 would look like a kvtier without the API.
-* A prompt is ``tokens`` (checked against the model's vocabulary and ``max_model_len``) or ``text``, tokenized
-  by the model's tokenizer, loaded in the worker on the first text call (a 400 when vLLM runs without one).
+* A prompt is ``tokens`` (checked against the model's vocabulary and ``max_model_len``), ``text``, tokenized
+  by the model's tokenizer, loaded in the worker on the first text call (a 400 when vLLM runs without one), or
+  ``messages``, rendered by that tokenizer's own chat template and encoded without special tokens, as vLLM's
+  chat route does by default (a server started with ``--chat-template`` renders with that one: give such a
+  server tokens).
 
 The standard library's request handlers on ``RankHTTPServer`` (kvtier.integrations.vllm.rank_http) on a daemon
 thread: plain Prometheus text and JSON calls without an event loop in vLLM's worker process, with a bounded
@@ -32,6 +35,7 @@ import msgspec
 
 from kvtier.api.admin import MAX_BODY_BYTES, PREFIX
 from kvtier.api.admin_ops import AdminOps, PromptFn
+from kvtier.api.chat import ChatPrompt
 from kvtier.api.errors import RequestError, error_body
 from kvtier.base.metrics import CONTENT_TYPE
 from kvtier.core.cache import KVCache
@@ -42,20 +46,26 @@ log = logging.getLogger(__name__)
 
 def token_prompt(vocab_size: int, max_tokens: int, tokenizer: Callable[[], Any] | None = None) -> PromptFn:
     """A prompt checker: token ids within ``[0, vocab_size)`` and at most ``max_tokens`` of them; text through
-    ``tokenizer()`` (called once, on the first text prompt; None or a failure: text is a 400)."""
+    ``tokenizer()``, chat messages through its chat template (called once, on the first such prompt; None or a
+    failure: text and messages are a 400)."""
     loaded: list[Any] = []
 
-    def prompt(value: str | list[int]) -> list[int]:
-        if isinstance(value, str):
-            if not loaded:
-                try:
-                    loaded.append(tokenizer() if tokenizer is not None else None)
-                except Exception as exc:  # noqa: BLE001 - any loader failure means "no tokenizer"
-                    log.warning("kvtier admin: no tokenizer for text prompts: %s", exc)
-                    loaded.append(None)
-            if loaded[0] is None:
-                raise RequestError("this server has no tokenizer: give the prompt as tokens", param="text")
-            ids = list(loaded[0].encode(value))
+    def tokenizer_for(param: str) -> Any:
+        if not loaded:
+            try:
+                loaded.append(tokenizer() if tokenizer is not None else None)
+            except Exception as exc:  # noqa: BLE001 - any loader failure means "no tokenizer"
+                log.warning("kvtier admin: no tokenizer for text prompts: %s", exc)
+                loaded.append(None)
+        if loaded[0] is None:
+            raise RequestError("this server has no tokenizer: give the prompt as tokens", param=param)
+        return loaded[0]
+
+    def prompt(value: str | list[int] | ChatPrompt) -> list[int]:
+        if isinstance(value, ChatPrompt):
+            ids = _render_chat(tokenizer_for("messages"), value)
+        elif isinstance(value, str):
+            ids = list(tokenizer_for("text").encode(value))
         else:
             ids = list(value)
             bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -69,6 +79,20 @@ def token_prompt(vocab_size: int, max_tokens: int, tokenizer: Callable[[], Any] 
         return ids
 
     return prompt
+
+
+def _render_chat(tokenizer: Any, chat: ChatPrompt) -> list[int]:
+    """Ids of ``chat`` as vLLM's chat route makes them by default: the tokenizer's template rendered to text,
+    encoded without special tokens. A tokenizer without a template (or one that fails on these messages) is a
+    400, not a 500: the caller can still give the prompt as tokens."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model's tokenizer has no chat template: give the prompt as tokens", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=chat.add_generation_prompt,
+                                             tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as exc:  # noqa: BLE001 - a template is code of the model's: any failure is this prompt's
+        raise RequestError(f"the chat template cannot render these messages: {exc}", param="messages") from None
 
 
 class AdminServer:
