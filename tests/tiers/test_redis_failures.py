@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.harness import timed, wait_for
+from harness.process import timed, wait_for
 from tests.tiers.test_redis import CHUNK, make_cache, prompt
 
 TIMEOUT = 0.25

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.apps.serve.conftest import LiveServer
+from harness.serve import LiveServer
 
 ADMIN, ALICE, BOB = "admin-secret", "alice-key", "bob-key"
 PROMPT = "the cache keeps a prefix of every prompt so the server answers faster " * 4
