@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.apps.route.fleet import ROOT, scrape
-from tests.apps.serve.test_hostile import MALFORMED_JSON
+from harness.fleet import ROOT, scrape
+from harness.malformed import MALFORMED_JSON
 
 #: Attacker processes run this much nicer than the servers, standing in for clients on other hosts: on 2 cores the
 #: CPU an attacker burns on its own side (opening 19,488 connections costs it ~9x what refusing them costs the

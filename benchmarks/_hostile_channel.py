@@ -2,7 +2,7 @@
 
 The same contract as ``_hostile_attacks`` (the HTTP ones): ``attack(fleet, big)`` returns ``{"codes": Counter of
 answers, "size": what was sent, "ok": the attack's own target (None: only the fleet-wide ones), "note":
-figures}``. The hostile peers are real processes speaking the real wire format (``tests/events/hostile.py``).
+figures}``. The hostile peers are real processes speaking the real wire format (``harness/hostile_events.py``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from collections import Counter
 import httpx
 from _hostile_attacks import ENV, attacker_priority, code, in_attacker, post, series, sized_text
 
-from tests.apps.route.fleet import ROOT, scrape
+from harness.fleet import ROOT, scrape
 
 
 def hostile_peer(*args: str, wait_s: float) -> str:
-    """Run tests.events.hostile with ``args`` (an attacker process, niced) for ``wait_s`` seconds after it is ready;
+    """Run harness.hostile_events with ``args`` (an attacker process, niced) for ``wait_s`` seconds after it is ready;
     its first line."""
-    proc = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "harness.hostile_events", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, env=ENV, preexec_fn=attacker_priority)
     try:
         ready = proc.stdout.readline().strip()
@@ -132,7 +132,7 @@ def e4_impostor(fleet, big: bool) -> dict:
     snapshots = series(fleet.url, "kvtier_router_events_total", replica=replica.name, what="snapshot")
     fleet.paused.add(replica.name)
     replica.stop(signal.SIGKILL)
-    impostor = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", "impostor", str(replica.events_port),
+    impostor = subprocess.Popen([sys.executable, "-m", "harness.hostile_events", "impostor", str(replica.events_port),
                                  str(replica.control_port), str(n)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                 env=ENV, preexec_fn=attacker_priority)
     try:

@@ -2,7 +2,7 @@
 
     python benchmarks/_hostile_replica.py PORT INFO_JSON HUGE_BYTES
 
-HTTP is tests.apps.route.stub_replica's (``/health`` 200, small completions), plus:
+HTTP is harness.stub_replica's (``/health`` 200, small completions), plus:
 
 * ``/kvtier/info``: a real replica's info (INFO_JSON, so the router accepts its namespace) naming this process's
   own event endpoints and CURVE key: the router follows it as it would a real replica;
@@ -44,8 +44,8 @@ from _hostile_attacks import attacker_priority  # noqa: E402
 
 from kvtier.core.events import TierHolding  # noqa: E402
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, WireEvent, encode_batch, encode_snapshot  # noqa: E402
-from tests.apps.route.stub_replica import create_app  # noqa: E402
-from tests.events.hostile import fake_key  # noqa: E402
+from harness.stub_replica import create_app  # noqa: E402
+from harness.hostile_events import fake_key  # noqa: E402
 
 BATCH = 1000
 MIB = 1 << 20

@@ -24,8 +24,8 @@ from kvtier.apps.bench.runner import run_workload
 from kvtier.fleet import workloads as wl
 from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec
 from kvtier.net.ports import free_port
-from tests.apps.route.fleet import scrape
-from tests.integrations.vllm_server import VllmServer
+from harness.fleet import scrape
+from harness.vllm_server import VllmServer
 
 NAME, BLOCK, CHUNK = "smollm2", 32, 128
 MAX_MODEL_LEN = 3072
@@ -344,7 +344,7 @@ def sim_predict(label: str, fleet: dict, recorded: dict[str, list], out: Path) -
 
 
 def mooncake_tier(master) -> dict:
-    """A replica's tier in the pool of ``master`` (tests.mooncake_master): it mounts no segment of its own, the
+    """A replica's tier in the pool of ``master`` (harness.mooncake_master): it mounts no segment of its own, the
     pool's memory is one segment host's, as the tests run it. Its transfer buffer is the tier's default, 256
     MiB, room for every window a load reads at once (windows of two chunks of this model, five at once); with 32
     MiB the windows read ahead waited for room (docs/operations/one-or-many.md, the pool under load)."""

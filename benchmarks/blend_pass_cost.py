@@ -43,8 +43,8 @@ def models() -> dict:
     from transformers import AutoModelForCausalLM
 
     from kvtier.integrations.models import load_model
-    from tests.apps.serve.conftest import build_tiny_model
-    from tests.integrations.blend_models import tiny_decoder
+    from harness.serve import build_tiny_model
+    from harness.blend_models import tiny_decoder
 
     folder = build_tiny_model(Path(tempfile.mkdtemp(prefix="pass-cost-")))
     return {"fleet_tiny_llama": AutoModelForCausalLM.from_pretrained(folder).eval(),

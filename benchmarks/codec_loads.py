@@ -181,7 +181,7 @@ def main() -> None:
     where["disk"] = tmp
     server = None
     if not args.no_redis:
-        from tests.redis_server import RedisServer
+        from harness.redis_server import RedisServer
 
         server = RedisServer(maxmemory=f"{int(args.gib * len(args.codecs) + 2)}gb").start()
         where["redis"] = server.url

@@ -59,8 +59,8 @@ from _hostile_procs import lowest_nice, rss_mb, schedstat_ms, unniced  # noqa: E
 from _util import result, stop_children_on_signal  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.apps.route.fleet import ROOT, ReplicaProcess  # noqa: E402
-from tests.apps.serve.conftest import build_tiny_model  # noqa: E402
+from harness.fleet import ROOT, ReplicaProcess  # noqa: E402
+from harness.serve import build_tiny_model  # noqa: E402
 
 ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks.r2_huge_prompts),
            ("R-3 header->router", attacks.r3_header("router", 128 << 20)),

@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--local", action="store_true", help="this process holds the pool (local copies)")
     args = ap.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from tests.mooncake_master import MooncakeMaster, SegmentHost
+    from harness.mooncake_master import MooncakeMaster, SegmentHost
 
     total = args.total_mib * MiB
     with MooncakeMaster() as master:

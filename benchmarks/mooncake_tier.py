@@ -16,7 +16,7 @@ Redis tier on the same machine alongside.
 * The tier alone (``tier.put`` / ``tier.get``, no encoding, verification or copy-out) is reported too, and the
   same KVCache store/retrieve through a Redis tier (a redis-server on a unix socket, started here).
 
-The pool's memory is a second process's (tests/mooncake_master.SegmentHost), and neither the tier nor the raw
+The pool's memory is a second process's (harness/mooncake_master.SegmentHost), and neither the tier nor the raw
 client contributes any: every byte of both crosses the transfer engine over TCP, as between replicas. Ratios
 are kvtier throughput / raw throughput (the target is >= 0.8) from the best of interleaved repetitions on both
 sides (interference only adds time); medians are printed too. A bar chart goes to results/mooncake_tier.png.
@@ -83,7 +83,7 @@ def main() -> int:
 
 def run_throughput(args) -> dict:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from tests.mooncake_master import MooncakeMaster, SegmentHost
+    from harness.mooncake_master import MooncakeMaster, SegmentHost
 
     prefix = Prefix(args.prefix_mib, args.chunk_size)
     pool_bytes = 2 * prefix.kv_bytes + 256 * MiB  # the tier's values and the raw ones, headers, slack
@@ -223,7 +223,7 @@ def run_mooncake(args, master, prefix: Prefix) -> dict:
 
 
 def run_redis(args, prefix: Prefix) -> dict:
-    from tests.redis_server import RedisServer
+    from harness.redis_server import RedisServer
 
     with RedisServer(maxmemory="3gb") as server:
         cfg = RedisTierConfig(url=server.url, timeout_s=5.0, buffer_pool_bytes=2 * prefix.total + 256 * MiB)

@@ -58,7 +58,7 @@ def main() -> int:
     url = args.url
     if url is None:
         from kvtier.net.ports import free_port
-        from tests.redis_server import RedisServer
+        from harness.redis_server import RedisServer
 
         server = RedisServer(port=free_port(), maxmemory="4gb").start()
         url = server.tcp_url

@@ -13,7 +13,7 @@ the same pages' bytes under other keys of the same server, one value per page: t
 tier, which also verifies each page and copies it into the pool. GB/s are best of ``--reps``; ratios against
 those ceilings and against ``HiCacheFile``. Last line: ``RESULT {json}``.
 
-SGLang's host pool classes do not import on a CPU-only machine (tests/integrations/sglang_pool.py says why),
+SGLang's host pool classes do not import on a CPU-only machine (harness/sglang_pool.py says why),
 so the pool is that module's ``HostPool``: the same tensor, in the same layout.
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import best, evict_page_cache, result  # noqa: E402
 
-from tests.integrations.sglang_pool import HostPool, backend, page_keys, storage_config  # noqa: E402
+from harness.sglang_pool import HostPool, backend, page_keys, storage_config  # noqa: E402
 
 
 def timed(fn):
@@ -107,7 +107,7 @@ def main() -> int:
                       "write_queue_depth": n}}  # the default 16 drops the rest of a 256-page batch (False)
     if not args.no_redis:
         from kvtier.net.ports import free_port
-        from tests.redis_server import RedisServer
+        from harness.redis_server import RedisServer
 
         server = RedisServer(port=free_port(), maxmemory="4gb").start()
         tiers["redis"] = {"kind": "redis", "url": server.url}

@@ -82,7 +82,7 @@ from kvtier.apps.bench import report  # noqa: E402
 from kvtier.apps.bench.client import Target  # noqa: E402
 from kvtier.core.config import parse_size  # noqa: E402
 from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec  # noqa: E402
-from tests.apps.route.fleet import scrape  # noqa: E402
+from harness.fleet import scrape  # noqa: E402
 
 FULL = dict(users=5, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
 QUICK = dict(users=4, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
@@ -199,12 +199,12 @@ def shared_store(stack: ExitStack, args: argparse.Namespace, store: str) -> tupl
     """A shared phase's store, started (and stopped by ``stack``): the replicas' tiers and the arms to run."""
     size = parse_size(args.redis_bytes)
     if store == "redis":
-        from tests.redis_server import RedisServer
+        from harness.redis_server import RedisServer
 
         redis = RedisServer(maxmemory=str(size)).start()
         stack.callback(redis.stop)
         return Tiers(args.shared_memory, redis_url=redis.url), SHARED_ARMS
-    from tests.mooncake_master import MooncakeMaster, SegmentHost, missing_mooncake
+    from harness.mooncake_master import MooncakeMaster, SegmentHost, missing_mooncake
 
     if missing := missing_mooncake():
         raise SystemExit(f"vllm_fleet: no Mooncake pool here: {'; '.join(missing)}")

@@ -48,7 +48,7 @@ from _vllm_serve_client import cpu_delta, itl_under_load, omp_binding, server_co
 from _vllm_serve_report import plot, print_table, targets  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.integrations.vllm_server import VllmServer  # noqa: E402
+from harness.vllm_server import VllmServer  # noqa: E402
 
 NAME, BLOCK, CHUNK, VOCAB = "smollm2", 32, 256, 49152
 FULL = dict(prefixes=12, prefix_len=2048, suffix_len=64, output_len=16, prompts=36, concurrency=(1, 4, 8),
@@ -216,7 +216,7 @@ def main() -> None:
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tests.redis_server import RedisServer, have_redis_server
+    from harness.redis_server import RedisServer, have_redis_server
 
     size = dict(QUICK if args.quick else MEDIUM if args.medium else FULL)
     if args.itl_prefix:
@@ -332,7 +332,7 @@ def tier_rows(size: dict, out: Path, tier: str, levels: list[int], arms: list[st
     """The prefix workload on one tier, no vLLM alone: the memory tier (asynchronous loads), or Redis with sync and
     async loads (one server each over one redis-server), warmed once, then at each level of requests in flight in
     order. ``random``: vLLM alone and the memory tier on random prompts, interleaved pairs, alternating order."""
-    from tests.redis_server import RedisServer
+    from harness.redis_server import RedisServer
 
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-tier-") as tmp, ExitStack() as stack:
         bench = Bench(size, out, Path(tmp))

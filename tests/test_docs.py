@@ -38,11 +38,11 @@ def _hook():
 
 
 def test_metrics_reference_lists_every_declared_metric(monkeypatch):
-    from kvtier.base import metrics
+    from kvtier import metric_owners
 
     declared = [SimpleNamespace(name="kvtier_b_total", kind="counter", help="B | C.", labels=("tier",)),
                 SimpleNamespace(name="kvtier_a_seconds", kind=SimpleNamespace(name="HISTOGRAM"), help="A.", labels=())]
-    monkeypatch.setattr(metrics, "declared", lambda: declared)
+    monkeypatch.setattr(metric_owners, "declared", lambda: declared)
     page = _hook().metrics_page()
     assert "| `kvtier_a_seconds` | histogram |  | A. |" in page
     assert "| `kvtier_b_total` | counter | `tier` | B \\| C. |" in page
@@ -62,7 +62,7 @@ def test_configuration_reference_documents_every_field_of_every_config():
 
 
 def test_metrics_reference_is_generated_from_the_real_declarations():
-    from kvtier.base.metrics import declared
+    from kvtier.metric_owners import declared
 
     page = _hook().metrics_page()
     names = [metric.name for metric in declared()]

@@ -4,7 +4,7 @@
 place that names them): every init field, its type, default and environment variable, described by the
 class's docstring (the clause that names the field in double backquotes) and any ``#:`` comment on the
 field's line, looked up along the MRO so a field inherited from a shared base is documented where it is
-declared. ``reference/metrics.md`` comes from ``kvtier.base.metrics.declared()``. Neither page exists in
+declared. ``reference/metrics.md`` comes from ``kvtier.metric_owners.declared()``. Neither page exists in
 ``docs/``, so a renamed field, a new tier option or a new metric shows up in the site without an edit, and a
 config class that moved fails the build with the path to fix here.
 """
@@ -223,9 +223,9 @@ def cell(text: str) -> str:
 def metrics_page() -> str:
     out = ["# Metrics reference", "",
            ("Generated on every build of this site from the declarations in the code "
-            "(`kvtier.base.metrics.declared()`, by `docs/hooks/reference.py`). Where to scrape them and how "
+            "(`kvtier.metric_owners.declared()`, by `docs/hooks/reference.py`). Where to scrape them and how "
             "to read them: [Metrics](../metrics.md)."), ""]
-    declared = importlib.import_module("kvtier.base.metrics").declared
+    declared = importlib.import_module("kvtier.metric_owners").declared
     out += ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for metric in sorted(declared(), key=lambda m: m.name):
         kind = getattr(metric.kind, "name", metric.kind)

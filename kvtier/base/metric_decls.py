@@ -1,15 +1,17 @@
 """Metric declarations: each metric of kvtier declared once, in the module that owns it, and listed by ``declared()``.
 
 A declaration states a metric's exposed name, kind, help text, label names and (histograms) buckets;
-``Metrics`` (kvtier.base.metrics) creates its prometheus-client family from it on first use. ``OWNERS`` lists
-the modules that declare metrics, so ``declared()`` can import them all for a generated reference.
+``Metrics`` (kvtier.base.metrics) creates its prometheus-client family from it on first use.
+
+This ground layer knows only the declarations made so far, by the modules imported so far: it never names the
+modules above it. A module that uses a metric by name imports the module that declares it (a test checks the
+import graph), so the name is known when used. The complete list, which must import every declaring module,
+lives at the top of the layers: ``kvtier.metric_owners.declared()``.
 """
 
 from __future__ import annotations
 
 import enum
-import importlib
-import logging
 import os
 import re
 import threading
@@ -17,23 +19,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-log = logging.getLogger(__name__)
-
 #: Latency buckets in seconds, from 50 us to 10 s.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-
-#: The modules that declare kvtier's metrics; ``declared()`` imports them all.
-OWNERS = (
-    "kvtier.base.metrics",
-    "kvtier.tiers.metrics",
-    "kvtier.tiers.disk.tier",
-    "kvtier.tiers.redis.tier",
-    "kvtier.tiers.mooncake.tier",
-    "kvtier.core.metrics",
-    "kvtier.integrations.blend.lm",
-    "kvtier.apps.serve.metrics",
-    "kvtier.apps.route.metrics",
-)
 
 #: Set to ``1`` to make an undeclared metric name raise instead of being logged and counted.
 STRICT_ENV = "KVTIER_METRICS_STRICT"
@@ -98,7 +85,6 @@ def _problem(decl: MetricDecl) -> str:
 
 _declared: dict[str, MetricDecl] = {}
 _declare_lock = threading.Lock()
-_owners_loaded = False
 
 
 def _declare(decl: MetricDecl) -> MetricDecl:
@@ -125,28 +111,16 @@ def declare_histogram(name: str, help: str, labels: tuple[str, ...] = (),
     return _declare(MetricDecl(name, MetricKind.HISTOGRAM, help, tuple(labels), tuple(buckets)))
 
 
-def declared() -> list[MetricDecl]:
-    """Every declaration of kvtier, sorted by name, after importing all ``OWNERS`` (an ImportError of an
-    owner's dependency propagates: a partial list would be a wrong reference)."""
-    for module in OWNERS:
-        importlib.import_module(module)
-    return sorted(_declared.values(), key=lambda d: d.name)
+def declarations_so_far() -> list[MetricDecl]:
+    """The declarations made so far in this process (by the modules imported so far), sorted by name. Every
+    declaration of kvtier: ``kvtier.metric_owners.declared()``."""
+    with _declare_lock:
+        return sorted(_declared.values(), key=lambda d: d.name)
 
 
 def declaration(name: str) -> MetricDecl | None:
-    """The declaration of ``name``, importing the owners (those whose dependencies are installed) once if it
-    is not known yet; None if nothing declares it."""
-    global _owners_loaded
-    decl = _declared.get(name)
-    if decl is None and not _owners_loaded:
-        _owners_loaded = True
-        for module in OWNERS:
-            try:
-                importlib.import_module(module)
-            except ImportError as exc:
-                log.debug("metrics owner %s not importable: %s", module, exc)
-        decl = _declared.get(name)
-    return decl
+    """The declaration of ``name``, or None if no module imported so far declares it."""
+    return _declared.get(name)
 
 
 def help_text(name: str) -> str:

@@ -1,8 +1,8 @@
 """Counters, gauges and histograms on prometheus-client, declared once, readable from Python and as Prometheus text.
 
 Every metric is declared once, at import of the module that owns it, with its name, help, label names and
-kind (``declare_counter``, ``declare_gauge``, ``declare_histogram``); ``declared()`` lists them all (for the
-generated reference). ``OWNERS`` names the modules that declare metrics.
+kind (``declare_counter``, ``declare_gauge``, ``declare_histogram``); ``kvtier.metric_owners.declared()`` lists
+them all (for the generated reference). A module using a metric by name imports the module that declares it.
 
 One ``Metrics`` object per KVCache (no module globals), shared with its tiers; it owns a ``CollectorRegistry``
 of its own (``metrics.registry``), so two caches in one process never mix their series and any
@@ -38,23 +38,23 @@ from prometheus_client.metrics_core import Metric
 from kvtier.base.metric_decls import (
     KIND_OF_FAMILY,
     LATENCY_BUCKETS,
-    OWNERS,
     STRICT_ENV,
     Family,
     MetricDecl,
     MetricKind,
     declaration,
+    declarations_so_far,
     declare_counter,
     declare_gauge,
     declare_histogram,
-    declared,
     help_text,
     strict,
 )
 
 __all__ = [
-    "CONTENT_TYPE", "LATENCY_BUCKETS", "OWNERS", "STRICT_ENV", "MetricDecl", "MetricKind", "Metrics", "MetricsServer",
-    "declaration", "declare_counter", "declare_gauge", "declare_histogram", "declared", "help_text", "strict",
+    "CONTENT_TYPE", "LATENCY_BUCKETS", "STRICT_ENV", "MetricDecl", "MetricKind", "Metrics", "MetricsServer",
+    "declaration", "declarations_so_far", "declare_counter", "declare_gauge", "declare_histogram", "help_text",
+    "strict",
 ]
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,15 @@
-"""Metric declarations: each metric declared once with help and labels, every name the code uses declared, and
-the series a working cache exposes matching their declarations."""
+"""Metric declarations: each metric declared once with help and labels, every name the code uses declared and
+known where it is used, every declaring module listed by kvtier.metric_owners, and the series a working cache
+exposes matching their declarations."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import grimp
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,14 +22,16 @@ from kvtier.base.metrics import (
     MetricKind,
     declare_counter,
     declare_histogram,
-    declared,
 )
+from kvtier.metric_owners import declared
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig, WriteMode
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 SOURCE = Path(kvtier.__file__).parent
 #: A metric name in code: a string literal passed to a Metrics method, yielded by a gauge callback, or declared.
 USE = re.compile(r'(?:\.(?:inc|observe|timer|get|total)\(|yield |declare_\w+\()\s*"(kvtier_\w+)"')
+#: A metric declared in code: the declaring call and its name.
+DECLARE = re.compile(r'declare_(?:counter|gauge|histogram)\(\s*"(kvtier_\w+)"')
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +62,47 @@ def test_every_metric_name_in_the_code_is_declared(declarations):
             used.setdefault(name, []).append(str(path.relative_to(SOURCE)))
     assert len(used) >= 70  # the scan finds the names (a broken pattern would pass vacuously)
     assert {name: where for name, where in used.items() if name not in declarations} == {}
+
+
+def module_of(path: Path) -> str:
+    return ".".join(("kvtier", *path.relative_to(SOURCE).with_suffix("").parts)).removesuffix(".__init__")
+
+
+@pytest.fixture(scope="module")
+def owners() -> dict[str, str]:
+    """metric name -> the module that declares it, from the source."""
+    return {name: module_of(path) for path in SOURCE.rglob("*.py") for name in DECLARE.findall(path.read_text())}
+
+
+def test_metric_owners_imports_every_module_that_declares_a_metric(owners):
+    graph = grimp.build_graph("kvtier")
+    assert len(set(owners.values())) >= 8  # the scan finds the declaring modules
+    missing = {m for m in owners.values()
+               if not graph.direct_import_exists(importer="kvtier.metric_owners", imported=m)}
+    assert missing == set(), "add these modules to kvtier/metric_owners.py"
+
+
+def test_a_module_using_a_metric_by_name_imports_the_module_that_declares_it(owners):
+    """The ground layer has no list of owners to import on a miss: the name must be declared before it is used."""
+    graph = grimp.build_graph("kvtier")
+    unknown = {}
+    for path in SOURCE.rglob("*.py"):
+        user = module_of(path)
+        for name in set(USE.findall(path.read_text())):
+            owner = owners[name]
+            if owner != user and not graph.chain_exists(importer=user, imported=owner):
+                unknown.setdefault(user, []).append(f"{name} (declared in {owner})")
+    assert unknown == {}
+
+
+def test_the_ground_layer_alone_knows_only_what_was_imported():
+    code = ("from kvtier.base.metrics import declaration, declarations_so_far\n"
+            "names = {d.name for d in declarations_so_far()}\n"
+            "print('kvtier_undeclared_metric_total' in names, declaration('kvtier_router_requests_total'))\n"
+            "import kvtier.apps.route.metrics\n"
+            "print(declaration('kvtier_router_requests_total').kind)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "None", "counter"]
 
 
 def test_kind_is_a_string_for_the_reference():

@@ -3,7 +3,7 @@
 The replicas here allow the default router key of this user (kvtier.events.keys), which the subscribers use;
 the hostile peers bring keys of their own.
 
-Each hostile peer is a process of its own speaking the real wire format (tests/events/hostile.py).
+Each hostile peer is a process of its own speaking the real wire format (harness/hostile_events.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from kvtier.events.publisher import EventPublisher, PublisherConfig
 from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
 from kvtier.events.wire import SNAPSHOT_REQUEST
 from kvtier.fleet.index import FleetIndex
-from tests.events.hostile import fake_key
+from harness.hostile_events import fake_key
 from tests.events.test_events import IndexSink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ class Replica:
 @contextmanager
 def hostile(*args: str):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "tests.events.hostile", *args], cwd=ROOT, env=env,
+    process = subprocess.Popen([sys.executable, "-m", "harness.hostile_events", *args], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout.readline().strip() == "READY"

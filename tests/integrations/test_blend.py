@@ -13,7 +13,7 @@ from kvtier.integrations.blend import BlendConfig, BlendedLM, UnsupportedModel
 from kvtier.integrations.blend.lm import check_spans
 from kvtier.integrations.blend.rope import Rerotator
 from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity, to_canonical
-from tests.integrations.blend_models import assemble, tiny_decoder, tokens
+from harness.blend_models import assemble, tiny_decoder, tokens
 
 CHUNK = 32
 SYS, A, B, C, D = tokens(20, 1), tokens(48, 2), tokens(48, 3), tokens(48, 4), tokens(40, 5)

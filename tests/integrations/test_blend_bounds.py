@@ -10,7 +10,7 @@ from kvtier import CacheConfig, KVCache
 from kvtier.core.segments import MAX_SEGMENTS
 from kvtier.integrations.blend import BlendConfig, BlendedLM
 from kvtier.integrations.transformers import PrefixCachedLM, kv_spec, model_identity
-from tests.integrations.blend_models import assemble, tiny_decoder, tokens
+from harness.blend_models import assemble, tiny_decoder, tokens
 
 SYS, DOC, QUERY = tokens(20, 1), tokens(48, 2), tokens(12, 7)
 

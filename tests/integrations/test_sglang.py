@@ -23,7 +23,7 @@ from kvtier.codecs import get_codec  # noqa: E402
 from kvtier.codecs.blob import encode_blob  # noqa: E402
 from kvtier.integrations.sglang.backend import KVTierStorage  # noqa: E402
 from kvtier.integrations.sglang.pages import key_token_ids  # noqa: E402
-from tests.integrations.sglang_pool import HostPool, MambaHostPool, backend, page_keys  # noqa: E402
+from harness.sglang_pool import HostPool, MambaHostPool, backend, page_keys  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 MEMORY = {"tiers": [{"kind": "memory", "capacity_bytes": "8MiB"}]}

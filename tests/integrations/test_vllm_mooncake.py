@@ -1,6 +1,6 @@
 """Two vLLM engine processes share prefixes through a real Mooncake pool (KVTierConnector, CPU build).
 
-The pool's memory comes from a separate pool member (tests/mooncake_master.SegmentHost): the engines run one
+The pool's memory comes from a separate pool member (harness/mooncake_master.SegmentHost): the engines run one
 after the other, and a replica's values leave the pool with it, so the member that holds them outlives both.
 Engine one computes three prompts and stores their chunks in the pool; engine two, a new process with an
 empty vLLM prefix cache and no other tier, loads them from the pool and generates the same tokens.
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.integrations.test_vllm import CHUNK, FULL_HITS, cached, engine, tokens, workdir  # noqa: E402,F401
-from tests.mooncake_master import MooncakeMaster, SegmentHost  # noqa: E402
+from harness.mooncake_master import MooncakeMaster, SegmentHost  # noqa: E402
 from tests.tiers.mooncake.conftest import require_mooncake  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from kvtier.integrations.vllm.rank_http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_WORKERS, REQUEST_TIMEOUT_S
-from tests.harness import wait_for
+from harness.process import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "rank-admin-key"

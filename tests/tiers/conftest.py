@@ -1,4 +1,4 @@
-"""Fixtures that run real redis-server and valkey-server processes (see tests/redis_server.py).
+"""Fixtures that run real redis-server and valkey-server processes (see harness/redis_server.py).
 
 Each server fixture is parametrized over both servers, so every Redis tier test that uses one (conformance,
 failures, cluster) runs against Redis and against Valkey."""
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.redis_server import RedisCluster, RedisServer, have_redis_server
+from harness.redis_server import RedisCluster, RedisServer, have_redis_server
 
 SERVER_KINDS = ["redis", "valkey"]
 _INSTALL = {"redis": "redis-server (apt-get install redis-server, or scripts/setup.sh test)",

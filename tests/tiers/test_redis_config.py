@@ -14,7 +14,7 @@ from kvtier import CacheConfig, ConfigError
 from kvtier.net.ports import free_port
 from kvtier.tiers import RedisTier, RedisTierConfig
 from tests.conformance.tier_suite import tier_context
-from tests.redis_server import RedisServer
+from harness.redis_server import RedisServer
 from tests.tiers.test_redis import make_cache, prompt
 
 

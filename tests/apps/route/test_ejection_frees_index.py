@@ -17,8 +17,8 @@ import pytest
 
 from kvtier.apps.route.config import HealthConfig, RouterConfig
 from kvtier.fleet.index import RECENT
-from tests.apps.route.fleet import LiveRouter, ReplicaProcess, scrape
-from tests.apps.serve.conftest import WORDS, build_tiny_model
+from harness.fleet import LiveRouter, ReplicaProcess, scrape
+from harness.serve import WORDS, build_tiny_model
 
 pytestmark = pytest.mark.slow
 

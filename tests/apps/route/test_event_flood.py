@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from kvtier.net.ports import free_port
-from tests.apps.route.fleet import ROOT, scrape
-from tests.apps.serve.conftest import build_tiny_model
+from harness.fleet import ROOT, scrape
+from harness.serve import build_tiny_model
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """Attacks a hostile client and a hanging replica made on ``kvtier route`` (issue 29, R-1 to R-7), each over real
-sockets: the router on uvicorn in this process, its replicas real processes (tests.apps.route.stub_replica).
+sockets: the router on uvicorn in this process, its replicas real processes (harness.stub_replica).
 
 Every one of them used to cost the router something before it was refused or served: a 500 nobody counted,
 32 MiB bodies and whole prompts tokenized, unbounded session ids shared across tenants, an answer buffered
@@ -24,21 +24,21 @@ import pytest
 
 from kvtier.apps.route.config import HealthConfig, ProxyConfig, RouterConfig
 from kvtier.net.ports import free_port
-from tests.apps.route.fleet import ROOT, LiveRouter, scrape
-from tests.apps.serve.conftest import build_tiny_model
-from tests.apps.serve.test_hostile import MALFORMED_JSON
+from harness.fleet import ROOT, LiveRouter, scrape
+from harness.serve import build_tiny_model
+from harness.malformed import MALFORMED_JSON
 
 pytestmark = pytest.mark.slow
 
 
 class StubReplica:
-    """tests.apps.route.stub_replica in its own process on a free loopback port."""
+    """harness.stub_replica in its own process on a free loopback port."""
 
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = f"127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.apps.route.stub_replica", str(self.port)], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.stub_replica", str(self.port)], cwd=ROOT,
                                      env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
     def wait_healthy(self) -> None:

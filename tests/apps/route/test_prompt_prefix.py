@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.integrations.prompts import PromptTokenizer
 from kvtier.integrations.tokenize import CUT_MARGIN, FIRST_WINDOW_CHARS_PER_TOKEN
-from tests.apps.serve.conftest import WORDS, build_tiny_model
+from harness.serve import WORDS, build_tiny_model
 
 
 @pytest.fixture(scope="module")

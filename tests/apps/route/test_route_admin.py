@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from kvtier.apps.route.config import HealthConfig, RouterConfig
-from tests.apps.route.fleet import ROOT, LiveRouter, ReplicaProcess
-from tests.apps.serve.conftest import WORDS, build_tiny_model
+from harness.fleet import ROOT, LiveRouter, ReplicaProcess
+from harness.serve import WORDS, build_tiny_model
 
 pytestmark = pytest.mark.slow
 

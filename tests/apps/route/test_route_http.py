@@ -23,8 +23,8 @@ import pytest
 
 from kvtier.apps.route.config import AdmissionConfig, HealthConfig, ProxyConfig, RouterConfig, default_routing
 from kvtier.fleet.scoring import Routing
-from tests.apps.route.fleet import LiveRouter, ReplicaProcess
-from tests.apps.serve.conftest import WORDS, build_tiny_model
+from harness.fleet import LiveRouter, ReplicaProcess
+from harness.serve import WORDS, build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def routed_total(live: LiveRouter) -> float:
 
 
 def scrape_all(live: LiveRouter) -> dict[str, float]:
-    from tests.apps.route.fleet import scrape
+    from harness.fleet import scrape
 
     return scrape(live.url)
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from harness.serve import LiveServer
 from kvtier.tiers.control import MAX_TTL_S
-from tests.apps.serve.conftest import LiveServer
 
 ADMIN, ALICE, BOB = "admin-secret", "alice-key", "bob-key"
 PROMPT = "the cache keeps a prefix of every prompt so the server answers faster " * 4

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.apps.serve.conftest import WORDS, LiveServer
+from harness.serve import WORDS, LiveServer
 
 
 def start(model_dir, disk_dir) -> LiveServer:

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from kvtier.apps.bench.launch import serve_processes
 from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
 from kvtier.apps.serve.segmenter import NoSegments, Segmenter
-from tests.apps.serve.conftest import WORDS
+from harness.serve import WORDS
 
 DOC_A = " ".join(WORDS[:20])
 DOC_B = " ".join(reversed(WORDS[5:30]))

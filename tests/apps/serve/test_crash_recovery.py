@@ -18,10 +18,10 @@ import pytest
 
 from kvtier.api.tenants import tenant_salt
 from kvtier.tiers.control import tenant_tag
-from tests.apps.route.fleet import ReplicaProcess
-from tests.apps.serve.conftest import WORDS
-from tests.harness import wait_for
-from tests.redis_server import RedisServer, have_redis_server
+from harness.fleet import ReplicaProcess
+from harness.serve import WORDS
+from harness.process import wait_for
+from harness.redis_server import RedisServer, have_redis_server
 
 PROMPT = " ".join(WORDS * 2)  # several 16-token chunks
 ADMIN, ALICE = "admin-secret", "alice-key"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.apps.serve.conftest import start_server
+from harness.serve import start_server
 
 PROMPT = "the cache keeps a prefix of every prompt so the server answers faster"
 

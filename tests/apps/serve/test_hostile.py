@@ -13,7 +13,8 @@ import threading
 import httpx
 import pytest
 
-from tests.apps.serve.conftest import start_server
+from harness.serve import start_server
+from harness.malformed import MALFORMED_JSON
 from tests.apps.serve.test_http import MESSAGES, SYSTEM, metric
 
 BAD_STOPS = [["a", "b", "c", "d", "e"], "", [""], ["ok", ""]]
@@ -36,21 +37,6 @@ def test_a_bad_stop_is_a_400_before_anything_is_queued(tiny_model_dir):
         assert 'endpoint="completions",status="400"' in c.get("/metrics").text
         good = c.post("/v1/completions", json={"prompt": SYSTEM, "max_tokens": 2, "stop": ["zz"]})
         assert good.status_code == 200, good.text
-
-
-MALFORMED_JSON = [
-    pytest.param("/v1/completions", b'{"prompt": "the", "max_tokens": ' + b"9" * 5000 + b"}", id="5000-digit-int"),
-    pytest.param("/v1/completions", b'{"prompt": [' + b"7" * 5000 + b"]}", id="5000-digit-token-id"),
-    pytest.param("/v1/completions", b"[" * 100_000 + b"]" * 100_000, id="nested-100000-deep"),
-    pytest.param("/v1/chat/completions", b'{"messages": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_001,
-                 id="objects-nested-50000-deep"),
-    pytest.param("/v1/completions", b'{"prompt": "the \\ud800 cache"}', id="lone-surrogate-prompt"),
-    pytest.param("/v1/completions", b'{"prompt": "the cache \\udc00"}', id="lone-low-surrogate-prompt"),
-    pytest.param("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
-                 id="lone-surrogate-chat"),
-    pytest.param("/v1/completions", b'{"prompt": "the", "max_tokens": NaN}', id="nan"),
-    pytest.param("/v1/completions", b'{"prompt": "\xed\xa0\x80"}', id="surrogate-as-utf8-bytes"),
-]
 
 
 @pytest.mark.parametrize("path,body", MALFORMED_JSON)

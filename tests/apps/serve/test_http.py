@@ -9,7 +9,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.apps.serve.conftest import start_server
+from harness.serve import start_server
 
 SYSTEM = "the cache keeps a prefix of every prompt so the server answers faster " * 4
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "rivers and music"}]

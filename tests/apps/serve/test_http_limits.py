@@ -1,6 +1,6 @@
 """Issue 29, R-3/R-4 on ``kvtier serve``: the HTTP limits ``kvtier route`` enforces hold on a replica too.
 
-A real ``kvtier serve`` process (tests.apps.route.fleet.ReplicaProcess) with short head and body timeouts set by
+A real ``kvtier serve`` process (harness.fleet.ReplicaProcess) with short head and body timeouts set by
 its flags, attacked over raw loopback sockets: one huge header value used to stall its event loop, a half-sent
 head held a descriptor forever.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.apps.route.fleet import ReplicaProcess, scrape
+from harness.fleet import ReplicaProcess, scrape
 from tests.apps.route.test_hostile_router import HEAD, answer
 
 pytestmark = pytest.mark.slow

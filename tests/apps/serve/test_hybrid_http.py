@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.apps.serve.conftest import build_tiny_model, start_server
+from harness.serve import build_tiny_model, start_server
 
 SYSTEM = "the cache keeps a prefix of every prompt so the server answers faster " * 4
 FIRST = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "rivers and music"}]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.apps.serve.conftest import start_server
+from harness.serve import start_server
 from tests.apps.serve.test_http import MESSAGES, SYSTEM
 
 

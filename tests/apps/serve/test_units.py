@@ -12,7 +12,7 @@ from kvtier.apps.serve.backend import tenant_salt
 from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
 from kvtier.apps.serve.textstream import TextStream
 from kvtier.base.errors import ConfigError
-from tests.apps.serve.conftest import WORDS
+from harness.serve import WORDS
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Fixtures that run a real mooncake_master (see tests/mooncake_master.py)."""
+"""Fixtures that run a real mooncake_master (see harness/mooncake_master.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from functools import cache
 
 import pytest
 
-from tests.mooncake_master import MooncakeMaster, missing_mooncake
+from harness.mooncake_master import MooncakeMaster, missing_mooncake
 
 #: Clients whose heartbeats stop leave the pool after this many seconds (Mooncake's default is 10).
 CLIENT_TTL_S = 2

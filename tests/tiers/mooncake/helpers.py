@@ -7,7 +7,7 @@ import torch
 from kvtier import CacheConfig, KVCache, KVSpec
 from kvtier.base.metrics import Metrics
 from kvtier.tiers import MooncakeTier, MooncakeTierConfig, TierContext
-from tests.mooncake_master import MooncakeMaster
+from harness.mooncake_master import MooncakeMaster
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
 CHUNK = 16

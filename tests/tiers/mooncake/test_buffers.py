@@ -7,7 +7,7 @@ import threading
 from time import monotonic
 
 from kvtier.tiers.mooncake.buffers import RegisteredBuffers
-from tests.harness import wait_for
+from harness.process import wait_for
 
 ARENA = 4096
 HANG_GUARD_S = 60.0  # far past every deadline below: only stops a broken take from hanging the suite

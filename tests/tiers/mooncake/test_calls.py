@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
-from tests.harness import wait_for
+from harness.process import wait_for
 
 
 def test_result_exception_and_deadline():

@@ -3,7 +3,7 @@ opens and closes again by itself, and hits return after a restart without restar
 
 from __future__ import annotations
 
-from tests.harness import timed, wait_for
+from harness.process import timed, wait_for
 from tests.tiers.mooncake.helpers import make_cache, prompt
 
 TIMEOUT = 0.5

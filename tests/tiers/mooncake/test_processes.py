@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import timed, wait_for
+from harness.process import timed, wait_for
 from tests.tiers.mooncake.conftest import CLIENT_TTL_S
 from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, prompt
 

@@ -15,7 +15,7 @@ from kvtier import KVSpec
 from kvtier.base.metrics import Metrics
 from kvtier.codecs import BytesPayload
 from kvtier.tiers import MooncakeTier, TierContext
-from tests.harness import wait_for
+from harness.process import wait_for
 from tests.tiers.mooncake.helpers import MiB, tier_config
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype=torch.float16)

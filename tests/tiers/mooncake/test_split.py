@@ -17,7 +17,7 @@ from kvtier.codecs import BytesPayload
 from kvtier.core.bounded import blob_bytes
 from kvtier.core.segments import SegmentCache
 from kvtier.tiers import BoundedGets, MooncakeTier, TierContext
-from tests.harness import wait_for
+from harness.process import wait_for
 from tests.tiers.mooncake.helpers import MiB, tier_config
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype=torch.float16)  # 8 KiB of KV per token

@@ -17,8 +17,8 @@ from kvtier.codecs.blob import blob_bytes, encode_blob
 from kvtier.tiers import MooncakeTierConfig
 from kvtier.tiers.mooncake.client import advertised_hostname
 from kvtier.tiers.mooncake.config import TransferProtocol, segment_size
-from tests.harness import wait_for
-from tests.mooncake_master import master_binary
+from harness.process import wait_for
+from harness.mooncake_master import master_binary
 from tests.tiers.mooncake.conftest import require_mooncake
 from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, make_tier, prompt
 

@@ -8,7 +8,7 @@ from time import monotonic
 
 from kvtier.tiers.mooncake.buffers import RegisteredBuffers
 from kvtier.tiers.mooncake.turns import Turns
-from tests.harness import wait_for
+from harness.process import wait_for
 
 HANG_GUARD_S = 60.0  # far past every wait below: only stops a broken turn from hanging the suite
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kvtier.net.ports import free_port
-from tests.harness import ServerProcess
+from harness.process import ServerProcess
 
 REDIS_SERVER = os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = os.environ.get("REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"

@@ -1,5 +1,5 @@
-"""Small helpers the tests share: polling for a condition, timing a call, and freezing, resuming or crashing
-a server process."""
+"""Small helpers the tests and benchmarks share: polling for a condition, timing a call, and freezing, resuming
+or crashing a server process."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from kvtier.net.ports import free_port
-from tests.harness import ServerProcess
+from harness.process import ServerProcess
 
 
 def master_binary() -> str:

@@ -1,4 +1,4 @@
-"""Hostile peers of the event channel, each run as its own process (``python -m tests.events.hostile WHAT ...``).
+"""Hostile peers of the event channel, each run as its own process (``python -m harness.hostile_events WHAT ...``).
 
 They speak the real wire format (kvtier.events.wire) over real ZMQ sockets, and every loop is bounded in count
 and time. Each prints ``READY`` once its sockets are set up, and exits by itself.

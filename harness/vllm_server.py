@@ -16,9 +16,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.harness import ServerProcess
+from harness.process import ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def kv_transfer_config(extra: dict) -> dict:

@@ -15,7 +15,7 @@ import httpx
 
 from kvtier.net.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ReplicaProcess:

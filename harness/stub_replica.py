@@ -1,6 +1,6 @@
 """A stand-in OpenAI replica for the router's hostile-input tests, run as its own process on a loopback port.
 
-    python -m tests.apps.route.stub_replica PORT
+    python -m harness.stub_replica PORT
 
 It speaks real HTTP (uvicorn) and answers like an OpenAI server without a model, so the router's tests start
 in a second rather than loading one: ``/health`` 200, ``/kvtier/info`` 404 (a plain OpenAI replica: the router
