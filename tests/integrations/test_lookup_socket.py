@@ -18,7 +18,7 @@ import pytest
 
 from kvtier import CacheConfig, KVCache
 from kvtier.base.errors import ConfigError
-from kvtier.integrations.vllm.lookup import LookupClient, LookupLimits, LookupServer, socket_path
+from kvtier.integrations.vllm.lookup_socket import LookupClient, LookupLimits, LookupServer, socket_path
 from kvtier.integrations.vllm.paged import PagedKV, PagedSource
 from tests.integrations.test_vllm_parts import cpu_layers
 

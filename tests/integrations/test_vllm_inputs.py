@@ -35,7 +35,7 @@ from kvtier.integrations.vllm.inputs import (  # noqa: E402
     request_salt,
     vllm_keyed_fields,
 )
-from kvtier.integrations.vllm.lookup import LookupClient, LookupServer, socket_path  # noqa: E402
+from kvtier.integrations.vllm.lookup_socket import LookupClient, LookupServer, socket_path  # noqa: E402
 from kvtier.integrations.vllm.lookups import Lookups  # noqa: E402
 from kvtier.integrations.vllm.metadata import unpack_extras  # noqa: E402
 from kvtier.integrations.vllm.scheduler import SchedulerSide  # noqa: E402

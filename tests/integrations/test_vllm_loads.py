@@ -21,7 +21,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from kvtier import CacheConfig, KVCache  # noqa: E402
 from kvtier.base.keys import NO_EXTRAS  # noqa: E402
 from kvtier.integrations.vllm.loader import AsyncLoads  # noqa: E402
-from kvtier.integrations.vllm.lookup import LookupClient, LookupServer, socket_path  # noqa: E402
+from kvtier.integrations.vllm.lookup_socket import LookupClient, LookupServer, socket_path  # noqa: E402
 from kvtier.integrations.vllm.lookups import Lookups  # noqa: E402
 from kvtier.integrations.vllm.metadata import LoadSpec, pack_tokens  # noqa: E402
 from kvtier.integrations.vllm.paged import PagedKV, PagedSource  # noqa: E402

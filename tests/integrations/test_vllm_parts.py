@@ -10,7 +10,7 @@ import torch
 from kvtier import CacheConfig, KVCache
 from kvtier.base.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
+from kvtier.integrations.vllm.lookup_socket import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
 
 BLOCKS, HEADS, KB, DIM, LAYERS = 12, 2, 32, 16, 3

@@ -13,7 +13,7 @@ import torch
 
 from kvtier import CacheConfig, KVCache
 from kvtier.integrations.vllm.loader import AsyncLoads
-from kvtier.integrations.vllm.lookup import LookupClient, LookupServer, socket_path
+from kvtier.integrations.vllm.lookup_socket import LookupClient, LookupServer, socket_path
 from kvtier.integrations.vllm.lookups import Lookups
 from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, pack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSource

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvtier.integrations.vllm.lookup import LookupClient  # noqa: E402
+from kvtier.integrations.vllm.lookup_socket import LookupClient  # noqa: E402
 from kvtier.integrations.vllm.lookups import Lookups  # noqa: E402
 from kvtier.integrations.vllm.scheduler import SchedulerSide, request_ttl  # noqa: E402
 from kvtier.tiers.control import MAX_TTL_S  # noqa: E402

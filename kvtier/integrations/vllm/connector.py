@@ -25,7 +25,7 @@ from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.admin import AdminServer, token_prompt
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, TierEvents
-from kvtier.integrations.vllm.lookup import LookupClient, socket_path
+from kvtier.integrations.vllm.lookup_socket import LookupClient, socket_path
 from kvtier.integrations.vllm.lookups import Lookups
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.paged import PagedKV

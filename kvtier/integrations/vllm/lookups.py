@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.base.keys import NO_EXTRAS, ExtraKeys
-from kvtier.integrations.vllm.lookup import LookupClient
+from kvtier.integrations.vllm.lookup_socket import LookupClient
 from kvtier.integrations.vllm.threads import name_os_thread
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import torch
 
 from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
-from kvtier.integrations.vllm.lookup import LookupLimits, LookupServer
+from kvtier.integrations.vllm.lookup_socket import LookupLimits, LookupServer
 from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
 from kvtier.integrations.vllm.threads import name_os_thread
