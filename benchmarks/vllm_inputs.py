@@ -13,7 +13,7 @@ bytes, once per request (``kvtier.integrations.vllm.inputs.request_extras`` on v
 scheduler's loop. Its cost is timed here on a request with the same tensor, the median of 20, as a share of the
 kvtier TTFT (the smaller TTFT, so the larger share); the limit is 2%.
 
-The image rows: the same two servers, of a model of SmolVLM-256M's shape (``tests/integrations/vlm_model.py``:
+The image rows: the same two servers, of a model of SmolVLM-256M's shape (``harness/vlm_model.py``:
 its SigLIP vision tower with random weights over SmolLM2-135M-Instruct's text model; one 512x512 image is 67
 placeholder tokens, without SmolVLM's image splitting), a chat prompt of a random image followed by
 ``--image-words`` words of text. A hit on kvtier covers the image's placeholders, so vLLM skips the vision tower

@@ -2,7 +2,7 @@
 the chain, of every later one), so outputs equal vLLM alone's.
 
 The model is a tiny Idefics3 (the SmolVLM shape) with random weights, built by the test
-(``tests/integrations/vlm_model.py``). Every 128x128 image becomes the same 67 placeholder token ids, so two
+(``harness/vlm_model.py``). Every 128x128 image becomes the same 67 placeholder token ids, so two
 requests with the same text and different images have the same token ids: only vLLM's multimodal hash, which
 kvtier folds into its chunk keys, tells them apart. Each prompt is a system text (a few full chunks before the
 image, which requests with different images may share), the image, and a question.
