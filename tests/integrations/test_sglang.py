@@ -138,7 +138,8 @@ def test_corrupted_disk_bytes_and_truncation_are_misses(tmp_path):
     assert all(store.batch_set_v1(keys, pool.host_indices(0, 4)))
     flush(store)
     ids = store.kvtier_keys(keys)
-    files = {p.name: p for p in tmp_path.rglob("*") if p.is_file()}
+    # a chunk file is named by its key's hex, then its owner and expiry (kvtier/tiers/disk/names.py)
+    files = {p.name.split(".")[0]: p for p in tmp_path.rglob("*") if p.is_file()}
     flipped, cut = files[ids[1].hex()], files[ids[3].hex()]
     data = bytearray(flipped.read_bytes())
     data[len(data) - 5] ^= 0x40
@@ -161,7 +162,7 @@ def test_fuzzed_corruption_never_yields_a_wrong_page(tmp_path):
     for round_ in range(8):
         store.batch_set_v1(keys, pool.host_indices(0, 8))  # puts back what the last round's read dropped
         flush(store)
-        files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.name in ids)
+        files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.name.split(".")[0] in ids)
         assert len(files) == 8
         victim = files[int(torch.randint(len(files), (1,), generator=gen))]
         data = bytearray(victim.read_bytes())
@@ -327,7 +328,7 @@ def test_a_corrupt_state_page_is_a_miss_and_its_prefix_is_not_restorable(tmp_pat
     for tier in side.cache.tiers:
         tier.flush()
     (key,) = side.keys(keys[1:])
-    (state_file,) = [p for p in (tmp_path / "pool-mamba").rglob("*") if p.is_file() and p.name == key.hex()]
+    (state_file,) = [p for p in (tmp_path / "pool-mamba").rglob("*") if p.is_file() and p.name.split(".")[0] == key.hex()]
     data = bytearray(state_file.read_bytes())
     data[len(data) - 3] ^= 0x01  # one bit of the state page's payload
     state_file.write_bytes(bytes(data))
