@@ -106,6 +106,23 @@ def e3_flood(fleet, big: bool) -> dict:
                     f"{taken('snapshot_failed') - failed:.0f} failed), {after:,.0f} after ejection"}
 
 
+def e3_big_batches(fleet, big: bool) -> dict:
+    """The compromised replica floods stored-chunk events in batches of 100,000 (a batch applied in one loop
+    turn held the router's loop for seconds on a loaded machine): every event is applied, and /health is probed
+    throughout as for every row. Runs before ``e3_flood``, whose keys it shares, while the index has room."""
+    keys, batch = (1_000_000, 100_000) if big else (200_000, 100_000)
+    name = fleet.hostile_name
+    before = index_chunks(fleet.url, name)
+    httpx.post(fleet.hostile_url + "/hostile/flood", json={"keys": keys, "tiers": 0, "snapshot": 0, "batch": batch})
+    deadline, held = time.monotonic() + 240, before
+    while time.monotonic() < deadline and held < before + keys:
+        time.sleep(0.5)
+        held = index_chunks(fleet.url, name)
+    return {"codes": Counter(["miss"]), "size": f"{keys:,} stores in batches of {batch:,}",
+            "ok": held >= min(before + keys, fleet.replica_key_cap),
+            "note": f"index held {held:,.0f} keys after the flood ({before:,.0f} before)"}
+
+
 # -- E-4 ----------------------------------------------------------------------------------------------------
 def e4_impostor(fleet, big: bool) -> dict:
     """A replica is killed and a process binds its (fixed) event ports at once, serving fake keys with a key pair

@@ -7,8 +7,8 @@ HTTP is tests.apps.route.stub_replica's (``/health`` 200, small completions), pl
 * ``/kvtier/info``: a real replica's info (INFO_JSON, so the router accepts its namespace) naming this process's
   own event endpoints and CURVE key: the router follows it as it would a real replica;
 * a prompt containing ``HUGE``: a non-streamed 200 JSON answer of HUGE_BYTES bytes, sent in 1 MiB pieces (R-6);
-* ``POST /hostile/flood`` ``{"keys": N, "tiers": T, "snapshot": S}``: publish N stored-chunk events in
-  batches of 1,000 (real wire format), then T events each naming a tier of its own, and from then on answer
+* ``POST /hostile/flood`` ``{"keys": N, "tiers": T, "snapshot": S, "batch": B}``: publish N stored-chunk events
+  in batches of B (default 1,000; real wire format), then T events each naming a tier of its own, and from then on answer
   snapshot requests with S keys, skipping a batch so that the router asks for it (E-3). ``GET /hostile/flood``
   says how many events went out. Until then a snapshot is empty and at the stream's current position, so the
   router follows the batches that come after it (one at a fixed position sent it into a gap-and-resync loop
@@ -114,10 +114,11 @@ class Publisher(multiprocessing.Process):
             except queue.Empty:
                 self._send([])  # a heartbeat
                 continue
-            for start in range(0, job["keys"], BATCH):
+            batch = job.get("batch", BATCH)
+            for start in range(0, job["keys"], batch):
                 self._send([WireEvent(True, "memory", bytes(fake_key(i)), 0)
-                            for i in range(start, min(start + BATCH, job["keys"]))])
-                if start % (50 * BATCH) == 0:
+                            for i in range(start, min(start + batch, job["keys"]))])
+                if start % (50 * batch) == 0:
                     self._answer_snapshots()
             for i in range(job["tiers"]):
                 self._send([WireEvent(True, f"tier-{i}", bytes(fake_key(i)), 0)])

@@ -14,9 +14,18 @@ Who may do what (``authorize``), by the ``Authorization: Bearer <key>`` header:
   tenant, clearing beyond its own entries, pinning, unpinning and stats are 403. A server with no admin key
   configured answers 403 to every admin-only call.
 
-Bodies are JSON objects checked by msgspec, strictly (no coercion, no unknown field): a prompt is ``tokens``
-(token ids) or ``text`` (tokenized by the server's tokenizer as a completion prompt), exactly one of them;
-``tenant`` (admin only) is a tenant name from the cache config's ``tenants``, or ``default`` (the empty salt).
+Bodies are at most ``MAX_BODY_BYTES`` (a 413 beyond), decoded by the same decoder as the completion endpoints
+(kvtier.api.json_body: nesting, integer length, NaN and lone surrogates are a 400, never a 500) and checked by
+msgspec, strictly (no coercion, no unknown field): a prompt is ``tokens`` (token ids), ``text`` (tokenized by the
+server's tokenizer as a completion prompt) or ``messages`` (an OpenAI chat, rendered by the server's chat template
+as its chat route renders one), exactly one of them; ``tenant`` (admin only) is a tenant name from the cache
+config's ``tenants``, or ``default`` (the empty salt).
+
+What ``messages`` address is the prefix that the chat's next requests share (``chat_prompt``): the template
+applied to the messages with the assistant's cue (``add_generation_prompt``) when the last message is the
+user's, since the next request is exactly that chat and the assistant's answer extends it; without the cue
+otherwise (a system prompt alone, a chat ending with the assistant's turn), since the next requests append a
+user's message where the cue would be. ``add_generation_prompt`` in the body overrides the choice.
 Anything else is a 400 that names the field (an unknown tenant name a 404, a pin past a tier's pin budget a 409),
 and changes nothing.
 """
@@ -31,20 +40,33 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvtier.api.chat import ChatMessage, ChatPrompt, template_messages
 from kvtier.api.errors import RequestError
+from kvtier.api.json_body import decode_json
 from kvtier.api.tenants import api_key, tenant_salt
 
 PREFIX = "/admin/v1"
 ADMIN_KEY_ENV = "KVTIER_ADMIN_KEY"
 MAX_TOKENS = 1 << 20  #: token ids one admin call may name
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]  #: what a chunk key encodes (32 bits)
+MAX_BODY_BYTES = 16 << 20  #: the largest admin request body any server accepts (MAX_TOKENS ids fit)
+MAX_MESSAGES = 1 << 16  #: chat messages one admin call may name
 
 
 class LookupBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``POST /admin/v1/lookup``: how much of a prompt is cached, in all tiers together and in each."""
 
-    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
+    tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)] | None = None
     text: str | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_generation_prompt: bool | None = None  #: with ``messages``: None chooses as the module docstring says
     tenant: str | None = None  #: admin only: a configured tenant name or ``default``
+
+    def prompt(self) -> str | list[int] | ChatPrompt:
+        """The prompt as the server's prompt function takes it (``parse_body`` checked there is one)."""
+        if self.messages is not None:
+            return chat_prompt(self.messages, self.add_generation_prompt)
+        return self.text if self.text is not None else list(self.tokens or [])
 
 
 class PinBody(LookupBody, forbid_unknown_fields=True, kw_only=True):
@@ -113,10 +135,7 @@ def authorize(header: str | None, admin_key: str | None, *, admin_only: bool) ->
 
 def parse_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
     """``raw`` as ``kind``: strict JSON, strict types; a 400 naming the field otherwise."""
-    try:
-        value = msgspec.json.decode(raw) if raw.strip() else {}
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    value = decode_json(raw) if raw.strip() else {}
     if not isinstance(value, dict):
         raise RequestError("the request body must be a JSON object")
     try:
@@ -124,11 +143,20 @@ def parse_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as exc:
         where = re.search(r"at `\$\.(\w+)", str(exc)) or re.search(r"field `(\w+)`", str(exc))
         raise RequestError(f"invalid request: {exc}", param=where.group(1) if where else None) from None
-    if isinstance(body, LookupBody) and (body.tokens is None) == (body.text is None):
-        raise RequestError("give the prompt as exactly one of tokens or text", param="tokens")
+    if isinstance(body, LookupBody) and [body.tokens, body.text, body.messages].count(None) != 2:
+        raise RequestError("give the prompt as exactly one of tokens, text or messages", param="tokens")
+    if isinstance(body, LookupBody) and body.messages is None and body.add_generation_prompt is not None:
+        raise RequestError("add_generation_prompt goes with messages", param="add_generation_prompt")
     if isinstance(body, LookupBody) and body.tokens is not None and not body.tokens:
         raise RequestError("tokens must not be empty", param="tokens")
     return body
+
+
+def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool | None = None) -> ChatPrompt:
+    """The prompt ``messages`` address (see the module docstring): with the assistant's cue when
+    ``add_generation_prompt``, or, when that is None, when the last message is the user's."""
+    cue = messages[-1].role == "user" if add_generation_prompt is None else add_generation_prompt
+    return ChatPrompt(template_messages(messages), cue)
 
 
 def check_scope(caller: Caller, tenant: str | None, scope: str = "tenant") -> None:

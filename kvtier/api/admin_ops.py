@@ -37,6 +37,7 @@ from kvtier.api.admin import (
     openapi,
     parse_body,
 )
+from kvtier.api.chat import ChatPrompt
 from kvtier.api.errors import RequestError, error_body
 from kvtier.base.errors import InvalidArgument, NotSupported, PinBudgetExceeded
 from kvtier.core.metrics import ADMISSION_REFUSED
@@ -47,8 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: A prompt as a body gives it (text, or token ids) -> its token ids, checked; RequestError otherwise.
-PromptFn = Callable[[str | list[int]], list[int]]
+#: A prompt as a body gives it (text, token ids, or chat messages) -> its token ids, checked; RequestError
+#: otherwise (a server that cannot render chat messages refuses a ChatPrompt with a 400).
+PromptFn = Callable[[str | list[int] | ChatPrompt], list[int]]
 _ROUTE = {path: (body, admin_only) for _, path, body, admin_only, _ in ROUTES}
 _METHOD = {path: method.upper() for method, path, _, _, _ in ROUTES}
 
@@ -188,4 +190,4 @@ class AdminOps:
 
     def _prompt(self, body: LookupBody) -> list[int]:
         """Token ids of the body's prompt, checked by the server's ``prompt``."""
-        return self._prompt_fn(body.text if body.text is not None else list(body.tokens or []))
+        return self._prompt_fn(body.prompt())

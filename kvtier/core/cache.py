@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvtier.base.errors import ConfigError, InvalidArgument, KVTierError
-from kvtier.base.keys import ChunkHash, Namespace, Tokens, token_array
+from kvtier.base.keys import NO_EXTRAS, ChunkHash, ExtraKeys, Namespace, Tokens, token_array
 from kvtier.base.layout import KVSpec
 from kvtier.base.metrics import Metrics
 from kvtier.base.state import ModelStateSpec
@@ -176,15 +176,16 @@ class KVCache:
             raise
 
     # -- public API ----------------------------------------------------------------------------------------
-    def keys(self, tokens: Tokens, *, salt: bytes = b"") -> list[ChunkHash]:
-        """Chunk keys of the full chunks of ``tokens`` in this cache's namespace (with ``salt``)."""
-        return self.namespace.with_salt(salt).chunk_hashes(tokens)
+    def keys(self, tokens: Tokens, *, salt: bytes = b"", extras: ExtraKeys = NO_EXTRAS) -> list[ChunkHash]:
+        """Chunk keys of the full chunks of ``tokens`` in this cache's namespace (with ``salt``), each with the
+        ``extras`` overlapping it folded in (kvtier.base.keys: every input beside the tokens that changes KV)."""
+        return self.namespace.with_salt(salt).chunk_hashes(tokens, extras)
 
-    def lookup(self, tokens: Tokens, *, salt: bytes = b"") -> int:
+    def lookup(self, tokens: Tokens, *, salt: bytes = b"", extras: ExtraKeys = NO_EXTRAS) -> int:
         """Number of leading tokens of ``tokens`` that retrieve can load now (a multiple of chunk_size). The chunks
         found are a sighting for admission (a reuse); nothing else changes."""
         with self.metrics.timer(LOOKUP_SECONDS):
-            keys = self.keys(tokens, salt=salt)
+            keys = self.keys(tokens, salt=salt, extras=extras)
             n = self._states.usable(keys, self._kv_prefix(keys))
             self.chain.sighted(keys[:n])
         self.metrics.inc(LOOKUPS)
@@ -192,18 +193,19 @@ class KVCache:
         return n * self.chunk_size
 
     def store(self, tokens: Tokens, kv: torch.Tensor | KVSource, *, salt: bytes = b"",
-              ttl_s: float | None = None) -> int:
+              ttl_s: float | None = None, extras: ExtraKeys = NO_EXTRAS) -> int:
         """Store the full chunks of ``tokens`` whose KV ``kv`` holds (canonical tensor or KVSource).
 
         The new entries are owned by the tenant ``salt`` names (its share and clears: kvtier.core.control) and,
         with ``ttl_s``, expire that many seconds from now (misses from then on, reclaimed; a tier that cannot
-        expire entries is not written). Returns the number of tokens newly written to at least one tier. Never
-        raises for tier failures; InvalidArgument for a negative or non-finite ``ttl_s``.
+        expire entries is not written). ``extras``: as for ``keys``. Returns the number of tokens newly written
+        to at least one tier. Never raises for tier failures; InvalidArgument for a negative or non-finite
+        ``ttl_s``.
         """
         with self.metrics.timer(STORE_SECONDS):
             self._require_attention()
             token_ids = token_array(tokens)
-            keys = self.keys(token_ids, salt=salt)
+            keys = self.keys(token_ids, salt=salt, extras=extras)
             if isinstance(kv, torch.Tensor):
                 if kv.dim() != 5 or kv.shape[2] < len(keys) * self.chunk_size:
                     raise InvalidArgument(f"kv {tuple(kv.shape)} does not cover {len(keys)} chunks")
@@ -211,20 +213,22 @@ class KVCache:
                 source: KVSource = TensorSource(kv)
             else:
                 source = kv
-            return sum(self.store_keyed(keys, token_ids, source, salt=salt, ttl_s=ttl_s)) * self.chunk_size
+            written = self.store_keyed(keys, token_ids, source, salt=salt, ttl_s=ttl_s, extras=extras)
+            return sum(written) * self.chunk_size
 
     def store_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource, *, salt: bytes = b"",
-                    ttl_s: float | None = None) -> list[bool]:
+                    ttl_s: float | None = None, extras: ExtraKeys = NO_EXTRAS) -> list[bool]:
         """``store`` under keys the caller derived itself (an engine's own chained page hashes mapped into this
         namespace), chunk ``i`` being tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of ``source`` and of
         ``token_ids`` (recorded in, and checked on every read of, its blob). True per chunk newly written to at
         least one tier. ``salt``: the tenant the keys were derived for (the entries' owner); ``ttl_s`` as for
-        ``store``. Never raises for tier failures."""
+        ``store``; ``extras``: those the keys were derived with (reported with the chunks' stored events). Never
+        raises for tier failures."""
         tags = Tags(tenant_tag(salt), expires_at(ttl_s, self.clock()))
         device = source_device(source)
         if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
             torch.cuda.current_stream(device).synchronize()
-        written = self.chain.store_chunks(StoreJob(keys, token_ids, source, tags))
+        written = self.chain.store_chunks(StoreJob(keys, token_ids, source, tags, extras))
         self.chain.order_chain(keys)
         return written
 
@@ -235,16 +239,18 @@ class KVCache:
         *,
         salt: bytes = b"",
         max_tokens: int | None = None,
+        extras: ExtraKeys = NO_EXTRAS,
     ) -> tuple[torch.Tensor | None, int]:
         """Load the longest cached prefix of ``tokens`` (at most ``max_tokens``).
 
         ``out`` is a canonical tensor with room for the prefix, or a KVSink; when omitted a tensor is
         allocated. Returns ``(tensor or None for a sink, n_tokens)``; only the first ``n_tokens`` are valid.
+        ``extras``: as for ``keys``.
         """
         with self.metrics.timer(RETRIEVE_SECONDS):
             self._require_attention()
             token_ids = token_array(tokens)
-            keys = self.keys(token_ids, salt=salt)
+            keys = self.keys(token_ids, salt=salt, extras=extras)
             if max_tokens is not None:
                 keys = keys[: max(max_tokens, 0) // self.chunk_size]
             where = self.chain.locate(keys)

@@ -137,7 +137,7 @@ class TierChain:
         if result.failure is not None:
             self._count(result.failure)
         size = self.pipeline.chunk_size
-        self.events.stored(tier.name, job.keys, result.done, job.token_ids, size)
+        self.events.stored(tier.name, job.keys, result.done, job.token_ids, size, job.extras)
         self.metrics.inc(STORED_TOKENS, len(result.done) * size, tier=tier.name)
         return result.done
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.base.keys import ChunkHash
+from kvtier.base.keys import NO_EXTRAS, ChunkHash, ExtraKeys, SpanKey
 from kvtier.tiers import Listable, RemovalReporter, SharedStore, Tier
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,8 @@ class ChunkEvent:
     before it (None at position 0); both None where the cache does not know them (removals, chunks moved
     between tiers by eviction). ``tokens`` are the chunk's token ids (little-endian uint32) for stores.
     ``entry`` is the kind of entry where the chain knows it, None where a tier moved or dropped the entry on its
-    own (removals, demotions on eviction): see the rule at the top of this module.
+    own (removals, demotions on eviction): see the rule at the top of this module. ``extras``: for stores, the
+    span keys (kvtier.base.keys.ExtraKeys) folded into the chunk's key, in their order.
     """
 
     kind: ChunkEventKind
@@ -66,6 +67,7 @@ class ChunkEvent:
     parent: ChunkHash | None = None
     tokens: bytes | None = None
     entry: EntryKind | None = None
+    extras: tuple[SpanKey, ...] = ()
 
 
 Subscriber = Callable[[Sequence[ChunkEvent]], None]
@@ -105,13 +107,16 @@ class CacheEvents:
                 tier.set_removal_listener(lambda key, name=tier.name: self._removed(name, key))
 
     def stored(self, tier: str, keys: Sequence[ChunkHash], indices: Sequence[int],
-               token_ids: np.ndarray | None = None, chunk_size: int = 0) -> None:
-        """Chunks ``keys[i]`` for ``i`` in ``indices`` are now in ``tier`` (``keys`` is their whole chain)."""
+               token_ids: np.ndarray | None = None, chunk_size: int = 0, extras: ExtraKeys = NO_EXTRAS) -> None:
+        """Chunks ``keys[i]`` for ``i`` in ``indices`` are now in ``tier`` (``keys`` is their whole chain, derived
+        with ``extras``)."""
         subscribers = self._subscribers
         if not subscribers or not indices:
             return
         events = [ChunkEvent(ChunkEventKind.STORED, tier, keys[i], i, keys[i - 1] if i else None,
-                             _chunk_tokens(token_ids, i, chunk_size), EntryKind.CHUNK) for i in indices]
+                             _chunk_tokens(token_ids, i, chunk_size), EntryKind.CHUNK,
+                             tuple(extras.overlapping(i * chunk_size, (i + 1) * chunk_size)) if extras else ())
+                  for i in indices]
         self._emit(subscribers, events)
 
     def entered(self, tier: str, keys: Sequence[ChunkHash], entry: EntryKind | None) -> None:

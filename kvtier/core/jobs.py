@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kvtier.base.errors import BlobError, ConfigError, KVTierError
-from kvtier.base.keys import ChunkHash
+from kvtier.base.keys import NO_EXTRAS, ChunkHash, ExtraKeys
 from kvtier.tiers import Tier
 from kvtier.tiers.control import DEFAULT_TAGS, Tags
 
@@ -156,12 +156,14 @@ class LoadResult:
 class StoreJob:
     """Chunks to store: chunk ``i`` is ``keys[i]``, tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of
     ``token_ids`` and of ``source`` (a KVSource); ``tags``: their owner and expiry, recorded by the tiers that
-    keep them (kvtier/tiers/control.py)."""
+    keep them (kvtier/tiers/control.py); ``extras``: the extra keys the keys were derived with (their spans
+    overlapping a chunk go with its stored event)."""
 
     keys: Sequence[ChunkHash]
     token_ids: np.ndarray
     source: object
     tags: Tags = DEFAULT_TAGS
+    extras: ExtraKeys = NO_EXTRAS
 
 
 @dataclass(frozen=True)

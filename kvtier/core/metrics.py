@@ -25,6 +25,10 @@ ENGINE_DEFERRED_LOADS = declare_counter(
 ENGINE_IGNORED_PARAMS = declare_counter(
     "kvtier_engine_ignored_params_total",
     "Requests whose kvtier parameters (vLLM: kv_transfer_params' kvtier object) were malformed and ignored.")
+ENGINE_UNCACHED_REQUESTS = declare_counter(
+    "kvtier_engine_uncached_requests_total",
+    "Requests an engine integration neither looked up, loaded nor stored because an input that changes their KV "
+    "could not be keyed, by the kind of input (vLLM: the request field, or unreadable).", ("kind",))
 LOOKUP_SECONDS = declare_histogram("kvtier_lookup_seconds", "Latency of lookup().")
 RETRIEVE_SECONDS = declare_histogram("kvtier_retrieve_seconds", "Latency of retrieve().")
 STORE_SECONDS = declare_histogram("kvtier_store_seconds", "Latency of store().")

@@ -43,6 +43,7 @@ import zmq
 from zmq.utils import z85
 
 from kvtier.base.errors import ConfigError
+from kvtier.base.threads import WATCHED
 from kvtier.core.events import ChunkEvent, TierHolding
 from kvtier.events.keys import Allow, Allowed
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, encode_batch, encode_snapshot, wire_event
@@ -124,7 +125,8 @@ class EventPublisher:
             self._ctx.destroy(linger=0)
             raise ConfigError(f"cannot bind the event publisher on {config.host}: {exc}") from None
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
+        self._last_sent = 0.0
+        self._thread = WATCHED.watch(threading.Thread(target=self._run, name="kvtier-events", daemon=True))
         self._thread.start()
         self._unsubscribe = subscribe(self._enqueue)
 
@@ -138,6 +140,7 @@ class EventPublisher:
 
     def close(self) -> None:
         self._unsubscribe()
+        WATCHED.unwatch(self._thread)
         self._running = False
         self._thread.join(timeout=10)
         self._ctx.destroy(linger=0)
@@ -156,26 +159,43 @@ class EventPublisher:
 
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        """The thread: one turn per poll. What one turn raises (a peer's message it chokes on, a bug) is logged
+        and counted (``counts["errors"]``), its batch becomes a gap subscribers see, and the next turn runs."""
         poller = zmq.Poller()
         poller.register(self._control, zmq.POLLIN)
         poller.register(self._pub, zmq.POLLIN)
         poller.register(self._zap, zmq.POLLIN)
-        last_sent = 0.0
+        self._last_sent = 0.0
         while self._running:
-            ready = dict(poller.poll(self.config.batch_interval_s * 1000))
-            if self._zap in ready:
-                self._authenticate()
-            if self._pub in ready:
-                self._subscriptions()
-            if self._control in ready:
-                self._answer()
-            now = time.monotonic()
-            with self._lock:
-                events, self._queue = list(self._queue), deque()
-                skip, self._skip = self._skip, 0
-            if events or skip or now - last_sent >= self.config.heartbeat_s:
+            try:
+                self._turn(poller)
+            except Exception:
+                log.exception("event publisher: a turn failed; its events are a gap, the next turn goes on")
+                self._counted("errors")
+                with self._lock:
+                    self._skip = max(self._skip, 1)
+                time.sleep(self.config.batch_interval_s)  # a failure that repeats does not spin
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        ready = dict(poller.poll(self.config.batch_interval_s * 1000))
+        if self._zap in ready:
+            self._authenticate()
+        if self._pub in ready:
+            self._subscriptions()
+        if self._control in ready:
+            self._answer()
+        now = time.monotonic()
+        with self._lock:
+            events, self._queue = list(self._queue), deque()
+            skip, self._skip = self._skip, 0
+        if events or skip or now - self._last_sent >= self.config.heartbeat_s:
+            try:
                 self._send(events, skip)
-                last_sent = now
+            except Exception:
+                with self._lock:  # these events are lost: the next batch skips a number for them
+                    self._skip += 1
+                raise
+            self._last_sent = now
 
     def _send(self, events: list[ChunkEvent], skip: int) -> None:
         self._seq += 1 + skip

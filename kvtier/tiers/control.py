@@ -29,15 +29,18 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from kvtier.base.errors import ConfigError, InvalidArgument
+from kvtier.base.errors import ConfigError, InvalidArgument, KVTierError, TierError
 from kvtier.base.keys import ChunkHash
 from kvtier.codecs import Payload
 from kvtier.tiers.base import Tier, TierConfig
+
+log = logging.getLogger(__name__)
 
 
 class Feature(enum.Enum):
@@ -128,7 +131,21 @@ class EvictionTags(Protocol):
 def put_tagged(tier: Tier, items: Sequence[tuple[ChunkHash, Payload]], tags: Tags | None) -> list[bool]:
     """Store ``items`` with ``tags`` where the tier records them. A tier that records no owners is given a plain
     ``put``; a store with an expiry skips a tier that cannot expire entries (False for every item), so no tier
-    keeps an entry longer than its store asked."""
+    keeps an entry longer than its store asked.
+
+    Every store of every tier passes here, so this is where a tier's untranslated exception (a bug: tiers
+    raise KVTierError) becomes a TierError, which callers count as a skipped store: a tier never raises into
+    the engine that stored."""
+    try:
+        return _put_tagged(tier, items, tags)
+    except KVTierError:
+        raise
+    except Exception as exc:
+        log.exception("tier %s raised on put", getattr(tier, "name", "?"))
+        raise TierError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _put_tagged(tier: Tier, items: Sequence[tuple[ChunkHash, Payload]], tags: Tags | None) -> list[bool]:
     if tags is None or tags == DEFAULT_TAGS:
         return tier.put(items)
     features = tier.supports if isinstance(tier, Controlled) else frozenset()
@@ -139,13 +156,26 @@ def put_tagged(tier: Tier, items: Sequence[tuple[ChunkHash, Payload]], tags: Tag
     return tier.put_tagged(items, tags)
 
 
+#: The longest retention time a store may ask for (about 100 years): within what every tier can represent (Redis
+#: takes milliseconds as a 64-bit integer; a float clock loses no second there), so a TTL that passes this check
+#: never fails in a tier. Every server checks request TTLs against it (a 400) and ``expires_at`` here.
+MAX_TTL_S = 100 * 365 * 86400
+
+
+def check_ttl(ttl_s: object) -> float:
+    """``ttl_s`` as a float if it is a number of seconds in ``[0, MAX_TTL_S]``; InvalidArgument otherwise (a
+    bool, a non-number, NaN, infinite, negative or too long)."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not math.isfinite(ttl_s) \
+            or not 0 <= ttl_s <= MAX_TTL_S:
+        raise InvalidArgument(f"ttl_s must be a number of seconds from 0 to {MAX_TTL_S}, not {ttl_s!r}")
+    return float(ttl_s)
+
+
 def expires_at(ttl_s: float | None, now: float) -> float | None:
-    """``now + ttl_s``; None for None. InvalidArgument for a negative, NaN or infinite TTL."""
+    """``now + ttl_s``; None for None. InvalidArgument for a TTL ``check_ttl`` refuses."""
     if ttl_s is None:
         return None
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not math.isfinite(ttl_s) or ttl_s < 0:
-        raise InvalidArgument(f"ttl_s must be a finite number of seconds >= 0, not {ttl_s!r}")
-    return now + float(ttl_s)
+    return now + check_ttl(ttl_s)
 
 
 @dataclass(frozen=True)

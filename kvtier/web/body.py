@@ -1,25 +1,20 @@
-"""Request bodies as untrusted bytes: a size cap enforced while reading, and JSON decoding that never raises
-anything but a 4xx.
+"""Request bodies as untrusted bytes: a size cap enforced while reading; JSON decoding that never raises anything
+but a 4xx is kvtier.api.json_body's ``decode_json`` (re-exported here), shared with the servers that run
+without Starlette.
 
 The cap is checked against ``Content-Length`` before a byte of the body is read, and again as chunks arrive
 (a chunked upload declares no length), so an oversized body costs at most ``limit`` bytes of memory and is
 answered with 413 without waiting for the rest of it.
-
-Decoding uses pydantic-core's JSON parser (jiter), already a dependency through pydantic, rather than the
-standard library's: it refuses what ``json.loads`` lets through or turns into a 500 — integers too long
-for Python's int-string limit, nesting deeper than a few hundred levels (``json.loads`` hits the recursion
-limit instead), lone UTF-16 surrogates such as ``"\\ud800"`` (which tokenizers cannot encode) and
-``NaN``/``Infinity`` (not JSON) — each with a message saying where in the body the problem is.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic_core import from_json
 from starlette.requests import Request
 
 from kvtier.api.errors import RequestError
+from kvtier.api.json_body import decode_json
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "decode_json", "read_body"]
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 _MAX_LENGTH_DIGITS = 18  # any longer Content-Length is past every cap (and int() of it may be refused)
@@ -57,14 +52,3 @@ async def read_body(request: Request, limit: int) -> bytes:
         chunks.append(chunk)
     return b"".join(chunks)
 
-
-def decode_json(raw: bytes, partial: bool = False) -> Any:
-    """The JSON value in ``raw``; RequestError (400) for anything that is not strict, well-formed JSON.
-
-    ``partial``: ``raw`` may be cut short (a prefix of a document): what it holds is decoded as far as it goes,
-    an unfinished string, number or literal at its end left out (an unfinished array or object is kept, with
-    what it holds so far); the same strictness otherwise."""
-    try:
-        return from_json(raw, allow_inf_nan=False, allow_partial=partial)
-    except ValueError as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from None

@@ -12,6 +12,7 @@ from kvtier import CacheConfig, KVCache, KVSpec
 from kvtier.base.errors import InvalidArgument, NotSupported, PinBudgetExceeded
 from kvtier.policy import POLICIES
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig
+from kvtier.tiers.control import MAX_TTL_S
 from tests.conformance.tier_suite import FakeClock
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16)
@@ -103,7 +104,7 @@ def test_a_ttl_survives_a_restart_of_the_disk_tier(tmp_path):
         assert cache.lookup(prompt(0)) == 0
 
 
-@pytest.mark.parametrize("ttl", [-1, math.nan, math.inf, "10", True])
+@pytest.mark.parametrize("ttl", [-1, math.nan, math.inf, "10", True, 1e306, MAX_TTL_S + 1])
 def test_a_bad_ttl_is_a_clear_error_and_stores_nothing(ttl):
     with make_cache() as cache:
         with pytest.raises(InvalidArgument, match="ttl_s"):
@@ -248,3 +249,44 @@ def test_a_share_for_a_tenant_the_cache_does_not_name_is_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.ledger"):
         make_cache(memory(tenant_shares={"acme": 0.5})).close()
     assert "acme" in caplog.text
+
+
+def test_a_tier_that_raises_an_untranslated_error_is_a_skipped_store_never_an_exception(monkeypatch):
+    """T-1's class: the Redis tier once raised OverflowError out of a store. Whatever a tier raises, a store
+    skips that tier (counted), the caller gets no exception, and the next store is written."""
+    with make_cache() as cache:
+        tier, put_tagged = cache.tiers[0], cache.tiers[0].put_tagged
+        calls = []
+
+        def overflows_once(items, tags):
+            calls.append(1)
+            if len(calls) == 1:
+                raise OverflowError("injected: cannot convert float infinity to integer")
+            return put_tagged(items, tags)
+
+        monkeypatch.setattr(tier, "put_tagged", overflows_once)
+        assert store(cache, 0, ttl_s=60) == 0 and cache.lookup(prompt(0)) == 0
+        assert "kvtier_tier_errors_total" in cache.metrics.render_prometheus()
+        assert store(cache, 1, ttl_s=60) == 2 * CHUNK and cache.lookup(prompt(1)) == 2 * CHUNK
+
+
+def test_a_promotion_whose_put_raises_still_loads_and_the_next_promotes(tmp_path, monkeypatch):
+    """The promotion of a disk hit into memory raising an untranslated error (injected): the load still returns
+    every token, and the next load's promotion lands."""
+    disk = DiskTierConfig(path=tmp_path, admission="always", capacity_bytes=16 * CHUNK_BYTES, fsync=False)
+    with make_cache(memory(), disk) as cache:
+        store(cache, 0)
+        cache.tiers[1].flush()
+        keys = cache.keys(prompt(0))
+        cache.tiers[0].delete(keys)  # only on disk now: a load promotes
+        tier, put, calls = cache.tiers[0], cache.tiers[0].put, []
+
+        def raises_once(items):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyError("injected: a bug in one promotion")
+            return put(items)
+
+        monkeypatch.setattr(tier, "put", raises_once)  # the default tenant's entries: a plain put
+        assert cache.retrieve(prompt(0))[1] == 2 * CHUNK and tier.contains(keys) == [False, False]
+        assert cache.retrieve(prompt(0))[1] == 2 * CHUNK and tier.contains(keys) == [True, True]

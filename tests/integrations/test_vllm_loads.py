@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvtier import CacheConfig, KVCache  # noqa: E402
+from kvtier.base.keys import NO_EXTRAS  # noqa: E402
 from kvtier.integrations.vllm.loader import AsyncLoads  # noqa: E402
 from kvtier.integrations.vllm.lookup import LookupClient, LookupServer, socket_path  # noqa: E402
 from kvtier.integrations.vllm.lookups import Lookups  # noqa: E402
@@ -123,11 +124,11 @@ def test_lookup_past_its_deadline_is_a_miss_and_answers_are_cached(tmp_path):
     slow, calls = threading.Event(), []
     original = cache.lookup
 
-    def lookup(tokens, salt=b""):
+    def lookup(tokens, salt=b"", extras=NO_EXTRAS):
         calls.append(len(tokens))
         if slow.is_set():
             time.sleep(1.0)
-        return original(tokens, salt=salt)
+        return original(tokens, salt=salt, extras=extras)
 
     cache.lookup = lookup
     path = socket_path(str(tmp_path), "engine", 0)

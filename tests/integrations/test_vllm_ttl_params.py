@@ -16,6 +16,7 @@ from vllm.v1.request import Request  # noqa: E402
 from kvtier.integrations.vllm.lookup import LookupClient  # noqa: E402
 from kvtier.integrations.vllm.lookups import Lookups  # noqa: E402
 from kvtier.integrations.vllm.scheduler import SchedulerSide, request_ttl  # noqa: E402
+from kvtier.tiers.control import MAX_TTL_S  # noqa: E402
 
 
 def request(req_id: str, params: object = None) -> Request:
@@ -32,7 +33,8 @@ def test_the_accepted_shape_and_no_retention_without_it() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"ttl_s": -5}, {"ttl_s": 0}, {"ttl_s": "30"}, {"ttl_s": True},
-                                 {"ttl_s": float("inf")}, {"ttl_s": float("nan")}, 30, "30"])
+                                 {"ttl_s": float("inf")}, {"ttl_s": float("nan")}, {"ttl_s": 1e308},
+                                 {"ttl_s": MAX_TTL_S + 1}, 30, "30"])
 def test_malformed_values_raise_for_the_scheduler_to_ignore(bad: object) -> None:
     with pytest.raises(ValueError, match="kv_transfer_params.kvtier"):
         request_ttl(request("x", {"kvtier": bad}))

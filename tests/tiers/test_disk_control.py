@@ -4,6 +4,7 @@ read back at start, damaged files ignored."""
 from __future__ import annotations
 
 import json
+import os
 
 from kvtier.tiers.control import Tags
 from tests.conformance.tier_suite import BLOB_BYTES, BytesPayload, FakeClock, blob, key
@@ -15,7 +16,7 @@ def store(tier, ids, tags=Tags()) -> None:
     tier.flush()
 
 
-def test_a_pin_is_on_disk_before_it_returns_and_owners_at_close(tmp_path):
+def test_a_pin_is_on_disk_before_it_returns_and_owners_with_each_chunk(tmp_path):
     clock = FakeClock()
     tier = disk_tier(tmp_path, 16 * BLOB_BYTES, clock, fsync=False)
     store(tier, [0, 1], Tags("a", clock.now + 30))
@@ -23,9 +24,11 @@ def test_a_pin_is_on_disk_before_it_returns_and_owners_at_close(tmp_path):
     tier.pin([key(0)])
     pins = json.loads((tmp_path / "raw" / "pins.json").read_text())
     assert pins["pinned"] == [key(0).hex()]
+    expiry = round((clock.now + 30) * 1000)
+    names = sorted(p.name for p in (tmp_path / "raw").glob("??/*"))  # before any close: written with the chunks
+    assert names == sorted([f"{key(0).hex()}.a.{expiry}", f"{key(1).hex()}.a.{expiry}", key(2).hex()])
     tier.close()
-    tags = json.loads((tmp_path / "raw" / "tags.json").read_text())["tags"]
-    assert sorted(tags) == sorted([key(0).hex(), key(1).hex()])
+    assert not (tmp_path / "raw" / "tags.json").exists()
     tier = disk_tier(tmp_path, 16 * BLOB_BYTES, clock, fsync=False)
     try:
         assert tier.pinned([key(0), key(1), key(2)]) == [True, False, False]
@@ -47,7 +50,9 @@ def test_damaged_control_files_are_ignored_and_the_chunks_stay(tmp_path):
     try:
         assert tier.contains([key(0), key(1)]) == [True, True]
         assert tier.pinned([key(0)]) == [False]
-        assert tier.usage().pinned_bytes == 0 and tier.tags_of([key(1)]) == [Tags()]
+        assert tier.usage().pinned_bytes == 0
+        assert tier.tags_of([key(1)]) == [Tags("a")]  # the file's name records it; the damaged old file is ignored
+        assert not (tmp_path / "raw" / "tags.json").exists()
     finally:
         tier.close()
 
@@ -77,5 +82,28 @@ def test_a_tenant_past_its_share_after_a_restart_gives_room_first(tmp_path):
         store(tier, [21])  # the tier is full: tenant a, past its quarter, gives the room
         assert tier.contains([key(10), key(20), key(21)]) == [True, True, True]
         assert sum(tier.contains([key(i) for i in range(6)])) == 5
+    finally:
+        tier.close()
+
+
+def test_an_older_versions_tags_json_moves_into_the_names_and_goes(tmp_path):
+    clock = FakeClock()
+    tier = disk_tier(tmp_path, 16 * BLOB_BYTES, clock, fsync=False)
+    store(tier, [0, 1, 2])
+    tier.close()
+    old = {"version": 1, "tags": {key(0).hex(): ["b", clock.now + 30], key(1).hex(): ["c", None],
+                                  key(9).hex(): ["b", None]}}  # key 9: a chunk gone since, ignored
+    (tmp_path / "raw" / "tags.json").write_text(json.dumps(old))
+    tier = disk_tier(tmp_path, 16 * BLOB_BYTES, clock, fsync=False)
+    try:
+        assert tier.tags_of([key(0), key(1), key(2)]) == [Tags("b", clock.now + 30), Tags("c"), Tags()]
+        assert not (tmp_path / "raw" / "tags.json").exists()
+        assert os.path.exists(tier.paths.path(key(1), Tags("c"))) and not os.path.exists(tier.paths.path(key(1)))
+        assert tier.clear(tenant="b") == 1 and tier.contains([key(0), key(1)]) == [False, True]
+    finally:
+        tier.close()
+    tier = disk_tier(tmp_path, 16 * BLOB_BYTES, clock, fsync=False)  # and the names keep them from now on
+    try:
+        assert tier.tags_of([key(1), key(2)]) == [Tags("c"), Tags()]
     finally:
         tier.close()

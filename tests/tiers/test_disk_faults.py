@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.base.errors import ConfigError
+from kvtier.tiers.disk import tier as tier_module
 from tests.conformance.tier_suite import blob, key
 from tests.tiers.disk_helpers import disk_tier, put, read
 
@@ -47,6 +48,27 @@ def test_write_error_skips_the_store_and_removes_the_partial_file(tmp_path, monk
     assert tier._metrics.get("kvtier_skipped_stores_total", tier="disk", reason="io_error") == 2
     assert tier.stats().used_bytes == len(blob(1))
     assert put(tier, [2]) == [True] and read(tier, [2]) == [blob(2)]  # and it recovers
+    tier.close()
+
+
+def test_a_writer_that_raises_a_bug_skips_that_store_and_the_next_is_written(tmp_path, monkeypatch):
+    """Not an OSError (those are DiskIOError): a bug in one store's write. The writer thread goes on, and the
+    store gives its room and its write-queue slot back instead of staying pending for ever."""
+    tier = disk_tier(tmp_path, 1 << 20, write_queue_depth=1, write_threads=1)
+    real = tier_module.write_atomic
+    calls = []
+
+    def raises_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ZeroDivisionError("injected: a bug in one store's write")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tier_module, "write_atomic", raises_once)
+    assert put(tier, [1]) == [True]
+    assert tier.contains([key(1)]) == [False] and tier.stats().used_bytes == 0
+    assert tier._metrics.get("kvtier_skipped_stores_total", tier="disk", reason="io_error") == 1
+    assert put(tier, [2]) == [True] and read(tier, [2]) == [blob(2)]  # the one queue slot is free again
     tier.close()
 
 

@@ -3,6 +3,7 @@ suite, and pins, TTL, clears and tenants through a KVCache."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from kvtier import CacheConfig, KVCache
 from kvtier.base.errors import NotSupported, PinBudgetExceeded
 from kvtier.codecs import BytesPayload
 from kvtier.tiers import MemoryTierConfig, RedisTier, RedisTierConfig
-from kvtier.tiers.control import Feature, Tags
+from kvtier.tiers.control import MAX_TTL_S, Feature, Tags
 from tests.conformance.control_suite import ControlConformance
 from tests.conformance.tier_suite import blob, key, tier_context
 from tests.tiers.test_redis import CHUNK, CHUNK_BYTES, SPEC, make_cache, prompt, redis_key
@@ -51,6 +52,16 @@ class TestRedisControlConformance(ControlConformance):
         assert wait_until(lambda: tier.contains([key(1)]) == [False])
         assert tier.contains([key(2)]) == [True]
         assert int(self.server.cli("DBSIZE")) == 1  # reclaimed by the server
+
+
+    @pytest.mark.parametrize("when", [1e308, math.inf, math.nan])
+    def test_an_expiry_beyond_any_ttl_never_raises(self, controlled, when):
+        """A tier never raises into the engine: an expiry past MAX_TTL_S (callers refuse such TTLs) is held for
+        MAX_TTL_S, not an OverflowError from the milliseconds Redis takes; NaN is already expired (not stored)."""
+        tier = controlled(clock=time.time)
+        assert tier.put_tagged([(key(1), BytesPayload(blob(1)))], Tags(expires_at=when)) == [not math.isnan(when)]
+        if not math.isnan(when):
+            assert 0 < int(self.server.cli("PTTL", self.server.cli("KEYS", "*").split()[0])) <= MAX_TTL_S * 1000
 
 
 def test_a_store_ttl_expires_on_the_server(redis_server):

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from kvtier.tiers.redis import servers
 from tests.harness import timed, wait_for
 from tests.tiers.test_redis import CHUNK, make_cache, prompt
 
@@ -135,3 +136,24 @@ def test_breaker_threshold_and_probe(threshold):
     assert breaker.probe_due()
     breaker.success()
     assert breaker.allow() and changes == [BreakerState.OPEN, BreakerState.CLOSED]
+
+
+def test_a_health_probe_that_raises_does_not_end_the_tiers_recovery(own_redis, monkeypatch):
+    """The tier's health thread probes an open breaker; a probe raising (injected: a bug) is logged, the thread
+    goes on, and the breaker closes once the server is back, so stores reach it again."""
+    real, calls = servers.probe, []
+
+    def raises_once(node, timeout):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ZeroDivisionError("injected: a bug in one probe")
+        return real(node, timeout)
+
+    monkeypatch.setattr(servers, "probe", raises_once)
+    tokens, kv = prompt(3)
+    with make_cache(own_redis.tcp_url, timeout_s=TIMEOUT, breaker_failures=1, breaker_cooldown_s=0.1) as cache:
+        own_redis.kill()
+        cache.store(tokens, kv)  # fails: the breaker opens and the health thread starts probing
+        own_redis.start()
+        assert wait_for(lambda: cache.store(tokens, kv) == 3 * CHUNK, timeout=15.0)
+        assert calls and cache.retrieve(tokens)[1] == 3 * CHUNK

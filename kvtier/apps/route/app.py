@@ -3,9 +3,10 @@
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: routed (kvtier.apps.route.service). A body larger than
   ``max_body_bytes`` (a replica's 8 MiB by default) is a 413, read no further; a malformed one a 400, decided
   by kvtier serve's own decoder (kvtier.web.body) on a worker thread, never on the event loop; a malformed
-  Authorization header a 401 (none of them reaches a replica), a full queue a 429 with ``Retry-After``, no
-  replica up a 503. A client that disconnects before the answer starts cancels the request on its replica.
-  Headers reach the replica as the client's bytes, never re-encoded.
+  Authorization header a 401, a header value with a control character a 400 (none of them reaches a replica),
+  a full queue a 429 with ``Retry-After``, no replica up a 503. A client that disconnects before the answer
+  starts cancels the request on its replica. Headers reach the replica as the client's bytes, never
+  re-encoded (less the whitespace around values, which is no part of them).
 * Every answer is counted in ``kvtier_router_requests_total`` by endpoint and status, errors included: a bug
   is a counted 500 with OpenAI's error envelope, never an uncounted crash.
 * ``GET /v1/models``: the first replica that is up answers. ``GET /health``: 200 while a replica is up (503
@@ -38,6 +39,7 @@ from kvtier.api.errors import RequestError, error_body
 from kvtier.apps.route.admin import admin_routes
 from kvtier.apps.route.admission import Overloaded
 from kvtier.apps.route.metrics import CANCELLED, REJECTED, REQUESTS
+from kvtier.apps.route.proxy import sendable
 from kvtier.apps.route.requests import parse_request
 from kvtier.apps.route.service import Router
 from kvtier.web.body import read_body
@@ -120,6 +122,8 @@ async def _generate(router: Router, request: Request, path: str, *, chat: bool) 
 async def _serve(router: Router, request: Request, path: str, endpoint: str, chat: bool) -> Response:
     headers = {k.lower(): v for k, v in request.headers.items()}
     try:
+        if not all(sendable(value) for _, value in request.headers.raw):
+            raise RequestError("a header value holds a control character")
         body = await read_body(request, router.config.proxy.max_body_bytes)
         parsed = await asyncio.to_thread(parse_request, body, chat, headers)
     except RequestError as exc:

@@ -58,6 +58,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond that; more get 429")
     f.add_argument("--max-attempts", type=int, default=3, help="replicas tried for a request that failed early")
     f.add_argument("--read-timeout", type=float, default=600.0, help="longest wait for a replica's next bytes")
+    f.add_argument("--admin-timeout", type=float, default=60.0,
+                   help="seconds an admin call waits for all replicas' answers (default %(default)s)")
     f.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
     f.add_argument("--events-key", metavar="FILE",
                    help="the router's CURVE key pair for replicas' event sockets, created if missing; replicas "
@@ -103,7 +105,8 @@ def router_config(args: argparse.Namespace):
         raise ConfigError(f"--load-floor must be at least 1, got {routing.load_floor}")
     return RouterConfig(
         replicas=tuple(parse_replica(item) for item in args.replica), routing=routing,
-        proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts),
+        proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts,
+                          admin_timeout_s=args.admin_timeout),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue),
         health=HealthConfig(interval_s=args.health_interval), index=IndexConfig(recent_ttl_s=args.record_ttl),
         tokenizer=Path(args.model) if args.model else None, http=http_limits(args),

@@ -37,7 +37,10 @@ class ProxyConfig:
     ``max_body_bytes``: larger request bodies are a 413 (a replica's own cap by default: a body it would refuse
     is not worth reading). ``max_prompt_tokens``: the router tokenizes no more of a prompt than this (and a
     margin), at a cost bounded accordingly: enough to find where its prefix is cached; the replica judges
-    whether the whole of it fits its context."""
+    whether the whole of it fits its context.
+
+    ``admin_timeout_s``: one admin call's fan-out to every replica ends this long after it started; a replica
+    that has not answered by then is listed with that error (its call may still complete on it)."""
 
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
@@ -45,9 +48,10 @@ class ProxyConfig:
     max_attempts: int = 3
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_tokens: int = 131_072
+    admin_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if min(self.connect_timeout_s, self.read_timeout_s) <= 0 or min(
+        if min(self.connect_timeout_s, self.read_timeout_s, self.admin_timeout_s) <= 0 or min(
                 self.max_connections, self.max_attempts, self.max_body_bytes, self.max_prompt_tokens) < 1:
             raise ConfigError("proxy timeouts must be positive and max_connections/max_attempts/max_body_bytes/"
                               "max_prompt_tokens at least 1")

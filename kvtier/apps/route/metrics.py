@@ -27,9 +27,9 @@ REPORTED_CACHED = declare_counter("kvtier_router_reported_cached_tokens_total",
                                   ("replica",))
 EVENTS = declare_counter("kvtier_router_events_total",
                          "Cache event stream messages from a replica, by what they were (batch, gap, new_epoch, "
-                         "snapshot, snapshot_failed, malformed; vLLM replicas: replayed, restart, replay_failed, "
-                         "reset, bad_event, and blocks not indexed: orphan, unindexed, malformed, unknown, "
-                         "evicted).", ("replica", "what"))
+                         "snapshot, snapshot_failed, apply_failed, malformed; vLLM replicas: replayed, restart, "
+                         "replay_failed, reset, bad_event, and blocks not indexed: orphan, unindexed, malformed, "
+                         "unknown, evicted).", ("replica", "what"))
 EJECTIONS = declare_counter("kvtier_router_ejections_total",
                             "Replicas taken out of rotation, by cause (active: health checks; passive: failed "
                             "requests).", ("cause", "replica"))

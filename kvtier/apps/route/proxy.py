@@ -36,6 +36,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "accept-encoding"})
 HOLD_LIMIT = 64 << 10  # a stream that sends this much without text is committed anyway; a larger error is dropped
 TAIL_BYTES = 4096
+_NOT_IN_A_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,18})')
 
 
@@ -48,9 +49,17 @@ class Hooks:
     finished: Callable[[int | None, bool], None]
 
 
+def sendable(value: bytes) -> bool:
+    """Whether a header value can be sent on (no control byte but HTAB; h11 refuses to send one, which the
+    router would take for the replica's failure)."""
+    return _NOT_IN_A_VALUE.search(value) is None
+
+
 def upstream_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The client's headers for the replica, as the client's bytes (none re-encoded), less hop-by-hop ones."""
-    out = [(k, v) for k, v in headers if k.decode("latin-1").lower() not in HOP_BY_HOP]
+    """The client's headers for the replica, as the client's bytes (none re-encoded), less hop-by-hop ones and
+    less whitespace around values (no part of a value, and h11 refuses to send it: a key with trailing spaces
+    failed every replica in turn, and each failure counted towards its ejection). Values must be ``sendable``."""
+    out = [(k, v.strip(b" \t")) for k, v in headers if k.decode("latin-1").lower() not in HOP_BY_HOP]
     out.append((b"accept-encoding", b"identity"))  # bytes pass through as they are; nothing to decode or re-encode
     return out
 
@@ -128,7 +137,7 @@ async def _relay(upstream: httpx.Response, chunks: AsyncIterator[bytes], held: b
             yield chunk
         ok = True
     except httpx.HTTPError as exc:
-        log.warning("replica %s broke off an answer: %s", name, exc)
+        log.warning("replica %s broke off an answer: %s", name, type(exc).__name__)  # (a message may quote headers)
         if not sse:
             raise
         error = {"error": {"message": f"the replica broke off the stream: {type(exc).__name__}",

@@ -6,7 +6,8 @@ NaN) the router refuses the same way, with the same 400, before it costs a repli
 forwards bodies untouched (a replica may accept fields the router never heard of), so beyond that it checks
 only what it needs and what no replica could serve: a JSON object, ``messages`` (chat) or ``prompt``
 (completions, or ``prompt_embeds``) of the right shapes, token ids in ``[0, 2**32)`` (what a chunk key
-encodes), ``stream`` a boolean, ``user`` a string, ``max_tokens`` positive. Anything else is the replica's business.
+encodes), ``stream`` a boolean, ``user`` a string, ``max_tokens`` positive, kvtier's ``cache_ttl_s`` a number of
+seconds in ``[0, MAX_TTL_S]`` (what every tier can hold). Anything else is the replica's business.
 
 The tenant salt comes from the ``Authorization`` header exactly as kvtier serve derives it (``tenant_salt``),
 never from the body. The session comes from ``X-Session-ID`` or ``user``; one longer than
@@ -39,6 +40,7 @@ import msgspec
 
 from kvtier.api.errors import RequestError
 from kvtier.api.tenants import api_key, tenant_salt
+from kvtier.tiers.control import MAX_TTL_S
 from kvtier.web.body import decode_json
 
 SESSION_HEADER = "x-session-id"
@@ -64,6 +66,7 @@ class _Body(msgspec.Struct, kw_only=True):  # strict types; fields the router do
     stream: bool = False
     user: str | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    cache_ttl_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_TTL_S)] | None = None  #: as kvtier serve takes it
 
 
 class _ChatBody(_Body, kw_only=True):

@@ -102,7 +102,11 @@ class VllmEventSubscriber:
         if batch.dropped:
             for _ in range(batch.dropped):
                 self._count("bad_event")
-        self._sink.apply(batch)
+        try:
+            self._sink.apply(batch)
+        except Exception:  # the index choked on one batch (a bug): skip it, counted, and keep following
+            log.exception("vLLM events %s: applying batch %d failed; skipped", self._endpoint, seq)
+            self._count("apply_failed")
         self.next_seq = seq + 1
 
     def _receive(self, frames: list[bytes]) -> int | None:

@@ -29,7 +29,7 @@ from kvtier.api.errors import RequestError, error_body
 from kvtier.api.tenants import api_key
 from kvtier.apps.serve.admin import add_admin_routes
 from kvtier.apps.serve.backend import Backend, tenant_salt
-from kvtier.apps.serve.engine import Event, EventKind, Job, Overloaded
+from kvtier.apps.serve.engine import EngineDown, Event, EventKind, Job, Overloaded
 from kvtier.apps.serve.metrics import (
     BLENDED_PROMPT_TOKENS,
     CACHED_PROMPT_TOKENS,
@@ -42,6 +42,7 @@ from kvtier.apps.serve.metrics import (
 from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
 from kvtier.apps.serve.textstream import TextStream
 from kvtier.base.metrics import CONTENT_TYPE
+from kvtier.base.threads import WATCHED
 from kvtier.integrations.sampling import SamplingParams
 from kvtier.integrations.transformers import Span
 from kvtier.web.body import decode_json, read_body
@@ -69,9 +70,15 @@ def create_app(backend: Backend) -> FastAPI:
     app.state.backend = backend
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": backend.name, "in_flight": backend.engine.pending,
+    async def health() -> JSONResponse:
+        """ok, or 503 naming the long-lived threads that died (kvtier.base.threads): requests they serve would
+        never end, so a router or an orchestrator must see it."""
+        dead = WATCHED.dead()
+        body = {"status": "unhealthy" if dead else "ok", "model": backend.name, "in_flight": backend.engine.pending,
                 "cache": backend.cache is not None}
+        if dead:
+            body["dead_threads"] = dead
+        return JSONResponse(body, status_code=503 if dead else 200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -130,6 +137,8 @@ async def _generate(backend: Backend, request: Request, route: Route):
         backend.metrics.inc(REJECTED, reason="queue_full")
         return _error(backend, route, RequestError(f"server overloaded: {exc}; retry later", 429),
                       headers={"Retry-After": "1"})
+    except EngineDown as exc:
+        return _error(backend, route, RequestError(f"server unavailable: {exc}", 503))
     req = prepared.request
     rid = ("chatcmpl-" if route.chat else "cmpl-") + uuid.uuid4().hex
     if req.stream:

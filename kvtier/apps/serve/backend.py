@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.api.chat import ChatPrompt
 from kvtier.api.errors import RequestError
 from kvtier.api.tenants import tenant_salt  # noqa: F401  (re-exported: app.py and others import it from here)
 from kvtier.apps.serve.engine import Engine
@@ -98,16 +99,28 @@ class Backend:
             self.cache.close()
 
     # -- prompts ---------------------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` rendered by the model's chat template, ready for the assistant's turn."""
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template, ready for the assistant's turn (without
+        its cue when not ``add_generation_prompt``: the prefix the chat's later requests share)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template: use /v1/completions", param="messages")
         def encode(part: str) -> list[int]:
             return self.tokenizer.encode(part, add_special_tokens=False)
 
         refuse_overlong_chat(self.tokenizer.apply_chat_template, encode, messages, self.context)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
         return encode_within(encode, text, self.context)
+
+    def admin_prompt(self, prompt: str | list[int] | ChatPrompt) -> list[int]:
+        """Token ids of an admin call's prompt: chat messages as the chat route renders them, text and token ids
+        as the completion route takes them (kvtier.api.admin_ops's ``PromptFn``)."""
+        if isinstance(prompt, ChatPrompt):
+            ids = self.chat_prompt(prompt.messages, prompt.add_generation_prompt)
+            if not ids:
+                raise RequestError("the messages render to no tokens", param="messages")
+            return ids
+        return self.completion_prompt(prompt)
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt, or the given ids after a range check."""

@@ -19,6 +19,7 @@ from enum import Enum
 
 from kvtier.apps.serve.metrics import QUEUE_LIMIT, QUEUE_SECONDS, REQUESTS_IN_FLIGHT
 from kvtier.base.metrics import Metrics
+from kvtier.base.threads import WATCHED
 from kvtier.integrations.sampling import GREEDY, SamplingParams
 from kvtier.integrations.transformers import GenerationStats, PrefixCachedLM, Span
 
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 
 class Overloaded(Exception):
     """The queue is full; the caller should answer 429 and let the client retry."""
+
+
+class EngineDown(Exception):
+    """The worker thread is gone (``/health`` names it): the caller should answer 503."""
 
 
 class EventKind(Enum):
@@ -78,7 +83,7 @@ class Engine:
         self._lock = threading.Lock()
         self._max_pending = max_queue + 1  # the running job plus the waiting ones
         self._pending = 0
-        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self._thread = WATCHED.watch(threading.Thread(target=self._run, name="kvtier-engine", daemon=True))
         self._thread.start()
         metrics.add_gauges(self._gauges)
 
@@ -89,7 +94,9 @@ class Engine:
             return self._pending
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` or raise Overloaded at once."""
+        """Queue ``job`` or raise Overloaded at once (also once the worker thread is gone: nothing would run it)."""
+        if not self._thread.is_alive():
+            raise EngineDown(f"the engine thread {self._thread.name} is not running")
         with self._lock:
             if self._pending >= self._max_pending:
                 raise Overloaded(f"{self._pending} requests in flight (limit {self._max_pending})")
@@ -98,20 +105,29 @@ class Engine:
 
     def close(self) -> None:
         """Stop the worker after the job it is running (queued jobs are cancelled)."""
+        WATCHED.unwatch(self._thread)
         self._jobs.put(None)
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                self._drain()
-                return
-            try:
-                self._generate(job)
-            finally:
-                with self._lock:
-                    self._pending -= 1
+        """The worker: one job at a time. Whatever one job raises fails that job alone (an ERROR event) and the
+        next is served; should the loop itself die, the jobs queued are failed, not left waiting for ever."""
+        job = None
+        try:
+            while (job := self._jobs.get()) is not None:
+                try:
+                    self._generate(job)
+                except Exception as exc:  # a bug beyond the model's own errors: this job fails, the thread goes on
+                    log.exception("generation failed")
+                    job.emit(Event(EventKind.ERROR, error=f"{type(exc).__name__}: {exc}"))
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+        finally:
+            if job is not None:  # the loop itself died, during this job
+                log.error("the engine thread %s died; /health reports it", self._thread.name)
+                job.emit(Event(EventKind.ERROR, error="the engine thread died"))
+            self._drain()
 
     def _generate(self, job: Job) -> None:
         if job.cancelled.is_set():

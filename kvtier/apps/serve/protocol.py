@@ -6,7 +6,8 @@ penalties become the request's SamplingParams. ``n`` must be 1: one answer per r
 are refused with a 400 that says why, rather than silently clamped. Unknown fields are refused too, so a typo
 never passes unnoticed. The server serves text only: content parts other than text (images, audio, video,
 files) and prompt embeddings are refused by name with a 400 (``refuse_non_text``). kvtier's own field,
-``cache_ttl_s`` (seconds, not negative), gives the prompt's cached KV a retention time (``KVCache.store(ttl_s=)``).
+``cache_ttl_s`` (seconds, from 0 to ``MAX_TTL_S``: what every tier can hold), gives the prompt's cached KV a
+retention time (``KVCache.store(ttl_s=)``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvtier.api.chat import ChatMessage, template_messages
 from kvtier.api.errors import RequestError
 from kvtier.integrations.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from kvtier.tiers.control import MAX_TTL_S
 
 
 class StreamOptions(BaseModel):
@@ -42,7 +45,7 @@ class _Common(BaseModel):
     user: str | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     #: kvtier's extension: the stored prompt KV expires this many seconds later (a miss from then on)
-    cache_ttl_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    cache_ttl_s: Annotated[float, Field(ge=0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None
 
     def check_sampling(self) -> None:
         """Refuse what no sampling setting can serve: more than one answer per request."""
@@ -89,29 +92,6 @@ class CompletionRequest(_Common):
         return prompt
 
 
-class TextPart(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    """One message. A msgspec Struct, not a pydantic model: pydantic built one model per message in a single
-    call that holds the GIL, 1.05 s for the 250k messages 8 MiB holds, while /health waited; msgspec, 26 ms."""
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.role == "developer":
-            self.role = "system"
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
 class ChatRequest(_Common):
     """``/v1/chat/completions``: the model's chat template turns ``messages`` into the prompt."""
 
@@ -134,7 +114,7 @@ class ChatRequest(_Common):
         return self.max_completion_tokens or self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
 
 
 #: request fields that carry prompt embeddings (vLLM's ``/v1/completions`` extension)

@@ -5,9 +5,14 @@ Dynamo, ``vllm serve --kv-events-config``) see what kvtier's tiers hold.
   ``BlockStored`` / ``BlockRemoved`` with the tier's medium (``EventMedia``), ``ownership="kvtier"``,
   ``locality`` ``REMOTE`` for a shared store (Redis, Mooncake) and ``LOCAL`` otherwise, one block per kvtier
   chunk (``block_size`` is the chunk size, ``block_hashes`` the 32-byte chunk keys, ``parent_block_hash`` the
-  previous chunk's key, ``token_ids`` the chunk's tokens; none for a chunk moved between tiers). A run of chunks
-  stored together in one chain becomes one ``BlockStored``. vLLM collects them after each step
-  (``get_kv_connector_kv_cache_events``) and ships them to the scheduler with the step's output.
+  previous chunk's key, ``token_ids`` the chunk's tokens; none for a chunk moved between tiers). ``extra_keys``
+  carries, per block, what else the chunk's key was derived with, in vLLM's own event shape (vLLM's
+  ``to_event_extra_keys``): the LoRA name (also in ``lora_name``), ``(mm identifier, offset in the block)`` pairs,
+  the cache salt (first block) and the prompt-embeddings digest of the block's span; ``None`` for a block with
+  none. So a router that hashes ``token_ids`` itself never takes an image or embeddings prompt's blocks for a
+  text prompt's. A run of chunks stored together in one chain (one adapter) becomes one ``BlockStored``. vLLM
+  collects them after each step (``get_kv_connector_kv_cache_events``) and ships them to the scheduler with the
+  step's output.
 * Scheduler side: ``update_connector_output`` hands them to ``SchedulerEvents``; vLLM's scheduler takes them
   (``take_events``) and publishes them with its own KV events (ZMQ, when ``--kv-events-config`` enables it).
 
@@ -36,6 +41,7 @@ import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
 from kvtier.base.errors import ConfigError
+from kvtier.base.keys import InputKind, SpanKey
 from kvtier.core.cache import KVCache
 from kvtier.core.events import ChunkEvent, ChunkEventKind, EntryKind
 from kvtier.tiers import SharedStore
@@ -127,18 +133,47 @@ def to_vllm(events: Sequence[ChunkEvent], chunk_size: int, media: EventMedia = E
                                     ownership=OWNERSHIP))
             continue
         tokens = np.frombuffer(event.tokens, "<u4").tolist() if event.tokens is not None else []
+        lora, extra = event_extra_keys(event.extras, (event.position or 0) * chunk_size)
         last = out[-1] if out else None
         if (isinstance(last, BlockStored) and last.medium == medium and event.parent is not None
                 and last.block_hashes[-1] == event.parent and len(last.token_ids) == chunk_size * len(last.block_hashes)
-                and len(tokens) == chunk_size):
+                and len(tokens) == chunk_size and last.lora_name == lora):
             last.block_hashes.append(bytes(event.key))
             last.token_ids.extend(tokens)
+            if extra is not None or last.extra_keys is not None:
+                last.extra_keys = (last.extra_keys or [None] * (len(last.block_hashes) - 1)) + [extra]
             continue
         out.append(BlockStored(block_hashes=[bytes(event.key)],
                                parent_block_hash=bytes(event.parent) if event.parent is not None else None,
                                token_ids=tokens, block_size=chunk_size, lora_id=None, medium=medium,
-                               lora_name=None, locality=locality, ownership=OWNERSHIP))
+                               lora_name=lora, extra_keys=[extra] if extra is not None else None,
+                               locality=locality, ownership=OWNERSHIP))
     return out
+
+
+_EVENT_ORDER = (InputKind.LORA, InputKind.MULTIMODAL, InputKind.CACHE_SALT, InputKind.PROMPT_EMBEDS)
+
+
+def event_extra_keys(spans: Sequence[SpanKey], block_start: int) -> tuple[str | None, tuple | None]:
+    """A chunk's span keys as vLLM publishes a block's extra keys (module docstring): ``(lora_name, keys)``,
+    either None when absent."""
+    if not spans:
+        return None, None
+    lora, keys = None, []
+    for kind in _EVENT_ORDER:
+        for span in spans:
+            if span.kind is not kind:
+                continue
+            if kind is InputKind.LORA:
+                lora = span.value.decode(errors="replace")
+                keys.append(lora)
+            elif kind is InputKind.MULTIMODAL:
+                keys.append((span.value.decode(errors="replace"), span.start - block_start))
+            elif kind is InputKind.CACHE_SALT:
+                keys.append(span.value.decode(errors="replace"))
+            else:
+                keys.append(span.value)
+    return lora, tuple(keys) or None
 
 
 class TierEvents:

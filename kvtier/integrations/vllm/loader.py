@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.core.cache import KVCache
-from kvtier.integrations.vllm.metadata import LoadSpec, unpack_tokens
+from kvtier.integrations.vllm.metadata import LoadSpec, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink
 from kvtier.integrations.vllm.threads import name_os_thread
 
@@ -65,7 +65,7 @@ def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
     learns the whole chain, the chunks not read included (a chain's root must not leave before its tail)."""
     tokens, size = unpack_tokens(spec.tokens), cache.chunk_size
     skip = spec.first_token // size
-    chain = cache.keys(tokens, salt=spec.salt)
+    chain = cache.keys(tokens, salt=spec.salt, extras=unpack_extras(spec.extras))
     keys = chain[skip:]
     if not keys:
         return skip * size

@@ -5,9 +5,10 @@ tier lives in that worker. Each worker therefore serves lookups of its own KVCac
 ``<socket_dir>/kvtier-<uid>/kvtier-<engine>-<rank>.sock``; the scheduler asks every TP rank and uses the
 smallest answer.
 
-Wire format (little-endian, no pickling): request ``u32 salt_len, u32 n_tokens, salt, u32 tokens``;
-response ``u64 cached_tokens``. A lookup has no side effects on the cache. Any failure (worker not up yet,
-socket gone) is a miss for that request, logged once per connection attempt.
+Wire format (little-endian, no pickling): request ``u32 salt_len, u32 extras_len, u32 n_tokens, salt, extras,
+u32 tokens`` (``extras``: the request's ExtraKeys encoding, kvtier.base.keys); response ``u64 cached_tokens``.
+A request whose extras do not decode closes the connection. A lookup has no side effects on the cache. Any
+failure (worker not up yet, socket gone) is a miss for that request, logged once per connection attempt.
 
 The socket is only for this user's own vLLM processes, and the server treats whatever arrives on it as
 untrusted all the same: the socket file is 0600 inside a 0700 folder owned by the user (a folder that is
@@ -33,17 +34,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.base.errors import ConfigError
-from kvtier.base.keys import token_array
+from kvtier.base.errors import ConfigError, InvalidArgument
+from kvtier.base.keys import NO_EXTRAS, ExtraKeys, token_array
 from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
-_HEAD = struct.Struct("<II")
+_HEAD = struct.Struct("<III")
 _ANSWER = struct.Struct("<Q")
 MAX_TOKENS = 1 << 24
 MAX_SALT = 1 << 16
+#: Longest extras encoding accepted: 64 bytes of span encoding per token covers one prompt-embeddings digest per
+#: chunk of any size plus a multimodal span per position.
+EXTRAS_PER_TOKEN = 64
 _RECV_PIECE = 1 << 16  # a request's buffer grows by at most this much per read
 
 
@@ -146,6 +150,8 @@ class LookupServer:
             log.debug("kvtier lookup connection closed: %s", exc)
         except OSError as exc:
             log.warning("kvtier lookup connection failed: %s", exc)
+        except Exception:  # a bug in one lookup: this connection ends (the client counts a miss), others go on
+            log.exception("kvtier lookup failed")
         finally:
             with self._lock:
                 self._open.discard(conn)
@@ -160,13 +166,18 @@ class LookupServer:
             return False
         deadline = time.monotonic() + self.limits.request_timeout_s
         head = first + _recv_exact(conn, _HEAD.size - len(first), deadline)
-        salt_len, n_tokens = _HEAD.unpack(head)
-        if salt_len > MAX_SALT or n_tokens > self.limits.max_tokens:
-            raise ConnectionError(f"oversized lookup ({salt_len} salt bytes, {n_tokens} tokens)")
+        salt_len, extras_len, n_tokens = _HEAD.unpack(head)
+        if salt_len > MAX_SALT or n_tokens > self.limits.max_tokens or extras_len > 4 + EXTRAS_PER_TOKEN * n_tokens:
+            raise ConnectionError(f"oversized lookup ({salt_len} salt bytes, {extras_len} extras bytes, "
+                                  f"{n_tokens} tokens)")
         salt = _recv_exact(conn, salt_len, deadline)
+        try:
+            extras = ExtraKeys.decode(_recv_exact(conn, extras_len, deadline)) if extras_len else NO_EXTRAS
+        except InvalidArgument as exc:
+            raise ConnectionError(f"malformed lookup: {exc}") from None
         tokens = np.frombuffer(_recv_exact(conn, 4 * n_tokens, deadline), dtype="<u4")
         conn.settimeout(self.limits.request_timeout_s)
-        conn.sendall(_ANSWER.pack(self.cache.lookup(tokens, salt=salt)))
+        conn.sendall(_ANSWER.pack(self.cache.lookup(tokens, salt=salt, extras=extras)))
         return True
 
     def close(self) -> None:
@@ -190,9 +201,10 @@ class LookupClient:
         self.timeout_s = timeout_s
         self._conns: list[socket.socket | None] = [None] * len(self.paths)
 
-    def lookup(self, tokens: Sequence[int], salt: bytes = b"") -> int:
+    def lookup(self, tokens: Sequence[int], salt: bytes = b"", extras: ExtraKeys = NO_EXTRAS) -> int:
         """Tokens every rank holds (a multiple of the chunk size); 0 when any rank cannot answer."""
-        payload = _HEAD.pack(len(salt), len(tokens)) + salt + token_array(tokens).tobytes()
+        packed = extras.encode() if extras else b""
+        payload = _HEAD.pack(len(salt), len(packed), len(tokens)) + salt + packed + token_array(tokens).tobytes()
         return min((self._ask(i, payload) for i in range(len(self.paths))), default=0)
 
     def _ask(self, i: int, payload: bytes) -> int:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.base.keys import NO_EXTRAS, ExtraKeys
 from kvtier.integrations.vllm.lookup import LookupClient
 from kvtier.integrations.vllm.threads import name_os_thread
 
@@ -42,7 +43,7 @@ class Lookups:
         self.client, self.timeout_s = client, timeout_s
         self.generation = 0
         self._entries: dict[str, _Entry] = {}
-        self._queue: queue.Queue[tuple[_Entry, list[int], bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[_Entry, list[int], bytes, ExtraKeys] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvtier-lookups", daemon=True)
         self._thread.start()
         self.asked = 0  #: lookups sent to the workers (for tests and stats)
@@ -52,7 +53,7 @@ class Lookups:
         """The cache gained or lost chunks: every entry is refreshed when next needed."""
         self.generation += 1
 
-    def ask(self, req_id: str, tokens: Sequence[int], salt: bytes) -> None:
+    def ask(self, req_id: str, tokens: Sequence[int], salt: bytes, extras: ExtraKeys = NO_EXTRAS) -> None:
         """Start the request's lookup unless an entry for these tokens and this cache is under way or known."""
         entry = self._entries.get(req_id)
         if entry is not None and entry.n_tokens == len(tokens) and entry.generation == self.generation:
@@ -60,11 +61,11 @@ class Lookups:
         new = _Entry(len(tokens), self.generation, time.monotonic() + self.timeout_s)
         self._entries[req_id] = new
         self.asked += 1
-        self._queue.put((new, list(tokens), salt))
+        self._queue.put((new, list(tokens), salt, extras))
 
-    def answer(self, req_id: str, tokens: Sequence[int], salt: bytes) -> int:
+    def answer(self, req_id: str, tokens: Sequence[int], salt: bytes, extras: ExtraKeys = NO_EXTRAS) -> int:
         """Tokens kvtier holds of ``tokens`` (whole chunks), by the rules of the module docstring."""
-        self.ask(req_id, tokens, salt)
+        self.ask(req_id, tokens, salt, extras)
         entry = self._entries[req_id]
         if entry.expired:
             return 0
@@ -81,9 +82,9 @@ class Lookups:
     def _run(self) -> None:
         name_os_thread("kvtier-lookups")
         while (job := self._queue.get()) is not None:
-            entry, tokens, salt = job
+            entry, tokens, salt, extras = job
             try:
-                entry.result = self.client.lookup(tokens, salt)
+                entry.result = self.client.lookup(tokens, salt, extras)
             except Exception:  # LookupClient turns socket failures into misses; anything else is a bug
                 log.exception("kvtier: lookup failed")
                 entry.result = 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvtier.base.keys import Tokens, token_array
+from kvtier.base.keys import NO_EXTRAS, ExtraKeys, Tokens, token_array
 
 
 def pack_tokens(tokens: Tokens) -> bytes:
@@ -22,6 +22,15 @@ def unpack_tokens(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<u4")
 
 
+def pack_extras(extras: ExtraKeys) -> bytes:
+    return extras.encode() if extras else b""
+
+
+def unpack_extras(data: bytes) -> ExtraKeys:
+    """The ExtraKeys of a spec (InvalidArgument if they do not decode: the scheduler wrote them)."""
+    return ExtraKeys.decode(data) if data else NO_EXTRAS
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """Load the chunks covering tokens ``[first_token, end)`` into ``block_ids``.
@@ -30,6 +39,8 @@ class LoadSpec:
     Blocks below ``first_token`` (vLLM's own prefix-cache hit) are not written. Whatever of
     ``[first_token, end)`` does not arrive intact is reported as load errors, block by block.
     ``timeout_s`` (asynchronous loads only): the load is cut short that long after the worker received it.
+    ``salt`` and ``extras`` (an ExtraKeys encoding, empty for none): what the keys are derived with besides the
+    tokens (kvtier.integrations.vllm.inputs).
     """
 
     req_id: str
@@ -39,6 +50,7 @@ class LoadSpec:
     first_token: int
     end: int
     timeout_s: float | None = None
+    extras: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -48,7 +60,7 @@ class SaveSpec:
     vLLM does not reuse the blocks while the job runs: they belong to a running request (a preemption waits for
     the job, ``handle_preemptions``) or to a finished one whose blocks are freed only when the worker reports
     it in ``get_finished`` (``KVTierMetadata.delayed``). ``ttl_s``: the request's retention time (its
-    ``kv_transfer_params``, scheduler.request_ttl), None for none."""
+    ``kv_transfer_params``, scheduler.request_ttl), None for none; ``extras`` as for LoadSpec."""
 
     req_id: str
     job: int
@@ -56,6 +68,7 @@ class SaveSpec:
     salt: bytes
     block_ids: list[int]
     ttl_s: float | None = None
+    extras: bytes = b""
 
 
 @dataclass

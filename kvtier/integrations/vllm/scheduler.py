@@ -15,6 +15,9 @@
   computed full chunks do. ``finished`` returns True (vLLM keeps the blocks) while a job of the request is not
   over on every rank; the workers then report the request in ``finished_sending``. A job's chunks count as in
   flight until every rank reported the job over (``KVTierWorkerMeta``).
+* Keys: a request's tokens plus what else vLLM keys its blocks with (inputs.py: LoRA, cache salt, multimodal
+  inputs, prompt embeddings), read once per request. A request with an input kvtier cannot key is neither
+  looked up, loaded nor stored; ``uncached`` counts such requests by kind, and each kind is logged once.
 """
 
 from __future__ import annotations
@@ -24,9 +27,18 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from kvtier.base.keys import ChunkHash, chunk_hashes
+from kvtier.base.keys import ChunkHash, ExtraKeys, chunk_hashes
+from kvtier.integrations.vllm.inputs import Unkeyable, request_extras, request_salt, unhandled_fields
 from kvtier.integrations.vllm.lookups import Lookups
-from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta, LoadSpec, SaveSpec, pack_tokens
+from kvtier.integrations.vllm.metadata import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LoadSpec,
+    SaveSpec,
+    pack_extras,
+    pack_tokens,
+)
+from kvtier.tiers.control import MAX_TTL_S
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -35,21 +47,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def request_salt(request: Request) -> bytes:
-    """What separates one request's KV from another's with the same tokens: the LoRA and the cache salt."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else ""
-    salt = request.cache_salt or ""
-    return f"lora={lora}\0salt={salt}".encode() if lora or salt else b""
-
-
 def request_ttl(request: Request) -> float | None:
     """The retention time a request asks for its stores: ``kv_transfer_params={"kvtier": {"ttl_s": SECONDS}}``
-    (a positive, finite number), None without one.
+    (a positive number up to ``MAX_TTL_S``, what every tier can hold), None without one.
 
     Anything else there (a negative, zero, infinite or non-number ``ttl_s``, a ``kvtier`` value that is not an
-    object) is ignored with a warning, and the request is stored without a retention time: vLLM 0.32 has no
-    connector hook that rejects a request before scheduling, and raising in the scheduler's calls would fail
-    every request in the engine loop, not only this one. ``SchedulerSide.ignored_params`` counts them."""
+    object, one past ``MAX_TTL_S``) is ignored with a warning, and the request is stored without a retention time:
+    vLLM 0.32 has no connector hook that rejects a request before scheduling, and raising in the scheduler's calls
+    would fail every request in the engine loop, not only this one. ``SchedulerSide.ignored_params`` counts them."""
     params = getattr(request, "kv_transfer_params", None)
     ours = params.get("kvtier") if isinstance(params, dict) else None
     if ours is None:
@@ -59,8 +64,9 @@ def request_ttl(request: Request) -> float | None:
     ttl = ours.get("ttl_s")
     if ttl is None:
         return None
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < float("inf"):
-        raise ValueError(f"kv_transfer_params.kvtier.ttl_s must be a positive number of seconds, got {ttl!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl <= MAX_TTL_S:
+        raise ValueError(f"kv_transfer_params.kvtier.ttl_s must be a positive number of seconds up to {MAX_TTL_S}, "
+                         f"got {ttl!r}")
     return float(ttl)
 
 
@@ -93,6 +99,10 @@ class SchedulerSide:
         self.deferred_loads = 0  #: hits answered "ask again" because vLLM's cache lacked room for them then
         self.ignored_params = 0  #: requests whose kv_transfer_params for kvtier were malformed (ignored)
         self._reported = (0, 0)  # (deferred_loads, ignored_params) at the last take_counters()
+        self._unhandled = unhandled_fields()
+        self._inputs: dict[str, tuple[bytes, ExtraKeys] | None] = {}  # req_id -> (salt, extras); None: uncached
+        self.uncached: Counter[str] = Counter()  #: requests not cached, by the kind of input kvtier could not key
+        self._uncached_reported: Counter[str] = Counter()
 
     def take_counters(self) -> list[list[Any]]:
         """How much ``deferred_loads`` and ``ignored_params`` grew since the last call, as KVTierStats counter
@@ -101,11 +111,32 @@ class SchedulerSide:
         names = ("kvtier_engine_deferred_loads_total", "kvtier_engine_ignored_params_total")
         grown = [[name, {}, new - old] for name, new, old in zip(names, now, self._reported) if new > old]
         self._reported = now
+        grown += [["kvtier_engine_uncached_requests_total", {"kind": kind}, n - self._uncached_reported[kind]]
+                  for kind, n in self.uncached.items() if n > self._uncached_reported[kind]]
+        self._uncached_reported = self.uncached.copy()
         return grown
 
-    def _keys(self, tokens: list[int], salt: bytes) -> list[ChunkHash]:
+    def _keys(self, tokens: list[int], inputs: tuple[bytes, ExtraKeys]) -> list[ChunkHash]:
         """Scheduler-local chunk identities, only compared with each other (not kvtier's keys)."""
-        return chunk_hashes(ChunkHash(hashlib.sha256(b"kvtier/vllm\0" + salt).digest()), tokens, self.chunk_size)
+        salt, extras = inputs
+        root = ChunkHash(hashlib.sha256(b"kvtier/vllm\0" + salt).digest())
+        return chunk_hashes(root, tokens, self.chunk_size, extras)
+
+    def _request_inputs(self, request: Request) -> tuple[bytes, ExtraKeys] | None:
+        """The request's salt and extra keys, read once per request; None if it has an input kvtier cannot key
+        (counted once per request, logged once per kind)."""
+        req_id = request.request_id
+        if req_id not in self._inputs:
+            try:
+                self._inputs[req_id] = (request_salt(request),
+                                        request_extras(request, self.chunk_size, self._unhandled))
+            except Unkeyable as exc:
+                if not self.uncached[exc.kind]:
+                    log.warning("kvtier: request %s has an input kvtier cannot key (%s): such requests are neither "
+                                "loaded nor stored", req_id, exc)
+                self.uncached[exc.kind] += 1
+                self._inputs[req_id] = None
+        return self._inputs[req_id]
 
     def _usable(self, request: Request) -> list[int]:
         tokens = list(request.all_token_ids)
@@ -115,19 +146,23 @@ class SchedulerSide:
     def new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
         tokens = self._usable(request)
-        if tokens:
-            self.lookups.ask(request.request_id, tokens, request_salt(request))
+        inputs = self._request_inputs(request) if tokens else None
+        if inputs is not None:
+            self.lookups.ask(request.request_id, tokens, *inputs)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests.setdefault(request.request_id, request)
-        tokens, salt = self._usable(request), request_salt(request)
+        tokens = self._usable(request)
         if not tokens or request.request_id in self._recompute:
             return 0, False
+        inputs = self._request_inputs(request)
+        if inputs is None:
+            return 0, False
         if self._in_flight:
-            beyond_vllm = self._keys(tokens, salt)[num_computed_tokens // self.chunk_size :]
+            beyond_vllm = self._keys(tokens, inputs)[num_computed_tokens // self.chunk_size :]
             if any(k in self._in_flight for k in beyond_vllm):
                 return None, False  # loading or saving for another request: ask again next step, then hit
-        hit = self.lookups.answer(request.request_id, tokens, salt)
+        hit = self.lookups.answer(request.request_id, tokens, *inputs)
         self._hits[request.request_id] = hit
         end = min(hit, request.num_tokens - 1)  # vLLM must compute at least one token
         if end <= num_computed_tokens:
@@ -167,20 +202,27 @@ class SchedulerSide:
         if not self.load_async:
             self._sync_loads[request.request_id] = (request, first, end)
             return
-        spec = self._load_spec(request, block_ids, first, end)
+        spec, inputs = self._load_spec(request, block_ids, first, end)
         self._parked[request.request_id] = max(self._blocks_to_run(request) - len(block_ids), 0)
-        keys = self._keys(self._usable(request)[: -(-end // self.chunk_size) * self.chunk_size], spec.salt)
+        keys = self._keys(self._usable(request)[: -(-end // self.chunk_size) * self.chunk_size], inputs)
         keys = keys[first // self.chunk_size :]
         self._loading[request.request_id] = keys
         self._in_flight.update(keys)
         self._ready.append(spec)
 
-    def _load_spec(self, request: Request, block_ids: list[int], first: int, end: int) -> LoadSpec:
+    def _load_spec(self, request: Request, block_ids: list[int], first: int,
+                   end: int) -> tuple[LoadSpec, tuple[bytes, ExtraKeys]]:
+        """The load of tokens ``[first, end)`` into ``block_ids``, and the request's inputs (never None here:
+        ``matched_tokens`` promises no load to a request it cannot key)."""
         read_end = -(-end // self.chunk_size) * self.chunk_size
         self._load_blocks[request.request_id] = set(block_ids[first // self.block_size : -(-end // self.block_size)])
         tokens = pack_tokens(list(request.all_token_ids[:read_end]))
         timeout = self.load_timeout_s if self.load_async else None
-        return LoadSpec(request.request_id, tokens, request_salt(request), list(block_ids), first, end, timeout)
+        inputs = self._request_inputs(request)
+        assert inputs is not None
+        salt, extras = inputs
+        spec = LoadSpec(request.request_id, tokens, salt, list(block_ids), first, end, timeout, pack_extras(extras))
+        return spec, inputs
 
     # -- each step -----------------------------------------------------------------------------------------
     def build_meta(self, out: SchedulerOutput) -> KVTierMetadata:
@@ -211,23 +253,25 @@ class SchedulerSide:
 
     def _sync_spec(self, req_id: str, block_ids: list[int]) -> LoadSpec:
         request, first, end = self._sync_loads[req_id]
-        return self._load_spec(request, block_ids, first, end)
+        return self._load_spec(request, block_ids, first, end)[0]
 
     def _order_save(self, request: Request, n_tokens: int, block_ids) -> None:
         """A save job of the request's full chunks below ``n_tokens`` not held or ordered yet."""
         req_id = request.request_id
         n = n_tokens - n_tokens % self.chunk_size
         start = max(self._ordered.get(req_id, 0), self._hits.get(req_id, 0))
-        if n <= start:
+        inputs = self._request_inputs(request)
+        if n <= start or inputs is None:
             return
-        tokens, salt = list(request.all_token_ids[:n]), request_salt(request)
-        keys = self._keys(tokens, salt)[start // self.chunk_size :]
+        tokens = list(request.all_token_ids[:n])
+        keys = self._keys(tokens, inputs)[start // self.chunk_size :]
         job, self._next_job = self._next_job, self._next_job + 1
         self._jobs[job] = (req_id, keys)
         self._in_flight.update(keys)
         self._req_jobs[req_id] += 1
         self._ordered[req_id] = n
-        self._saves.append(SaveSpec(req_id, job, pack_tokens(tokens), salt, list(block_ids()), self._ttl(request)))
+        self._saves.append(SaveSpec(req_id, job, pack_tokens(tokens), inputs[0], list(block_ids()), self._ttl(request),
+                                    pack_extras(inputs[1])))
 
     def _ttl(self, request: Request) -> float | None:
         """``request_ttl`` once per request: a malformed value is warned about and counted once."""
@@ -252,6 +296,7 @@ class SchedulerSide:
             n = min(request.num_computed_tokens, len(block_ids) * self.block_size)
             self._order_save(request, n, lambda: block_ids)
         self._hits.pop(req_id, None)
+        self._inputs.pop(req_id, None)
         self._ttls.pop(req_id, None)
         self._ordered.pop(req_id, None)
         self._load_blocks.pop(req_id, None)

@@ -26,7 +26,7 @@ import torch
 from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
 from kvtier.integrations.vllm.lookup import LookupLimits, LookupServer
-from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, unpack_tokens
+from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
 from kvtier.integrations.vllm.threads import name_os_thread
 
@@ -138,7 +138,7 @@ class WorkerSide:
             stored = 0
             try:
                 stored = self.cache.store(unpack_tokens(spec.tokens), _JobSource(self.paged, spec, self._cancelled),
-                                          salt=spec.salt, ttl_s=spec.ttl_s)
+                                          salt=spec.salt, ttl_s=spec.ttl_s, extras=unpack_extras(spec.extras))
             except _Cancelled:
                 log.debug("kvtier: save of preempted request %s cut short", spec.req_id)
             except Exception:  # a bug must not keep vLLM's blocks forever: log it, report the job done

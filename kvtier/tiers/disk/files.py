@@ -5,7 +5,16 @@ Layout under the configured root, one file per chunk::
     <root>/<codec>/               locked (flock on the directory) by the one process using it
     <root>/<codec>/.lock          the pid of that process, for messages
     <root>/<codec>/<hh>/<hex>     a complete blob; <hex> is the 64-hex-digit chunk key, <hh> its first two digits
-    <root>/<codec>/<hh>/<hex>.tmp a write in progress (or torn by a crash): never read, removed at start
+    <root>/<codec>/<hh>/<hex>.<tenant>.<expiry>
+                                  the same, owned by a tenant other than the default one and/or expiring: the
+                                  tenant's tag (hex digits, empty for the default tenant) and the expiry in
+                                  wall-clock milliseconds (empty for none)
+    <root>/<codec>/<hh>/<name>.tmp a write in progress (or torn by a crash): never read, removed at start
+
+A chunk's owner and expiry are part of its file's name, so they are written with the chunk by the same atomic
+rename and read back at start with the names, also after a crash (no file is opened to learn them). A chunk's
+tags never change while it is stored, so its name does not either. Directories written before names carried
+tags hold only ``<hex>`` names (their tags, if any, were kept in ``tags.json``: control.py migrates them).
 
 The codec is part of the path, so tiers of different codecs may share a root without ever meeting. Nothing
 here keeps state: the tier (tier.py) owns the index, the locking and the accounting; these are plain
@@ -23,9 +32,11 @@ import stat
 import threading
 
 from kvtier.base.errors import ConfigError, TierError
-from kvtier.base.keys import HASH_BYTES, ChunkHash
+from kvtier.base.keys import ChunkHash
 from kvtier.codecs.blob import header_length
 from kvtier.native.hugepages import HUGE_PAGE, huge_page_map
+from kvtier.tiers.control import DEFAULT_TAGS, Tags
+from kvtier.tiers.disk.names import chunk_name, parse_name
 
 TEMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
@@ -63,8 +74,9 @@ class ChunkPaths:
         self.root = os.fspath(root)
         self.dir = os.path.join(self.root, codec)
 
-    def path(self, key: ChunkHash) -> str:
-        return os.path.join(self.dir, key[:1].hex(), key.hex())
+    def path(self, key: ChunkHash, tags: Tags = DEFAULT_TAGS) -> str:
+        """The file of ``key`` stored with ``tags`` (see ``chunk_name``)."""
+        return os.path.join(self.dir, key[:1].hex(), chunk_name(key, tags))
 
 
 # -- locking --------------------------------------------------------------------------------------------------
@@ -297,26 +309,17 @@ class AlignedBufferPool:
 
 
 # -- re-indexing at start -------------------------------------------------------------------------------------
-def _parse_key(name: str) -> ChunkHash | None:
-    if len(name) != 2 * HASH_BYTES:
-        return None
-    try:
-        return ChunkHash(bytes.fromhex(name))
-    except ValueError:
-        return None
-
-
-def scan(paths: ChunkPaths) -> tuple[list[tuple[ChunkHash, int]], dict[str, int]]:
-    """Every chunk file under ``paths.dir`` as ``(key, size)``, oldest first; removes everything else there.
+def scan(paths: ChunkPaths) -> tuple[list[tuple[ChunkHash, int, Tags]], dict[str, int]]:
+    """Every chunk file under ``paths.dir`` as ``(key, size, tags)``, oldest first; removes everything else there.
 
     Costs a directory listing and one stat per file: no file is opened (reading each header is several
-    times slower on a cold re-index: docs/benchmarks/tiers.md). A file only becomes a chunk name by an
-    atomic rename after it was complete, so what is left to remove is: ``temp`` files of interrupted writes,
-    ``torn`` files too short to hold a blob header (possible only after a machine crash with fsync off), and
-    ``stray`` names.
+    times slower on a cold re-index: docs/benchmarks/tiers.md); the tags come from the names. A file only
+    becomes a chunk name by an atomic rename after it was complete, so what is left to remove is: ``temp``
+    files of interrupted writes, ``torn`` files too short to hold a blob header (possible only after a machine
+    crash with fsync off), and ``stray`` names (an older file of a key found twice among them).
     Damage inside a complete file is found by the checksum when it is read (and then removed).
     """
-    found: list[tuple[int, ChunkHash, int]] = []
+    found: dict[ChunkHash, tuple[int, int, Tags, str]] = {}
     removed = {"temp": 0, "torn": 0, "stray": 0}
     try:
         subdirs = [e for e in os.scandir(paths.dir) if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
@@ -325,21 +328,37 @@ def scan(paths: ChunkPaths) -> tuple[list[tuple[ChunkHash, int]], dict[str, int]
     for sub in subdirs:
         with os.scandir(sub.path) as entries:
             for entry in entries:
-                key = _parse_key(entry.name)
-                if key is not None and entry.name[:2] == sub.name and entry.is_file(follow_symlinks=False):
+                named = parse_name(entry.name)
+                if named is not None and entry.name[:2] == sub.name and entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     if st.st_size >= MIN_BLOB_BYTES:
-                        found.append((st.st_mtime_ns, key, st.st_size))
-                        continue
-                    kind = "torn"
+                        older = _keep_newer(found, named, st, entry.path)
+                        if older is None:
+                            continue
+                        kind, path = "stray", older
+                    else:
+                        kind, path = "torn", entry.path
                 elif entry.is_dir(follow_symlinks=False):
                     continue  # not ours to delete recursively; ignored
                 else:
-                    kind = "temp" if entry.name.endswith(TEMP_SUFFIX) else "stray"
+                    kind, path = ("temp" if entry.name.endswith(TEMP_SUFFIX) else "stray"), entry.path
                 try:
-                    remove(entry.path)
+                    remove(path)
                 except DiskIOError:
                     continue  # not indexed either way; a later start tries again
                 removed[kind] += 1
-    found.sort(key=lambda f: f[0])
-    return [(key, size) for _, key, size in found], removed
+    ordered = sorted(found.items(), key=lambda item: item[1][0])
+    return [(key, size, tags) for key, (_, size, tags, _) in ordered], removed
+
+
+def _keep_newer(found: dict[ChunkHash, tuple[int, int, Tags, str]], named: tuple[ChunkHash, Tags],
+                st: os.stat_result, path: str) -> str | None:
+    """Record a chunk file in ``found``; where its key was found already, keep the newer file and return the
+    path of the other (to remove), else None. (Two names of one key: only if a crash came between a chunk's
+    removal and its store under other tags.)"""
+    key, tags = named
+    seen = found.get(key)
+    if seen is not None and seen[0] >= st.st_mtime_ns:
+        return path
+    found[key] = (st.st_mtime_ns, st.st_size, tags, path)
+    return None if seen is None else seen[3]

@@ -63,20 +63,23 @@ class Declined(enum.Enum):
 
 class Pending:
     """A reserved store. ``ready`` is set once ``buf`` holds the payload (``buf`` stays None if the copy failed);
-    ``stamp_ns`` is the mtime its file gets."""
+    ``stamp_ns`` is the mtime its file gets, ``tags`` the owner and expiry its file's name records."""
 
-    __slots__ = ("buf", "cancelled", "key", "nbytes", "ready", "stamp_ns")
+    __slots__ = ("buf", "cancelled", "key", "nbytes", "ready", "stamp_ns", "tags")
 
-    def __init__(self, key: ChunkHash, nbytes: int, stamp_ns: int) -> None:
+    def __init__(self, key: ChunkHash, nbytes: int, stamp_ns: int, tags: Tags = DEFAULT_TAGS) -> None:
         self.key, self.nbytes, self.buf, self.cancelled, self.stamp_ns = key, nbytes, None, False, stamp_ns
+        self.tags = tags
         self.ready = threading.Event()
 
 
 class Entry:
-    __slots__ = ("nbytes", "pending", "pins")
+    """A chunk held or being written; ``tags``: those its file's name records (files.py), which is where it is."""
 
-    def __init__(self, nbytes: int, pending: Pending | None = None) -> None:
-        self.nbytes, self.pins, self.pending = nbytes, 0, pending
+    __slots__ = ("nbytes", "pending", "pins", "tags")
+
+    def __init__(self, nbytes: int, pending: Pending | None = None, tags: Tags = DEFAULT_TAGS) -> None:
+        self.nbytes, self.pins, self.pending, self.tags = nbytes, 0, pending, tags
 
 
 class DiskIndex:
@@ -95,8 +98,8 @@ class DiskIndex:
         *,
         queue_depth: int,
         submit_write: Callable[[Pending], None],
-        submit_unlink: Callable[[ChunkHash], None],
-        submit_touch: Callable[[ChunkHash, int], None],
+        submit_unlink: Callable[[ChunkHash, Tags], None],
+        submit_touch: Callable[[ChunkHash, Tags, int], None],
         metrics: Metrics,
         name: str,
         ledger: Ledger,
@@ -143,9 +146,9 @@ class DiskIndex:
             if self.closed:
                 return
             self._policy.on_chain(keys)
-            held = [key for key in keys if key in self._entries]
-            for key, stamp in zip(held, stamps_ns(len(held))):
-                self._submit_touch(key, stamp)
+            held = [(key, entry.tags) for key in keys if (entry := self._entries.get(key)) is not None]
+            for (key, tags), stamp in zip(held, stamps_ns(len(held))):
+                self._submit_touch(key, tags, stamp)
 
     def unpin(self, entries: Iterable[Entry]) -> None:
         with self._lock:
@@ -196,8 +199,8 @@ class DiskIndex:
             if not (over is not None and self._evict(lambda k: over(k) and self._evictable(k))) \
                     and not self._evict(self._evictable):
                 return Declined.FULL_OF_PINNED
-        job = Pending(key, nbytes, stamp_ns)
-        self._entries[key] = Entry(nbytes, job)
+        job = Pending(key, nbytes, stamp_ns, tags)
+        self._entries[key] = Entry(nbytes, job, tags)
         self.ledger.add(key, nbytes, tags)
         self.used += nbytes
         self.queued += 1
@@ -273,13 +276,14 @@ class DiskIndex:
             for key in [k for k, e in self._entries.items() if e.pending is None]:
                 self._drop(key, unlink=False)
 
-    def load(self, found: Iterable[tuple[ChunkHash, int]]) -> None:
-        """Add chunks found on disk, oldest first; evict the oldest if they exceed the capacity."""
+    def load(self, found: Iterable[tuple[ChunkHash, int, Tags]]) -> None:
+        """Add chunks found on disk (with the owners and expiries their names record), oldest first; evict the
+        oldest if they exceed the capacity."""
         with self._lock:
-            for key, nbytes in found:
+            for key, nbytes, tags in found:
                 if key not in self._entries:
-                    self._entries[key] = Entry(nbytes)
-                    self.ledger.add(key, nbytes)
+                    self._entries[key] = Entry(nbytes, tags=tags)
+                    self.ledger.add(key, nbytes, tags)
                     self.used += nbytes
                     self._policy.on_insert(key)
             while self.used > self.capacity and (victim := self._policy.victim(self._evictable)) is not None:
@@ -333,13 +337,25 @@ class DiskIndex:
         with self._lock:
             self.ledger.restore(data)
 
+    def retag(self, key: ChunkHash, tags: Tags, rename: Callable[[Tags], bool]) -> bool:
+        """Give ``key``, held under a name without tags, the ``tags`` an older tier recorded elsewhere:
+        ``rename(tags)`` moves its file to the name that records them (False: it could not). Nothing happens to
+        a key not held, still being written, or already named with tags (its name is the newer record)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.pending is not None or entry.tags != DEFAULT_TAGS or not rename(tags):
+                return False
+            entry.tags = tags
+            self.ledger.add(key, entry.nbytes, tags)
+            return True
+
     def _drop(self, key: ChunkHash, *, unlink: bool) -> None:
         entry = self._entries.pop(key)
         self.used -= entry.nbytes
         self.ledger.drop(key)
         self._policy.on_remove(key)  # pending entries too: the policy knows them from their reservation
         if unlink and not self.closed:
-            self._submit_unlink(key)
+            self._submit_unlink(key, entry.tags)
         self._report(key)
 
     def _report(self, key: ChunkHash) -> None:

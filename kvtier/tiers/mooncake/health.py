@@ -41,6 +41,17 @@ class MooncakeHealth:
             self._health.start()
 
     def _watch(self) -> None:
+        """Run ``_watch_turns`` until it ends; what it raises (a bug: probes report failures as False) is logged, and it
+        starts again a second later, so a tier's recovery never stops for good."""
+        while not self._closed:
+            try:
+                self._watch_turns()
+                return
+            except Exception:
+                log.exception("mooncake tier %s: the health thread failed; it goes on in a second", self.name)
+                self._wake.wait(1.0)
+
+    def _watch_turns(self) -> None:
         """Join the pool until joined, and probe the master while the breaker is open; then end."""
         cooldown = self.config.breaker_cooldown_s
         while not self._closed:

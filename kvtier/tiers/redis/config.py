@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvtier.base.errors import ConfigError
+from kvtier.tiers.control import MAX_TTL_S
 from kvtier.tiers.redis.limits import HEADER_BYTES, MIN_PART_BYTES, REDIS_MAX_BULK
 from kvtier.tiers.remote import MiB, RemoteTierConfig
 
@@ -54,5 +55,5 @@ class RedisTierConfig(RemoteTierConfig):
             raise ConfigError(f"redis max_part_bytes must lie in [{MIN_PART_BYTES}, {largest}]")
         if self.pin_budget_bytes is not None and self.pin_budget_bytes < 0:
             raise ConfigError("redis pin_budget_bytes must not be negative")
-        if self.ttl_s is not None and self.ttl_s < 0:
-            raise ConfigError("redis ttl_s must not be negative")
+        if self.ttl_s is not None and not 0 <= self.ttl_s <= MAX_TTL_S:
+            raise ConfigError(f"redis ttl_s must be a number of seconds from 0 to {MAX_TTL_S}")

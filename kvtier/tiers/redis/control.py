@@ -39,7 +39,7 @@ from time import monotonic
 
 from kvtier.base.errors import NotSupported, PinBudgetExceeded, TierError
 from kvtier.base.keys import ChunkHash
-from kvtier.tiers.control import Feature, TierUsage
+from kvtier.tiers.control import MAX_TTL_S, Feature, TierUsage
 from kvtier.tiers.redis.batches import Batch
 from kvtier.tiers.redis.split import HEADER_BYTES, SplitHeader, part_keys_of
 
@@ -62,11 +62,15 @@ class RedisControl:
 
     # -- expiry ----------------------------------------------------------------------------------------------
     def _store_ttl_ms(self, expires_at: float | None) -> int | None:
-        """Milliseconds left until ``expires_at`` (None: the tier's own ttl_s applies; 0: already expired)."""
+        """Milliseconds left until ``expires_at`` (None: the tier's own ttl_s applies; 0: already expired, or not a
+        time at all). At most ``MAX_TTL_S``: a later expiry (callers check TTLs, but a tier never raises into the
+        engine) would overflow the integer, or the 64-bit milliseconds Redis takes."""
         if expires_at is None:
             return None
         left = expires_at - self._clock()
-        return max(0, math.ceil(left * 1000))
+        if not left > 0:  # NaN too
+            return 0
+        return math.ceil(min(left, MAX_TTL_S) * 1000)
 
     def _tenant_key(self, tenant: str) -> bytes:
         return self._space + b"tenant:" + tenant.encode()

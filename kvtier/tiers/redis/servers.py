@@ -156,6 +156,17 @@ class Servers:
             self._worker.start()
 
     def _work(self) -> None:
+        """Run ``_work_turns`` until it ends; what it raises (a bug: probes report failures as False) is logged, and it
+        starts again a second later, so a tier's recovery never stops for good."""
+        while not self._closed:
+            try:
+                self._work_turns()
+                return
+            except Exception:
+                log.exception("redis tier %s: the health thread failed; it goes on in a second", self.name)
+                self._wake.wait(1.0)
+
+    def _work_turns(self) -> None:
         """Probe open breakers and refresh the slot map, until there is nothing left to do."""
         while not self._closed:
             self._wake.clear()

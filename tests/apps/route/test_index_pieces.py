@@ -156,3 +156,41 @@ def test_a_subscriber_paces_batches_with_its_configured_share():
     subscriber = EventSubscriber(None, "tcp://x", "tcp://y", b"k" * 40, None, SubscriberConfig(share=0.3),
                                  client_key=(b"p" * 40, b"s" * 40))
     assert subscriber._pacer.share == 0.3
+
+
+def test_a_big_batch_is_applied_a_bounded_number_of_events_per_loop_turn_and_whole():
+    """The subscriber applies a 10,000-event batch 1,000 events at a time, another task running between the
+    slices; the whole batch reaches the holdings in order, and ``seq`` moves on only after its last slice."""
+    index = FleetIndex(replicas=1)
+    holdings = index.holdings("r")
+    holdings.reset(decode_snapshot_head(encode_snapshot("e", 0, [TierHolding("memory", [])])))
+    keys = [hashlib.sha256(b"%d" % i).digest() for i in range(10_000)]
+    batch = wire.Batch("e", 1, 0.0, [wire.WireEvent(True, "memory", k, 0) for k in keys])
+    sizes: list[int] = []
+    applied = holdings.apply
+
+    def apply(piece: wire.Batch) -> None:
+        sizes.append(len(piece.events))
+        applied(piece)
+
+    holdings.apply = apply  # type: ignore[method-assign]
+    subscriber = EventSubscriber(None, "tcp://x", "tcp://y", b"k" * 40, holdings,
+                                 SubscriberConfig(keys_per_turn=1_000), client_key=(b"p" * 40, b"s" * 40))
+    subscriber.epoch, subscriber.seq = "e", 0
+    turns: list[tuple[int, int]] = []
+
+    async def main() -> None:
+        async def tick() -> None:
+            while True:
+                turns.append((len(sizes), subscriber.seq))
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await subscriber._apply(subscriber._receive([wire.TOPIC, b"\0" * 8, wire.encode_batch(batch)]), 0.0)
+        ticker.cancel()
+
+    asyncio.run(main())
+    assert sizes == [1_000] * 10
+    assert {n for n, _ in turns} >= set(range(1, 10))  # the other task ran after every slice but the last
+    assert all(seq == 0 for n, seq in turns if n < 10)
+    assert subscriber.seq == 1 and index.cached("r", keys) == {"memory": 10_000}

@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.api.errors import RequestError
 from kvtier.apps.route.requests import PREFIX_BYTES, TOKEN_ID_LIMIT, WHOLE_BODY_BYTES, parse_request
+from kvtier.tiers.control import MAX_TTL_S
 
 REFUSED = [
     (False, {"prompt": "x", "max_tokens": True}, "max_tokens"),
@@ -29,6 +30,10 @@ REFUSED = [
     (False, {"prompt": [TOKEN_ID_LIMIT]}, "prompt"),
     (False, {"prompt": [-1]}, "prompt"),
     (False, {}, "prompt"),
+    (False, {"prompt": "x", "cache_ttl_s": 1e308}, "cache_ttl_s"),  # what kvtier serve refuses too
+    (False, {"prompt": "x", "cache_ttl_s": MAX_TTL_S + 1}, "cache_ttl_s"),
+    (False, {"prompt": "x", "cache_ttl_s": -1}, "cache_ttl_s"),
+    (True, {"messages": [{"role": "user", "content": "x"}], "cache_ttl_s": "60"}, "cache_ttl_s"),
     (True, {"messages": []}, "messages"),
     (True, {"messages": [{"role": 3}]}, "messages"),
     (True, {"messages": [{"content": "hi"}]}, "messages"),

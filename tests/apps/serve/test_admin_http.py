@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvtier.tiers.control import MAX_TTL_S
 from tests.apps.serve.conftest import LiveServer
 
 ADMIN, ALICE, BOB = "admin-secret", "alice-key", "bob-key"
@@ -139,7 +140,13 @@ BAD = [("/admin/v1/lookup", b"{not json", 400), ("/admin/v1/lookup", b"[1, 2]", 
        ("/admin/v1/pin", b'{"text": "x", "tiers": ["tape"]}', 400),
        ("/admin/v1/pin", b'{"text": "x", "tiers": "memory"}', 400),
        ("/admin/v1/clear", b'{"scope": "everything"}', 400), ("/admin/v1/clear", b'{"tenant": "mallory"}', 404),
-       ("/admin/v1/clear", b'{"scope": "all", "tenant": "bob"}', 400)]
+       ("/admin/v1/clear", b'{"scope": "all", "tenant": "bob"}', 400),
+       ("/admin/v1/lookup", b'{"text": "x", "messages": [{"role": "user", "content": "x"}]}', 400),
+       ("/admin/v1/lookup", b'{"messages": []}', 400),
+       ("/admin/v1/lookup", b'{"messages": [{"role": "robot", "content": "x"}]}', 400),
+       ("/admin/v1/lookup", b'{"messages": [{"role": "user", "content": 3}]}', 400),
+       ("/admin/v1/pin", b'{"text": "x", "add_generation_prompt": true}', 400),
+       ("/admin/v1/pin", b'{"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": 1}', 400)]
 
 
 @pytest.mark.parametrize("path,raw,status", BAD)
@@ -182,7 +189,7 @@ def test_openapi_describes_every_admin_route(client, live):
     assert pin["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/PinBody")
 
 
-@pytest.mark.parametrize("ttl", [b"-1", b'"3600"', b"1e999", b"null"])
+@pytest.mark.parametrize("ttl", [b"-1", b'"3600"', b"1e999", b"1e308", b"%d" % (MAX_TTL_S + 1), b"null"])
 def test_a_bad_cache_ttl_is_a_400_that_stores_nothing(client, ttl):
     prompt = "rivers music weather " + PROMPT
     raw = b'{"model": "tiny", "max_tokens": 2, "prompt": "%s", "cache_ttl_s": %s}' % (prompt.encode(), ttl)
@@ -202,3 +209,23 @@ def test_a_cache_ttl_stores_with_a_retention_time(client):
                     headers=as_(ALICE))
     assert r.status_code == 200, r.text
     assert cached(client, ALICE, prompt) > 0
+
+
+def test_messages_address_what_the_chat_route_renders(client):
+    """A chat's prompt as the chat route tokenizes it: after a chat request, its messages look up its cached
+    prefix; the system turn alone (no assistant's cue) is the prefix a later turn shares."""
+    system = {"role": "system", "content": "science weather and cities " * 8}
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "messages": [
+        system, {"role": "user", "content": "rivers and music"}]})  # no key: the default tenant
+    assert r.status_code == 200, r.text
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    whole = client.post("/admin/v1/lookup", json={"messages": [system, {"role": "user", "content": "rivers and music"}]},
+                        headers=as_(ADMIN)).json()
+    assert whole["prompt_tokens"] == prompt_tokens and whole["cached_tokens"] == prompt_tokens // 16 * 16 > 0
+    alone = client.post("/admin/v1/lookup", json={"messages": [system]}, headers=as_(ADMIN)).json()
+    cued = client.post("/admin/v1/lookup", json={"messages": [system], "add_generation_prompt": True},
+                       headers=as_(ADMIN)).json()
+    assert cued["prompt_tokens"] > alone["prompt_tokens"]  # the cue "<|im_start|>assistant\n"
+    assert 0 < alone["cached_tokens"] == alone["prompt_tokens"] // 16 * 16
+    as_text = client.post("/admin/v1/lookup", json={"text": system["content"]}, headers=as_(ADMIN)).json()
+    assert as_text["cached_tokens"] == 0  # the chat's tokens start with the template's, not the text's
