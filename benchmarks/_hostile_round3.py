@@ -218,27 +218,33 @@ def a2_header(fleet, big: bool) -> dict:
 A3_MODES = ("huge", "drip", "hang", "deep", "digits", "mistyped")
 
 
-def a3_client(router: str, wait_s: float) -> dict:
-    """One admin lookup per hostile mode of the compromised replica, all at once (run by ``in_attacker``): each
-    one's answer and seconds."""
-    def one(mode: str) -> tuple[str, str, float]:
+def a3_client(router: str, wait_s: float, hostile: str) -> dict:
+    """One admin lookup per hostile mode of the compromised replica ``hostile``, all at once (run by
+    ``in_attacker``): each one's answer, seconds, and the error the router lists for that replica."""
+    def one(mode: str) -> tuple[str, list]:
         sent = time.monotonic()
         r = post(router, "/admin/v1/lookup", timeout=wait_s, json={"text": mode}, headers=AUTH)
-        return mode, code(r), time.monotonic() - sent
+        try:
+            error = r.json()["replicas"][hostile].get("error") if isinstance(r, httpx.Response) else None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            error = None
+        return mode, [code(r), time.monotonic() - sent, str(error)[:80] if error else None]
 
     with ThreadPoolExecutor(len(A3_MODES)) as pool:
-        return {mode: [status, took] for mode, status, took in pool.map(one, A3_MODES)}
+        return dict(pool.map(one, A3_MODES))
 
 
 def a3_fanout(fleet, big: bool) -> dict:
     """A-3: the compromised replica answers admin lookups with 1 GiB, a drip, nothing, deep nesting, 5,000 digits
     or a mistyped field; each call through the router is answered within its fan-out deadline."""
     wait_s = ADMIN_DEADLINE_S + 30
-    got = in_attacker("_hostile_round3.a3_client", fleet.url, wait_s)
-    ok = all(s == "200" and t <= ADMIN_DEADLINE_S + 15 for s, t in got.values())
-    return {"codes": Counter(s for s, _ in got.values()), "size": f"6 lookups at once ({fleet.huge_bytes >> 20} "
+    assert fleet.replica_state(fleet.hostile_name) == "up", "A-3 needs the compromised replica (E-3 kills it)"
+    got = in_attacker("_hostile_round3.a3_client", fleet.url, wait_s, fleet.hostile_name)
+    # the compromised replica was asked (not skipped as ejected) and is listed as failing, within the deadline
+    ok = all(s == "200" and t <= ADMIN_DEADLINE_S + 15 and e not in (None, "ejected") for s, t, e in got.values())
+    return {"codes": Counter(s for s, _, _ in got.values()), "size": f"6 lookups at once ({fleet.huge_bytes >> 20} "
             f"MiB answer, drip, hang, deep, digits, mistyped)", "ok": ok,
-            "note": ", ".join(f"{m} {s} in {t:.1f}s" for m, (s, t) in got.items())}
+            "note": ", ".join(f"{m} {s} in {t:.1f}s ({e})" for m, (s, t, e) in got.items())}
 
 
 # -- A-4 ----------------------------------------------------------------------------------------------------
@@ -373,6 +379,8 @@ def p1_idle(fleet, big: bool) -> dict:
                     f"-> {after[1]}; closed by the server {result.get('closed')}, open at the end {result.get('open')}"}
 
 
+#: A-3 needs the compromised replica, which E-3 kills: hostile_fleet runs it before the E-3 rows
+BEFORE_E3 = [("A-3 admin fanout", a3_fanout)]
 ATTACKS = [("S-1 sglang clear", s1_sglang), ("T-1 ttl 1e308", t1_ttl), ("O-1 crash clear", o1_crash),
            ("A-1 nested admin", a1_nested), ("A-2 admin headers", a2_header), ("A-4 cache cli", a4_cache_cli),
-           ("P-1 idle conns", p1_idle), ("A-3 admin fanout", a3_fanout)]
+           ("P-1 idle conns", p1_idle)]

@@ -85,7 +85,8 @@ ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks
 CLEAR = {"200", "408", "431", "503", "miss"}  #: besides any 4xx
 PROBE_S, HEALTH_MS, RSS_MB = 0.05, 100.0, 200.0
 CONTROL = "(control)"  #: rows that measure the attacker's own cost, not kvtier: reported, not a target
-ATTACKS += round3.ATTACKS
+E3 = next(i for i, (name, _) in enumerate(ATTACKS) if name.startswith("E-3"))
+ATTACKS = ATTACKS[:E3] + round3.BEFORE_E3 + ATTACKS[E3:] + round3.ATTACKS
 CLEAR |= round3.WORDS
 
 
