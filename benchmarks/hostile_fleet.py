@@ -28,6 +28,14 @@ Measured for each attack, against the issue's targets:
   the index within its cap, freed on ejection; E-4: no
   fake key adopted and the replica followed again on its new ports; B-1: at most 2x a plain prefill).
 
+Issue 48's rows (benchmarks/_hostile_round3.py) add three servers probed and sampled like the others
+(benchmarks/_hostile_servers.py: ``t1``, a ``kvtier serve`` with a Redis tier; ``o1``, one with a disk tier;
+``rank``, the vLLM connector's rank server, probed on ``/metrics``) and their own targets: T-1 a 400, the next
+request served and /health ok; O-1 a tenant's clear after a SIGKILL and restart leaves none of its entries; S-1
+tenant b's pages survive tenant a's clear; A-1 400s; A-2 no credential echoed; A-3 each fan-out answered within
+its deadline; A-4 ``kvtier cache`` exits non-zero with one line in bounded time and memory; P-1 the rank server's
+threads bounded and every idle connection closed by it.
+
     PYTHONPATH=. python benchmarks/hostile_fleet.py [--quick]
 
 ``--quick`` runs every attack small (a smoke run). Last line: RESULT {json}; a plot of every /health probe goes
@@ -55,6 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _hostile_attacks as attacks  # noqa: E402
 import _hostile_channel as channel  # noqa: E402
+import _hostile_round3 as round3  # noqa: E402
+import _hostile_servers as servers  # noqa: E402
 from _hostile_procs import lowest_nice, rss_mb, schedstat_ms, unniced  # noqa: E402
 from _util import result, stop_children_on_signal  # noqa: E402
 
@@ -75,6 +85,9 @@ ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks
 CLEAR = {"200", "408", "431", "503", "miss"}  #: besides any 4xx
 PROBE_S, HEALTH_MS, RSS_MB = 0.05, 100.0, 200.0
 CONTROL = "(control)"  #: rows that measure the attacker's own cost, not kvtier: reported, not a target
+E3 = next(i for i, (name, _) in enumerate(ATTACKS) if name.startswith("E-3"))
+ATTACKS = ATTACKS[:E3] + round3.BEFORE_E3 + ATTACKS[E3:] + round3.ATTACKS
+CLEAR |= round3.WORDS
 
 
 class Replica(ReplicaProcess):
@@ -83,7 +96,8 @@ class Replica(ReplicaProcess):
     def __init__(self, model: Path, log_dir: Path) -> None:
         self.events_port, self.control_port = free_port(), free_port()
         super().__init__(model, log_dir, "--blend", "--blend-separator", "\n\n", "--events-port",
-                         str(self.events_port), "--events-control-port", str(self.control_port))
+                         str(self.events_port), "--events-control-port", str(self.control_port),
+                         "--admin-key-file", str(servers.admin_key_file(log_dir)))
 
     def info(self) -> dict:
         return httpx.get(self.url + "/kvtier/info", timeout=10).json()
@@ -101,6 +115,8 @@ class Fleet:
         self.paused: set[str] = set()
         self.servers: set[int] = set()  #: pids of other processes that stand in for servers (not niced)
         self.procs: list[subprocess.Popen] = []
+        self.extras = servers.Extras(work, model)
+        self.servers |= self.extras.server_pids()
         for r in self.replicas:
             r.wait_healthy()
         (work / "info.json").write_text(json.dumps(self.replicas[0].info()))
@@ -148,15 +164,18 @@ class Fleet:
     def watched(self) -> dict[str, callable]:
         """Process name -> its current pid (a replica restarted keeps its name)."""
         return {"router": lambda: self.router.pid,
-                **{r.name: (lambda r=r: r.proc.pid) for r in self.replicas}}
+                **{r.name: (lambda r=r: r.proc.pid) for r in self.replicas}, **self.extras.watched()}
 
     def server_pids(self) -> set[int]:
         return {get() for get in self.watched().values()} | self.servers
 
     def urls(self) -> dict[str, str]:
-        return {"router": self.url, **{r.name: r.url for r in self.replicas}}
+        """Process name -> the URL its liveness is probed on."""
+        return {"router": self.url + "/health", **{r.name: r.url + "/health" for r in self.replicas},
+                **self.extras.probe_urls()}
 
     def close(self) -> None:
+        self.extras.close()
         for r in self.replicas:
             if r.proc is not None:
                 r.proc.send_signal(signal.SIGCONT)
@@ -189,7 +208,7 @@ class Monitor:
                     continue
                 sent = time.perf_counter()
                 try:
-                    ok = client.get(url + "/health").status_code == 200
+                    ok = client.get(url).status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 if name not in self.fleet.paused:
@@ -276,7 +295,7 @@ def idle_health(fleet: Fleet, n: int = 40) -> dict[str, float]:
             lats = []
             for _ in range(n):
                 sent = time.perf_counter()
-                c.get(url + "/health")
+                c.get(url)
                 lats.append(time.perf_counter() - sent)
         out[name] = statistics.median(lats) * 1000
     return out
@@ -331,7 +350,8 @@ def main() -> None:
     chosen = [(n, a) for n, a in ATTACKS if not args.only or any(n.startswith(o) for o in args.only.split(","))]
     with tempfile.TemporaryDirectory(prefix="hostile-fleet-") as tmp:
         fleet = Fleet(Path(tmp), big=not args.quick)
-        names = {"router": "router", **{r.name: f"rep{i + 1}" for i, r in enumerate(fleet.replicas)}}
+        names = {"router": "router", **{r.name: f"rep{i + 1}" for i, r in enumerate(fleet.replicas)},
+                 **{n: n for n in fleet.extras.watched()}}
         try:
             for i in range(6):  # some cached chunks on each replica: something for the index and snapshots
                 body = {"prompt": attacks.sized_text(600 + i), "max_tokens": 1}
