@@ -123,8 +123,8 @@ def o1_crash(fleet, big: bool) -> dict:
 def s1_client(path: str) -> dict:
     """Server b (a process of its own, ended) leaves pages in a disk path; server a (tenant a, this process)
     stores the same pages there and clears; b's must still load (run by ``in_attacker``)."""
-    from tests.integrations.sglang_pool import HostPool, backend
-    from tests.integrations.test_sglang_keys import WRITER, disk, flush, keys_of, radix_key, text
+    from harness.sglang_pool import HostPool, backend
+    from harness.sglang_keys import WRITER, disk, flush, keys_of, radix_key, text
 
     subprocess.run([sys.executable, "-c", WRITER, path], check=True, env={**os.environ, **ENV}, timeout=600,
                    capture_output=True)

@@ -2,7 +2,7 @@
 
 ``Extras`` starts, at the servers' priority, for the whole run (probed and sampled like the fleet's processes):
 
-* ``t1``: ``kvtier serve`` with a Redis tier only (a real redis-server from tests/redis_server.py): T-1's target;
+* ``t1``: ``kvtier serve`` with a Redis tier only (a real redis-server from harness/redis_server.py): T-1's target;
 * ``o1``: ``kvtier serve`` with a disk tier only, SIGKILLed and restarted by O-1;
 * ``rank``: the vLLM connector's per-rank metrics/admin server (kvtier.integrations.vllm.admin.AdminServer) over
   a real KVCache, in a process of its own, as a vLLM worker runs it (no engine needed to serve it): A-1, A-2
@@ -54,8 +54,8 @@ class Extras:
     """t1, o1 and rank (module docstring), started and waited for; ``close()`` ends them and the redis-server."""
 
     def __init__(self, work: Path, model: Path) -> None:
-        from tests.apps.route.fleet import ReplicaProcess
-        from tests.redis_server import RedisServer
+        from harness.fleet import ReplicaProcess
+        from harness.redis_server import RedisServer
 
         key = admin_key_file(work)
         self.redis = RedisServer().start()
