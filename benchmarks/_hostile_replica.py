@@ -8,8 +8,8 @@ HTTP is harness.stub_replica's (``/health`` 200, small completions), plus:
   own event endpoints and CURVE key: the router follows it as it would a real replica;
 * a prompt containing ``HUGE``: a non-streamed 200 JSON answer of HUGE_BYTES bytes, sent in 1 MiB pieces (R-6);
 * ``POST /hostile/flood`` ``{"keys": N, "tiers": T, "snapshot": S, "batch": B}``: publish N stored-chunk events
-  in batches of B (default 1,000; real wire format), then T events each naming a tier of its own, and from then on answer
-  snapshot requests with S keys, skipping a batch so that the router asks for it (E-3). ``GET /hostile/flood``
+  in batches of B (default 1,000; real wire format), then T events each naming a tier of its own, and from then on
+  answer snapshot requests with S keys, skipping a batch so that the router asks for it (E-3). ``GET /hostile/flood``
   says how many events went out. Until then a snapshot is empty and at the stream's current position, so the
   router follows the batches that come after it (one at a fixed position sent it into a gap-and-resync loop
   that never applied a batch: the full run's index held 0 keys).

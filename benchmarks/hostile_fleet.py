@@ -81,7 +81,8 @@ ATTACKS = [("R-1 malformed", attacks.r1_malformed), ("R-2 huge prompts", attacks
            ("R-5 1MB user", attacks.r5_sessions), ("R-6 1GiB answer", attacks.r6_huge_answer),
            ("R-7 SIGSTOP", attacks.r7_stopped_replica), ("E-1 subscriptions", channel.e1_subscriptions),
            ("E-2 snapshots", channel.e2_snapshots), ("B-1 blend", channel.b1_blend),
-           ("E-3 big batches", channel.e3_big_batches), ("E-3 index flood", channel.e3_flood), ("E-4 impostor", channel.e4_impostor)]
+           ("E-3 big batches", channel.e3_big_batches), ("E-3 index flood", channel.e3_flood),
+           ("E-4 impostor", channel.e4_impostor)]
 CLEAR = {"200", "408", "431", "503", "miss"}  #: besides any 4xx
 PROBE_S, HEALTH_MS, RSS_MB = 0.05, 100.0, 200.0
 CONTROL = "(control)"  #: rows that measure the attacker's own cost, not kvtier: reported, not a target
