@@ -328,7 +328,8 @@ def test_a_corrupt_state_page_is_a_miss_and_its_prefix_is_not_restorable(tmp_pat
     for tier in side.cache.tiers:
         tier.flush()
     (key,) = side.keys(keys[1:])
-    (state_file,) = [p for p in (tmp_path / "pool-mamba").rglob("*") if p.is_file() and p.name.split(".")[0] == key.hex()]
+    (state_file,) = [p for p in (tmp_path / "pool-mamba").rglob("*")
+                     if p.is_file() and p.name.split(".")[0] == key.hex()]
     data = bytearray(state_file.read_bytes())
     data[len(data) - 3] ^= 0x01  # one bit of the state page's payload
     state_file.write_bytes(bytes(data))
