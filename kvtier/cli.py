@@ -81,5 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         error = missing_dependency(exc)
         if error is None:
             raise
-    print(f"kvtier {argv[0] if argv else ''}: {error}".replace("kvtier : ", "kvtier: "), file=sys.stderr)
+    command = f"kvtier {argv[0]}" if argv else "kvtier"
+    print(f"{command}: {error}", file=sys.stderr)
     return 2
