@@ -12,14 +12,22 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvtier.integrations.vllm.rank_http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_WORKERS, REQUEST_TIMEOUT_S
 from harness.process import wait_for
+from kvtier.integrations.vllm.rank_http import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_WORKERS,
+    REQUEST_TIMEOUT_S,
+    BoundedHandler,
+    RankHTTPServer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "rank-admin-key"
@@ -63,18 +71,66 @@ def test_a1_a_deeply_nested_body_is_a_400(rank: RankServer) -> None:
     assert httpx.get(rank.url + "/metrics", timeout=30).status_code == 200
 
 
+class Peaks:
+    """The most threads and descriptors ``server`` held at once, sampled from /proc until ``stop``."""
+
+    def __init__(self, server: RankServer) -> None:
+        self.threads = self.descriptors = 0
+        self._server, self._stop = server, threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.threads = max(self.threads, self._server.threads())
+            self.descriptors = max(self.descriptors, self._server.descriptors())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._sampler.join()
+
+
 def test_p1_idle_connections_hold_no_thread_and_are_closed(rank: RankServer) -> None:
+    # A peak, not a count at one moment: on a loaded machine the first idle connections may already be closed
+    # (IDLE_TIMEOUT_S) before the last ones are accepted, so "all of them at once" is a race, not a property.
     threads, descriptors = rank.threads(), rank.descriptors()
+    peaks = Peaks(rank)
     idle = connect(rank.port, FLOOD)
     try:
-        assert wait_for(lambda: rank.descriptors() >= descriptors + min(FLOOD, MAX_CONNECTIONS) - 10, 30)
-        assert rank.threads() <= threads + 1  # before: one thread per connection (1,500 more)
-        assert rank.descriptors() <= descriptors + MAX_CONNECTIONS + 1  # beyond the cap: answered 503, closed
+        assert wait_for(lambda: peaks.descriptors >= descriptors + 100, 30)  # many idle connections held at once
         # the server closes what sends nothing (the clients still hold their ends open)
         assert wait_for(lambda: rank.descriptors() <= descriptors + 5, 10 * IDLE_TIMEOUT_S)
+        peaks.stop()
+        assert peaks.threads <= threads + 1  # before: one thread per connection (1,500 more)
+        assert peaks.descriptors <= descriptors + MAX_CONNECTIONS + 1
         assert httpx.get(rank.url + "/metrics", timeout=30).status_code == 200
     finally:
+        peaks.stop()
         for sock in idle:
+            sock.close()
+
+
+class _Silent(BoundedHandler):
+    def do_GET(self) -> None:
+        self.reply(200, b"ok", "text/plain")
+
+
+def test_p1_connections_beyond_the_cap_are_answered_503_and_closed() -> None:
+    server = RankHTTPServer(("127.0.0.1", 0), _Silent, max_connections=8, max_workers=2)
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    held = connect(server.port, 8)  # idle: each waits (IDLE_TIMEOUT_S) for a request that never comes
+    extra = connect(server.port, 4)  # accepted after the 8 (one queue, in order): over the cap
+    try:
+        for sock in extra:
+            sock.settimeout(30)
+            assert sock.recv(64).startswith(b"HTTP/1.1 503")
+            assert wait_for(lambda s=sock: s.recv(1 << 16) == b"", 30)  # then closed by the server
+        assert server.refused == 4
+    finally:
+        server.shutdown()
+        loop.join(30)
+        for sock in held + extra:
             sock.close()
 
 
