@@ -1,7 +1,11 @@
 """vLLM's real OpenAI-compatible server as a subprocess, started the way the README says: ``kvtier vllm serve``
 (vLLM's own ``vllm serve``, on any build of vLLM), with or without the kvtier connector.
 
-Used by tests/integrations/test_vllm_serve.py and benchmarks/vllm_serve.py.
+``ServerPair`` starts two such servers side by side with the same model and flags, vLLM alone and vLLM with
+kvtier over a memory and a disk tier, to compare their greedy outputs and restart the kvtier one over its disk.
+
+Used by tests/integrations/test_vllm_serve.py, test_vllm_inputs_serve.py, test_vllm_images_serve.py and
+benchmarks/vllm_serve.py.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Self
 
 from harness.process import ServerProcess
+from kvtier.net.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM then serves /reset_prefix_cache
 
 
 def kv_transfer_config(extra: dict) -> dict:
@@ -125,6 +132,56 @@ class VllmServer(ServerProcess):
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         return parse_kvtier_metrics(text)
+
+    def hit_tokens(self) -> float:
+        """Tokens kvtier loaded into this server (``kvtier_hit_tokens_total``), from memory and disk."""
+        metrics = self.metrics()
+        return metrics.get("kvtier_hit_tokens_total{memory}", 0.0) + metrics.get("kvtier_hit_tokens_total{disk}", 0.0)
+
+    def preemptions(self) -> float:
+        """vLLM's ``vllm:num_preemptions_total``, summed over its labels."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+            lines = resp.read().decode().splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_preemptions_total"))
+
+
+class ServerPair:
+    """vLLM alone (``plain``) and vLLM with ``KVTierConnector`` (``kvtier``) over a memory tier and a disk tier
+    under ``tmp/disk-tier`` (chunks of ``chunk_size`` tokens), both serving ``model`` with ``args`` and
+    VLLM_SERVER_DEV_MODE=1 (for ``/reset_prefix_cache``), logs in ``tmp``. ``with`` starts both side by side
+    and stops both, even when one fails to start."""
+
+    def __init__(self, model: Path, tmp: Path, args: tuple[str, ...], chunk_size: int) -> None:
+        self.model, self.tmp, self.args, self.chunk_size = model, tmp, args, chunk_size
+        self.plain = VllmServer(str(model), free_port(), tmp / "plain.log", args=args, env=DEV_MODE)
+        self.kvtier = self._kvtier_server("kvtier.log")
+
+    def _kvtier_server(self, log: str) -> VllmServer:
+        disk = {"kind": "disk", "path": str(self.tmp / "disk-tier"), "capacity_bytes": "1GiB",
+                "admission": "always"}
+        config = {"chunk_size": self.chunk_size, "tiers": [{"kind": "memory", "capacity_bytes": "512MiB"}, disk]}
+        return VllmServer(str(self.model), free_port(), self.tmp / log, kvtier=config, args=self.args, env=DEV_MODE)
+
+    def __enter__(self) -> Self:
+        try:
+            for server in (self.plain, self.kvtier):
+                server.launch()
+            for server in (self.plain, self.kvtier):
+                server.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.plain.stop()
+        self.kvtier.stop()
+
+    def restart_kvtier(self) -> VllmServer:
+        """Stop the kvtier server and start a new one over the same disk tier (its memory tier starts empty)."""
+        self.kvtier.stop()
+        self.kvtier = self._kvtier_server("kvtier-restarted.log").start()
+        return self.kvtier
 
 
 def parse_kvtier_metrics(text: str) -> dict[str, float]:

