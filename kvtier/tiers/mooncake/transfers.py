@@ -1,7 +1,7 @@
 """The Mooncake tier's gets and puts (a base class of MooncakeTier, as MooncakeControl is): values move between
 the pool and the registered transfer buffer (buffers.py) in batch calls that each fit it (slices.py).
 
-Put: the values are cut into slices of at most half the buffer; each slice is written into the buffer and sent
+Put: the values are cut into slices of at most half the buffer (and ``PUT_SLICE_BYTES``); each slice is written into the buffer and sent
 with ``batch_put_from`` while the next one is written, and its room is handed back when its call ends. Get: the
 values' sizes are asked for once (``batch_get_replica_desc``), then each slice that fits the buffer is read with
 ``batch_get_into``; a get that fits is read in one call and its views are the buffer itself; one that does not
@@ -32,6 +32,9 @@ NO_BUFFER = declare_counter("kvtier_mooncake_no_buffer_total",
 BUSY = declare_counter("kvtier_mooncake_busy_total",
                        "Mooncake calls given up because this replica queued them (other transfers' turns, the "
                        "transfer buffer) until too little of their deadline was left.", ("op", "tier"))
+#: A put's slices are at most this large (and half the buffer): writing the first slice into the buffer overlaps
+#: nothing, so it is kept short; a KV chunk of 8B-sized models (32 MiB) is one slice
+PUT_SLICE_BYTES = 64 << 20
 
 
 class MooncakeTransfers:
@@ -46,7 +49,7 @@ class MooncakeTransfers:
         buffers = self._buffers
         moving: tuple[list, Moving] | None = None
         try:
-            for part in cut(sizes, max(1, buffers.capacity // 2), buffers.rounded):
+            for part in cut(sizes, max(1, min(buffers.capacity // 2, PUT_SLICE_BYTES)), buffers.rounded):
                 staged, lease = self._stage(items, [todo[j] for j in part], deadline)
                 if moving is not None:
                     last, moving = moving, None
