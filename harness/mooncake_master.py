@@ -171,7 +171,7 @@ from mooncake.store import MooncakeDistributedStore
 metadata, master, segment = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = MooncakeDistributedStore()
 rc = store.setup("127.0.0.1", metadata, segment, 16 << 20, "tcp", "", master)
-print("ready" if rc == 0 else f"setup failed: {rc}", flush=True)
+print(f"ready {store.get_hostname()}" if rc == 0 else f"setup failed: {rc}", flush=True)
 sys.stdin.read()  # until the parent closes our stdin
 store.close()
 """
@@ -179,7 +179,9 @@ store.close()
 
 class SegmentHost:
     """A process that only contributes ``segment_bytes`` of its RAM to the pool (a Mooncake client that never
-    puts or gets): the remote memory benchmarks and tests move values to and from."""
+    puts or gets): the remote memory benchmarks and tests move values to and from. ``segment``: its segment's
+    name in the pool (what a put's ``ReplicateConfig.preferred_segment`` names, and replica descriptors'
+    ``transport_endpoint``)."""
 
     def __init__(self, master: MooncakeMaster, segment_bytes: int) -> None:
         env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
@@ -187,10 +189,10 @@ class SegmentHost:
             [sys.executable, "-c", _SEGMENT_HOST, master.metadata_url, master.master_address, str(segment_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        if line != "ready":
+        word, _, self.segment = self.proc.stdout.readline().strip().partition(" ")
+        if word != "ready":
             self.stop()
-            raise RuntimeError(f"segment host did not join the pool: {line or 'exited'}")
+            raise RuntimeError(f"segment host did not join the pool: {word} {self.segment}".strip() or "exited")
 
     def stop(self) -> None:
         """Leave the pool cleanly (its segment, and what it holds, are unmounted at once)."""

@@ -113,12 +113,13 @@ def check_destination(out: torch.Tensor, shape: tuple[int, ...], what: str) -> N
 def decode_into(codec: Codec, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
                 out: torch.Tensor) -> None:
     """Decode ``payload`` into ``out`` with ``codec``'s own ``decode_into`` where it has one, else ``decode``
-    and one copy (a codec registered from outside need not implement it)."""
+    and one copy (a codec registered from outside need not implement it; ``copy_tensors``: streaming stores where
+    the chunk is large)."""
     if isinstance(codec, DecodesInto):
         codec.decode_into(payload, shape, dtype, out)
         return
     check_destination(out, shape, codec.name)
-    out.copy_(codec.decode(payload, shape, dtype))
+    copy_tensors([(out, codec.decode(payload, shape, dtype))])  # raw's view of a network tier's buffer: streamed
 
 
 def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

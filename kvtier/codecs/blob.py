@@ -78,10 +78,16 @@ class BlobHeader:
         return np.frombuffer(blob[at : at + 4 * self.n_tokens], dtype="<u4")
 
 
+#: bytes hashed per call into xxhash, which holds the GIL while it hashes: between pieces the other threads (a
+#: transfer's worker handing back its result, the next window's read) get their turn, not after a whole chunk
+_HASH_PIECE = 4 << 20
+
+
 def _checksum(key: bytes, blob: memoryview) -> bytes:
     h = xxhash.xxh3_128(key)
     h.update(blob[:_CHECKSUM_AT])
-    h.update(blob[_CHECKSUM_END:])
+    for at in range(_CHECKSUM_END, len(blob), _HASH_PIECE):
+        h.update(blob[at : at + _HASH_PIECE])
     return h.digest()
 
 

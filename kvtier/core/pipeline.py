@@ -37,8 +37,9 @@ all checked first and then copied in one call, with no Python work between the c
 Store: chunks are encoded window by window on the pool while the calling thread hands finished windows to
 ``tier.put`` in order, so encoding window i+1 overlaps writing window i, and windows encode in parallel. A
 codec that only copies (raw: the tier's ``put`` does the one copy) is put window by window from the
-calling thread, and into a tier in this process's memory as one put, which the memory tier writes with its
-copies in one call.
+calling thread, into a tier in this process's memory as one put, which the memory tier writes with its
+copies in one call, and into a ``BoundedGets`` tier in puts as large as one of its gets (the Mooncake tier
+writes each slice of a put into its buffer while the last one moves).
 """
 
 from __future__ import annotations
@@ -283,6 +284,10 @@ class Pipeline:
             windows = [missing[start : start + per] for start in range(0, len(missing), per)]
         elif _copies_only(tier):
             windows = [missing]
+        elif _codec_copies_only(tier) and (most := self.per_get(tier)) is not None:
+            # a bounded tier cuts its puts into slices itself and writes the next while the last one moves (the
+            # Mooncake tier): windows as large as one of its gets, so that overlap spans them
+            windows = [missing[start : start + most] for start in range(0, len(missing), most)]
         else:
             windows = list(self.windows(missing, grow=False, most=self.per_get(tier)))
         done: list[int] = []

@@ -67,6 +67,10 @@ class RegisteredBuffers:
         """The arena's bytes: the most one batch can hold (each size rounded up to 64 bytes)."""
         return self._alloc.capacity
 
+    def rounded(self, nbytes: int) -> int:
+        """The room a value of ``nbytes`` takes in the arena (at least 1 byte, rounded up to 64)."""
+        return self._alloc.rounded(max(nbytes, 1))
+
     def take(self, sizes: Sequence[int], deadline: float, load: bool = False) -> Lease:
         """A slot for each size. A batch that fits the arena at all waits, until ``deadline`` (monotonic), for
         the whole batch to fit in what is free; past it, and at once for a batch larger than the arena, each

@@ -99,6 +99,20 @@ def _free_memory(device: str) -> int:
 StageTimer = Callable[[str, str, float], None]
 
 
+class Moving:
+    """A transfer under way, holding one of its client's turns until ``wait`` returns (see MooncakeClient)."""
+
+    def __init__(self, pending: Pending[list[int]], turns: Turns) -> None:
+        self._pending, self._turns = pending, turns
+
+    def wait(self, deadline: float) -> list[int]:
+        """The call's codes, its exception, or CallTimedOut once ``deadline`` passes (the call then goes on)."""
+        try:
+            return self._pending.wait(deadline)
+        finally:
+            self._turns.release()
+
+
 class MooncakeClient:
     """A ``MooncakeDistributedStore`` of this process. ``on_joined`` runs once it has joined the pool; ``timed``,
     if given, receives each transfer's ``turn`` (waiting for one of ``max_transfers``), ``start`` (from a worker
@@ -209,16 +223,24 @@ class MooncakeClient:
         """Per key: the bytes written at its address, or a negative error code."""
         return self._transfer("get", self._store.batch_get_into, keys, ptrs, sizes, deadline, on_late)
 
-    def put_from(self, keys: list[str], ptrs: list[int], sizes: list[int], deadline: float,
-                 on_late: Callable[[Any], None]) -> list[int]:
-        """Per key: 0 stored (or already there), or a negative error code."""
-        return self._transfer("put", self._store.batch_put_from, keys, ptrs, sizes, deadline, on_late)
+    def start_put(self, keys: list[str], ptrs: list[int], sizes: list[int], deadline: float,
+                  on_end: Callable[[], None]) -> Moving:
+        """Start a put (once one of ``max_transfers`` turns is free, CallNotStarted if none is before
+        ``deadline``) and return at once; ``Moving.wait`` gives per key 0 stored (or already there), or a negative
+        error code. ``on_end`` runs on the worker when the engine's call ends, late or not (where the caller's
+        buffer is released), and only then: not when the call never started."""
+        return self._start("put", self._store.batch_put_from, keys, ptrs, sizes, deadline, on_end=on_end)
 
     def _transfer(self, op: str, fn: Callable[..., list[int]], keys: list[str], ptrs: list[int], sizes: list[int],
                   deadline: float, on_late: Callable[[Any], None]) -> list[int]:
         """A batch that moves bytes, once one of ``max_transfers`` turns is free, gets ahead of puts (turns.py;
         CallNotStarted if none is before ``deadline``). The turn ends when the caller stops waiting, so a call
         stuck on a frozen peer holds it up to its deadline, not for as long as the engine takes to give up."""
+        return self._start(op, fn, keys, ptrs, sizes, deadline, on_late=on_late).wait(deadline)
+
+    def _start(self, op: str, fn: Callable[..., list[int]], keys: list[str], ptrs: list[int], sizes: list[int],
+               deadline: float, on_late: Callable[[Any], None] | None = None,
+               on_end: Callable[[], None] | None = None) -> Moving:
         asked = monotonic()
         turn = self._transfers.acquire(op == "get", max(0.0, deadline - asked))
         self._timed(op, "turn", monotonic() - asked)
@@ -228,11 +250,16 @@ class MooncakeClient:
         def ended(call: Pending[Any]) -> None:
             self._timed(op, "start", call.started - call.submitted)
             self._timed(op, "transfer", call.ended - call.started)
+            if on_end is not None:
+                on_end()
 
         try:
-            return self._calls.run(_guarded(fn), keys, ptrs, sizes, deadline=deadline, on_late=on_late, on_end=ended)
-        finally:
+            pending = self._calls.submit(_guarded(fn), keys, ptrs, sizes, deadline=deadline, on_late=on_late,
+                                         on_end=ended)
+        except BaseException:
             self._transfers.release()
+            raise
+        return Moving(pending, self._transfers)
 
     def remove(self, keys: Sequence[str], deadline: float) -> list[int]:
         # force: a read's lease (10 s by default) would refuse the removal of a value that just failed its

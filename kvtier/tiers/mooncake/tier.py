@@ -54,14 +54,15 @@ from kvtier.tiers.metrics import (
     BREAKER_REJECTED,
     SKIPPED_STORES,
     TIER_ERRORS,
-    WRITTEN_BYTES,
 )
-from kvtier.tiers.mooncake.buffers import Lease, RegisteredBuffers
-from kvtier.tiers.mooncake.calls import CallNotStarted, CallTimedOut, DeadlineCalls
+from kvtier.tiers.mooncake.buffers import RegisteredBuffers
+from kvtier.tiers.mooncake.calls import CallTimedOut, DeadlineCalls
 from kvtier.tiers.mooncake.client import MASTER_DOWN, Code, MooncakeClient
 from kvtier.tiers.mooncake.config import MooncakeTierConfig
 from kvtier.tiers.mooncake.control import MooncakeControl
 from kvtier.tiers.mooncake.health import MooncakeHealth
+from kvtier.tiers.mooncake.slices import Spill
+from kvtier.tiers.mooncake.transfers import BUSY, MooncakeTransfers
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +72,6 @@ SEGMENT_BYTES = declare_gauge("kvtier_mooncake_segment_bytes",
                               "Memory this replica contributes to the Mooncake pool.", ("tier",))
 BUFFER_BYTES = declare_gauge("kvtier_mooncake_buffer_bytes",
                              "Registered memory the Mooncake tier moves values through.", ("tier",))
-NO_BUFFER = declare_counter("kvtier_mooncake_no_buffer_total",
-                            "Values not read because the Mooncake tier's transfer buffer was full.", ("tier",))
-BUSY = declare_counter("kvtier_mooncake_busy_total",
-                       "Mooncake calls given up because this replica queued them (other transfers' turns, the "
-                       "transfer buffer) until too little of their deadline was left.", ("op", "tier"))
 STAGE_SECONDS = declare_histogram(
     "kvtier_mooncake_stage_seconds", "Where a Mooncake tier call's time went, by stage: sizes (a get asking the "
     "master for its values' sizes), buffer (waiting for room in the transfer buffer), copy (a put writing its values "
@@ -87,13 +83,15 @@ TRANSFER_FAILURES = declare_counter("kvtier_mooncake_transfer_failures_total",
 
 #: Engine calls in flight at once per tier (requests beyond it wait for a worker, within their deadline).
 WORKERS = 8
+#: Spill memory kept for gets larger than the transfer buffer, at most this many times its size (transfers.py)
+SPILL_KEEP_BUFFERS = 4
 #: The pool's figures in the gauges are at most this old: each refresh is an HTTP request to the master, and
 #: gauges are read on every scrape (and by vLLM's stats channel every second, in every worker).
 GAUGE_STATS_MAX_AGE_S = 5.0
 _POOL_GAUGES = {"master_allocated_bytes": 0, "master_total_capacity_bytes": 1, "master_key_count": 2}
 
 
-class MooncakeTier(MooncakeControl, MooncakeHealth):
+class MooncakeTier(MooncakeTransfers, MooncakeControl, MooncakeHealth):
     """The Tier protocol over a Mooncake Store pool (see the module docstring); ``Controlled`` for clears only
     (control.py says what Mooncake cannot do); joining late and probing the master in health.py."""
 
@@ -118,7 +116,8 @@ class MooncakeTier(MooncakeControl, MooncakeHealth):
         self._lock = threading.Lock()
         self._client = MooncakeClient(config, self._calls, on_joined=self._wake.set, timed=self._timed_stage)
         self._buffers = RegisteredBuffers(config.buffer_bytes, self._client.register)
-        self.max_get_bytes = self._buffers.capacity  #: BoundedGets: one get's values share the transfer buffer
+        self.max_get_bytes = self._buffers.capacity  #: BoundedGets: a get within it is read in one call
+        self._spill = Spill(SPILL_KEEP_BUFFERS * self._buffers.capacity)
         self._metrics.add_gauges(self._gauges)
         if not self._client.join(monotonic() + config.connect_timeout_s):
             log.warning("mooncake tier %s: master %s not reachable yet; misses until it is", self.name,
@@ -145,13 +144,14 @@ class MooncakeTier(MooncakeControl, MooncakeHealth):
     @contextmanager
     def get(self, keys: Sequence[ChunkHash]) -> Iterator[list[memoryview | None]]:
         views: list[memoryview | None] = [None] * len(keys)
-        lease = self._get(keys, views) if keys and self._usable("get") else None
+        releases = self._get(keys, views) if keys and self._usable("get") else []
         handed = monotonic()
         try:
             yield views
         finally:
-            if lease is not None:
-                lease.release()
+            for release in releases:
+                release()
+            if releases:
                 self._timed_stage("get", "held", monotonic() - handed)
 
     def put(self, items: Sequence[tuple[ChunkHash, Payload]]) -> list[bool]:
@@ -167,25 +167,7 @@ class MooncakeTier(MooncakeControl, MooncakeHealth):
         if not self._usable("put"):
             self._skipped("unavailable", len(todo))
             return out
-        sizes = [items[i][1].nbytes for i in todo]
-        asked = monotonic()
-        deadline = asked + self.config.timeout_s + sum(sizes) / self.config.min_rate_bytes
-        lease = self._buffers.take(sizes, deadline)
-        try:
-            copying = monotonic()
-            self._timed_stage("put", "buffer", copying - asked)
-            staged = [(i, slot) for i, slot in zip(todo, lease.slots) if slot is not None]
-            self._skipped("no_buffer", len(todo) - len(staged))
-            for i, slot in staged:
-                items[i][1].write_into(slot.view)
-            self._timed_stage("put", "copy", monotonic() - copying)
-        except BaseException:
-            lease.release()
-            raise
-        if staged:
-            self._send(items, staged, lease, deadline, out)
-        else:
-            lease.release()
+        self._put_slices(items, todo, out)
         return out
 
     def delete(self, keys: Sequence[ChunkHash]) -> None:
@@ -228,89 +210,6 @@ class MooncakeTier(MooncakeControl, MooncakeHealth):
         else:  # tearing the engine down under a call still inside it would crash the process
             log.warning("mooncake tier %s: calls still stuck in the engine at close; leaving this replica's "
                         "segment to the master's client TTL", self.name)
-
-    # -- get and put ---------------------------------------------------------------------------------------
-    def _get(self, keys: Sequence[ChunkHash], views: list[memoryview | None]) -> Lease | None:
-        """Fill ``views`` with the values found; the lease to release when the caller is done (None when
-        nothing is held, including when a late call will release it)."""
-        start = monotonic()
-        names = self._names(keys)
-        try:
-            sizes = self._client.sizes(names, start + self.config.timeout_s)
-        except CallTimedOut as exc:
-            self._timed_out("get", exc)
-            return None
-        except TierError as exc:
-            self._failed("get", exc)
-            return None
-        finally:
-            self._timed_stage("get", "sizes", monotonic() - start)
-        found = [i for i, n in enumerate(sizes) if n is not None and 0 < n <= self.config.max_value_bytes]
-        if not found:
-            return None
-        wanted = [sizes[i] or 0 for i in found]
-        deadline = start + self.config.timeout_s + sum(wanted) / self.config.min_rate_bytes
-        asked = monotonic()
-        lease = self._buffers.take(wanted, deadline, load=True)
-        self._timed_stage("get", "buffer", monotonic() - asked)
-        slots = [(i, slot) for i, slot in zip(found, lease.slots) if slot is not None]
-        if len(slots) < len(found):
-            self._metrics.inc(NO_BUFFER, len(found) - len(slots), tier=self.name)
-        if not slots:
-            lease.release()
-            return None
-        try:
-            codes = self._client.get_into([names[i] for i, _ in slots], [s.ptr for _, s in slots],
-                                          [s.nbytes for _, s in slots], deadline, on_late=lambda _: lease.release())
-        except CallTimedOut as exc:
-            self._timed_out("get", exc)
-            return None  # the call goes on: it releases the lease when it ends
-        except BaseException as exc:
-            lease.release()
-            if isinstance(exc, CallNotStarted):  # this replica is busy, the pool is not at fault
-                self._metrics.inc(BUSY, tier=self.name, op="get")
-                return None
-            if not isinstance(exc, TierError):
-                raise
-            self._failed("get", exc)
-            return None
-        self._judge("get", codes)
-        for (i, slot), code in zip(slots, codes):
-            if 0 < code <= slot.nbytes:
-                views[i] = slot.view[:code]
-        return lease
-
-    def _send(self, items: Sequence[tuple[ChunkHash, Payload]], staged: list, lease: Lease, deadline: float,
-              out: list[bool]) -> None:
-        try:
-            codes = self._client.put_from([self._name(items[i][0]) for i, _ in staged], [s.ptr for _, s in staged],
-                                          [s.nbytes for _, s in staged], deadline, on_late=lambda _: lease.release())
-        except BaseException as exc:
-            if not isinstance(exc, CallTimedOut):  # a call that timed out releases the lease when it ends
-                lease.release()
-            if not isinstance(exc, TierError):
-                raise
-            if isinstance(exc, CallNotStarted) or (isinstance(exc, CallTimedOut) and not self._timed_out("put", exc)):
-                self._skipped("busy", len(staged))  # this replica is busy, the pool is not at fault
-                return
-            if not isinstance(exc, CallTimedOut):
-                self._failed("put", exc)
-            self._skipped("unavailable", len(staged))
-            return
-        lease.release()
-        self._judge("put", codes)
-        for (i, slot), code in zip(staged, codes):
-            if code in (Code.OK, Code.OBJECT_ALREADY_EXISTS):
-                out[i] = True
-                if code == Code.OK:
-                    self._metrics.inc(WRITTEN_BYTES, slot.nbytes, tier=self.name)
-            elif code == Code.NO_AVAILABLE_HANDLE:
-                self._skipped("pool_full")
-            elif code in MASTER_DOWN or code == Code.TRANSFER_FAIL:
-                self._skipped("unavailable")
-            else:
-                self._skipped("refused")
-                log.debug("mooncake tier %s: put refused with code %d", self.name, code)
 
     # -- health --------------------------------------------------------------------------------------------
     def _usable(self, op: str) -> bool:

@@ -1,12 +1,14 @@
-"""Loads larger than the Mooncake tier's transfer buffer, against a real mooncake_master: the cache cuts them into
-gets that fit (BoundedGets), concurrent gets queue for the buffer instead of missing, and a value larger than
-the whole buffer is a miss at once."""
+"""Loads larger than the Mooncake tier's transfer buffer, against a real mooncake_master: the tier moves a get or
+put larger than the buffer in slices that fit, a slice that fails is a miss for its own values only, the cache
+cuts its reads into gets that fit (BoundedGets), concurrent gets queue for the buffer instead of missing, and a
+value larger than the whole buffer is a miss at once."""
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +19,9 @@ from kvtier.codecs import BytesPayload
 from kvtier.core.bounded import blob_bytes
 from kvtier.core.segments import SegmentCache
 from kvtier.tiers import BoundedGets, MooncakeTier, TierContext
+from harness.mooncake_master import MooncakeMaster, SegmentHost
 from harness.process import wait_for
+from tests.tiers.mooncake.conftest import require_mooncake
 from tests.tiers.mooncake.helpers import MiB, tier_config
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype=torch.float16)  # 8 KiB of KV per token
@@ -68,6 +72,72 @@ def test_segments_larger_than_the_buffer_together_are_read_in_gets_that_fit(mast
         got = seg.retrieve(segs)
         assert all(g is not None and torch.equal(g, kv) for g, kv in zip(got, kvs))
         assert no_buffer(cache) == 0
+
+
+def values_of(n: int, size: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def test_a_64_mib_get_and_put_through_a_16_mib_buffer(master):
+    """One put and one get of 64 MiB through a 16 MiB transfer buffer: moved in slices, every value stored and
+    read back byte for byte, the buffer's room all handed back, and the spill memory kept for the next one."""
+    values = values_of(16, 4 * MiB - 4096, seed=4)
+    keys = [bytes([i]) * 32 for i in range(16)]
+    with SegmentHost(master, 96 * MiB):
+        tier = MooncakeTier(tier_config(master, buffer_bytes=16 * MiB, segment_bytes=0),
+                            TierContext(SPEC, Metrics(), "mooncake"))
+        try:
+            assert tier.put([(k, BytesPayload(v)) for k, v in zip(keys, values)]) == [True] * 16
+            for _ in range(2):  # the second get reuses the first one's spill memory
+                with tier.get(keys) as got:
+                    assert [None if v is None else bytes(v) for v in got] == values
+                assert tier._spill.spare_bytes >= 48 * MiB
+            assert tier._metrics.get("kvtier_mooncake_no_buffer_total", tier="mooncake") == 0
+            assert tier._metrics.total("kvtier_skipped_stores_total") == 0
+            assert tier._buffers.largest_free == 16 * MiB
+            tier.delete(keys)
+        finally:
+            tier.close()
+
+
+def test_a_slice_whose_holder_died_is_a_miss_for_its_values_only():
+    """64 MiB read in four slices of 16 MiB; the second slice's values live on a replica that is then killed
+    (the master keeps their metadata: its client TTL is long), so that slice's transfer fails. Its values are
+    misses; the other slices' arrive byte for byte."""
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    require_mooncake()
+    values = values_of(16, 4 * MiB - 4096, seed=5)
+    keys = [bytes([i]) * 32 for i in range(16)]
+    doomed = range(4, 8)  # the second slice of four
+    with MooncakeMaster(args=("--client_ttl=300",)) as master, SegmentHost(master, 64 * MiB) as kept, \
+            SegmentHost(master, 32 * MiB) as dying:
+        tier = MooncakeTier(tier_config(master, buffer_bytes=16 * MiB, segment_bytes=0),
+                            TierContext(SPEC, Metrics(), "mooncake"))
+        writer = MooncakeDistributedStore()  # places each value on the replica the test names
+        assert writer.setup("127.0.0.1", master.metadata_url, 0, 16 * MiB, "tcp", "", master.master_address) == 0
+        try:
+            src = np.frombuffer(b"".join(values), dtype=np.uint8).copy()
+            assert writer.register_buffer(src.ctypes.data, src.nbytes) == 0
+            names = tier._names(keys)
+            for i, name in enumerate(names):
+                config = ReplicateConfig()
+                config.preferred_segment = dying.segment if i in doomed else kept.segment
+                size = len(values[i])
+                assert writer.batch_put_from([name], [src.ctypes.data + i * size], [size], config) == [0]
+            where = writer.batch_get_replica_desc(names)
+            held = [where[n][0].get_memory_descriptor().buffer_descriptor.transport_endpoint for n in names]
+            assert [h == dying.segment for h in held] == [i in doomed for i in range(16)], held
+            dying.proc.kill()
+            dying.proc.wait()
+            with tier.get(keys) as got:
+                got = [None if v is None else bytes(v) for v in got]
+            assert got == [None if i in doomed else v for i, v in enumerate(values)]
+            assert tier._buffers.largest_free == 16 * MiB
+        finally:
+            writer.close()
+            tier.close()
 
 
 def test_concurrent_gets_beyond_the_buffer_queue_and_all_arrive(master):
