@@ -105,3 +105,23 @@ def test_restore_writes_only_held_blocks_above_vllms_hit() -> None:
         assert torch.equal(paged.gather(target[g], 192, 256), tokens_of(paged, source[g], 192, 256))
         for b in set(range(24)) - set(target[g][6:]):  # the null block and vLLM's hit (block 5) included
             assert torch.equal(paged.gather([b], 0, BS), before[g][b]), f"group {g} block {b} was written"
+
+
+def test_paged_groups_read_each_group_in_layer_order() -> None:
+    from kvtier.integrations.vllm.groups import GroupLayout, paged_groups
+
+    layers = vllm_layers("LBHNC", 4, 8, HEADS, BS, DIM, torch.float32)
+    caches = {f"model.layers.{i}.attn": t for i, t in enumerate(layers)}
+    paged, windows, spec = paged_groups(group_layout(config(full())), {"model.layers.0.attn": layers[0]}, BS,
+                                        rows_split=False)
+    assert windows is None and spec == paged.spec and spec.num_layers == 1
+    layout = GroupLayout(1, (0, 2), 96, (("model.layers.2.attn", "model.layers.0.attn"), ("model.layers.1.attn",),
+                                         ("model.layers.3.attn",)))
+    paged, windows, spec = paged_groups(layout, caches, BS, rows_split=False)
+    def ptr(layer: torch.Tensor) -> int:
+        return PagedKV([layer], BS, rows_split=False).views[0].data_ptr()
+
+    assert paged.spec.num_layers == 1 and paged.views[0].data_ptr() == ptr(layers[1])  # the full-attention group
+    assert [p.spec.num_layers for p in windows.pageds] == [2, 1]
+    assert [v.data_ptr() for v in windows.pageds[0].views] == [ptr(layers[0]), ptr(layers[2])]  # layer order
+    assert spec.attention == paged.spec and spec.states == (windows.state_spec,)

@@ -8,7 +8,6 @@ this class only adapts vLLM's calls to them. See the package docstring for the c
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -23,16 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.api.admin import admin_key_from
 from kvtier.base.errors import ConfigError
-from kvtier.base.state import ModelStateSpec
 from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.admin import AdminServer, token_prompt
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, TierEvents
-from kvtier.integrations.vllm.groups import GroupLayout, WindowKV, group_layout
+from kvtier.integrations.vllm.groups import GroupLayout, group_layout, paged_groups
 from kvtier.integrations.vllm.lookup_socket import LookupClient, socket_path
 from kvtier.integrations.vllm.lookups import Lookups
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta
-from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.prom import KVTierPromMetrics
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierStats, MetricsFeed
@@ -53,14 +50,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
-def _layer_order(name: str) -> tuple[int, str]:
-    match = _LAYER_INDEX.search(name)
-    return (int(match.group(1)) if match else -1, name)
-
-
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered prefix caching for vLLM: loads cached prefixes (asynchronously by default), saves prompt chunks as
     prefill computes them and the rest when a request finishes. Supports vLLM's hybrid KV cache manager: a
@@ -120,21 +109,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.groups.ssm:
             return  # served uncached (see __init__): no cache, no lookups, no transfers
         set_workers_on_host(self.tp_size)  # a rank cannot see its siblings' cores: kvtier's threads stay put
-        split = current_platform.is_cpu()
-        groups = self.groups
-
-        def paged_of(names: Iterable[str]) -> PagedKV:
-            return PagedKV([kv_caches[n] for n in sorted(names, key=_layer_order)], self.block_size, rows_split=split)
-
-        if not groups.hybrid:
-            paged, windows = paged_of(kv_caches), None
-            spec: Any = paged.spec
-        else:
-            windows = WindowKV([paged_of(groups.layers[g]) for g in groups.windows], groups.window, self.block_size)
-            full = paged_of(groups.layers[groups.full]) if groups.full is not None else None
-            paged = full or windows.pageds[0]  # without a full-attention group only synchronised, never read
-            spec = ModelStateSpec(full.spec if full is not None else None, (windows.state_spec,))
-        layers = sum(len(names) for names in groups.layers) if groups.hybrid else len(kv_caches)
+        paged, windows, spec = paged_groups(self.groups, kv_caches, self.block_size,
+                                            rows_split=current_platform.is_cpu())
         rank = get_tensor_model_parallel_rank()
         cache = KVCache(spec, self.model_id, self.config.cache, tp_rank=rank, tp_size=self.tp_size)
         path = socket_path(self.config.socket_dir, self.engine_id, rank)
@@ -147,7 +123,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._tier_events = TierEvents(cache, self.config.event_media)
         if self.config.metrics_port is not None:
             self._metrics_server = self._admin_server(cache, rank)
-        log.info("kvtier: %d layers, spec %s, tiers %s", layers, spec, [t.name for t in cache.tiers])
+        log.info("kvtier: %d layers, spec %s, tiers %s", len(kv_caches), spec, [t.name for t in cache.tiers])
 
     def _admin_server(self, cache: KVCache, rank: int) -> AdminServer:
         from vllm.tokenizers.registry import cached_tokenizer_from_config

@@ -20,18 +20,26 @@ computes the prompt's last token): it keeps the blocks from ``(end - window + 1)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvtier.base.errors import ConfigError
-from kvtier.base.state import StateKind, StateSpec
+from kvtier.base.layout import KVSpec
+from kvtier.base.state import ModelStateSpec, StateKind, StateSpec
 from kvtier.integrations.vllm.paged import PagedKV
 
 #: vLLM's null block: the first block of its pool (``BlockPool``), standing in for freed out-of-window blocks
 NULL_BLOCK = 0
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    match = _LAYER_INDEX.search(name)
+    return (int(match.group(1)) if match else -1, name)
 
 
 @dataclass(frozen=True)
@@ -142,3 +150,21 @@ class WindowKV:
                 if b > run:
                     paged.scatter(table, run * bs, layers[:, :, run * bs - base : b * bs - base])
                 run = b + 1
+
+
+def paged_groups(layout: GroupLayout, kv_caches: Mapping[str, torch.Tensor], block_size: int, *,
+                 rows_split: bool) -> tuple[PagedKV, WindowKV | None, KVSpec | ModelStateSpec]:
+    """A worker's paged KV by group: the layers read as KV chunks (every layer, in layer order, unless the
+    hybrid manager is on: then the full-attention group's, or for a model whose every layer slides any group,
+    which is then only synchronised, never read), the sliding-window groups, and the KVCache's spec."""
+
+    def paged_of(names) -> PagedKV:
+        return PagedKV([kv_caches[n] for n in sorted(names, key=_layer_order)], block_size, rows_split=rows_split)
+
+    if not layout.hybrid:
+        paged = paged_of(kv_caches)
+        return paged, None, paged.spec
+    windows = WindowKV([paged_of(layout.layers[g]) for g in layout.windows], layout.window, block_size)
+    full = paged_of(layout.layers[layout.full]) if layout.full is not None else None
+    spec = ModelStateSpec(full.spec if full is not None else None, (windows.state_spec,))
+    return full or windows.pageds[0], windows, spec
