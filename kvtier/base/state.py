@@ -46,6 +46,9 @@ class StateKind(enum.Enum):
     ATTENTION_KV = "attention_kv"  #: attention K and V, stored per chunk
     CONV = "conv"  #: the last kernel-width inputs of each SSM layer's causal convolution, per boundary
     SSM = "ssm"  #: each SSM layer's recurrent state, per boundary
+    #: each sliding-window attention layer's K and V of the window before a boundary, per boundary (an engine
+    #: that frees KV outside the window keeps nothing else a later request could continue from)
+    WINDOW = "window"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from kvtier.base.errors import ConfigError, InvalidArgument, KVTierError
 from kvtier.base.keys import NO_EXTRAS, ChunkHash, ExtraKeys, Namespace, Tokens, token_array
 from kvtier.base.layout import KVSpec
 from kvtier.base.metrics import Metrics
-from kvtier.base.state import ModelStateSpec
+from kvtier.base.state import ModelStateSpec, StateKind
 from kvtier.core.chain import TierChain
 from kvtier.core.config import CacheConfig
 from kvtier.core.control import CacheControl
@@ -286,11 +286,21 @@ class KVCache:
         return self.chain.locate(keys)
 
     # -- state beyond attention KV (SSM layers; see kvtier.base.state) ---------------------------------------------
-    def store_states(self, tokens: Tokens, snapshots: dict[int, Snapshot], *, salt: bytes = b"") -> int:
+    def store_states(self, tokens: Tokens, snapshots: dict[int, Snapshot], *, salt: bytes = b"",
+                     extras: ExtraKeys = NO_EXTRAS) -> int:
         """Store state snapshots ``{k: {kind: tensor}}``, each taken after the first ``k`` full chunks of
-        ``tokens``; store their KV chunks with ``store``. Returns how many boundaries were newly stored."""
+        ``tokens``; store their KV chunks with ``store``. Returns how many boundaries were newly stored.
+        ``extras``: as for ``keys``."""
         token_ids = token_array(tokens)
-        return self._states.store(self.keys(token_ids, salt=salt), token_ids, snapshots)
+        return self._states.store(self.keys(token_ids, salt=salt, extras=extras), token_ids, snapshots)
+
+    def retrieve_snapshot(self, keys: Sequence[ChunkHash], boundary: int,
+                          token_ids: np.ndarray) -> dict[StateKind, torch.Tensor] | None:
+        """Every state kind's snapshot at ``boundary`` (in chunks) of the chain ``keys`` (from ``keys``, whose
+        tokens ``token_ids`` cover that boundary), verified and copied out of the tiers; None if any kind is
+        missing or fails verification (a miss: the failed blob is deleted and counted). Loads no KV."""
+        with self.metrics.timer(RETRIEVE_SECONDS):
+            return self._states.load(keys, boundary, token_ids)
 
     def retrieve_states(self, tokens: Tokens, *, salt: bytes = b"", max_tokens: int | None = None) -> PrefixState:
         """Restore the longest prefix of ``tokens`` (at most ``max_tokens``) whose attention KV and state

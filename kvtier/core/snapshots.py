@@ -66,6 +66,10 @@ class NoStates:
     def store(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, snapshots: Mapping[int, Snapshot]) -> int:
         raise ConfigError("this model keeps no state beyond attention KV: use store()")
 
+    def load(self, keys: Sequence[ChunkHash], boundary: int,
+             token_ids: np.ndarray) -> dict[StateKind, torch.Tensor] | None:
+        raise ConfigError("this model keeps no state beyond attention KV: use retrieve()")
+
 
 class StateSnapshots:
     """Snapshot storage for one KVCache, in its chain of tiers. Keeps no state besides the tiers."""
@@ -110,12 +114,12 @@ class StateSnapshots:
         for boundary in candidates:
             if boundary > intact:
                 continue
-            states = self._load(keys, boundary, token_ids)
+            states = self.load(keys, boundary, token_ids)
             if states is not None:
                 return PrefixState(boundary * size, None if kv is None else kv[:, :, : boundary * size], states)
         return PrefixState()
 
-    def _load(self, keys: Sequence[ChunkHash], boundary: int,
+    def load(self, keys: Sequence[ChunkHash], boundary: int,
               token_ids: np.ndarray) -> dict[StateKind, torch.Tensor] | None:
         """Every kind's verified snapshot at ``boundary`` (chunks; ``keys`` are the request's chunk keys), or None."""
         tokens = token_ids[(boundary - 1) * self.chunk_size : boundary * self.chunk_size]

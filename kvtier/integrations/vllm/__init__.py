@@ -1,4 +1,5 @@
-"""kvtier as a vLLM KV connector (vLLM 0.32, ``KVConnectorBase_V1``).
+"""kvtier as a vLLM KV connector (vLLM 0.32, ``KVConnectorBase_V1`` and ``SupportsHMA``: the hybrid KV cache manager
+stays on).
 
 Load it with::
 

@@ -23,6 +23,9 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
   still running a quarter of the way to its deadline (starved by other processes) ends the niceness for good,
   where the OS allows lowering it (root, CAP_SYS_NICE).
 * ``lookup_timeout_s``: a request's first lookup not answered this long after the request arrived is a miss.
+* ``state_snapshots``: for models with sliding-window layers (vLLM's hybrid KV cache manager), the chunk
+  boundaries whose windows are stored (kvtier.base.state.SnapshotPolicy); default ``every``: a window costs at
+  most a chunk of those layers, and a prompt can hit only at a boundary with one.
 * ``event_media``: ``{tier name: medium}``, the medium each tier's events carry in vLLM's KV events (when
   ``--kv-events-config`` enables them) over the defaults (``memory`` -> ``CPU``, ``disk`` -> ``DISK``, a shared
   store -> ``SHARED``, any other tier its name in capitals: kvtier.integrations.vllm.events).
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.base.errors import ConfigError
+from kvtier.base.state import SnapshotPolicy
 from kvtier.core.config import CacheConfig
 
 _OWN_KEYS = ("model_id", "socket_dir", "metrics_host", "admin_key_file")
@@ -55,6 +59,9 @@ class ConnectorConfig:
     lookup_timeout_s: float = 1.0
     event_media: dict[str, str] | None = None
     load_nice: int = 19
+    #: the chunk boundaries whose sliding windows are stored (models with sliding-window layers): every one,
+    #: unless ``state_snapshots`` is given
+    window_snapshots: SnapshotPolicy = SnapshotPolicy(interval=1, last=False)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -79,20 +86,10 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.load_nice must be an integer from 0 to 19, got {nice!r}")
         timeouts = {key: _seconds(key, values.pop(key)) for key in ("load_timeout_s", "lookup_timeout_s")
                     if key in values}
-        return cls(cache=CacheConfig.from_dict(values), metrics_port=port, load_mode=mode, event_media=media,
-                   load_nice=nice, **timeouts, **own)
-
-    @staticmethod
-    def check_model(model_config: Any) -> None:
-        """Refuse models whose layers keep recurrent state (Mamba, hybrids): the connector moves attention KV
-        only, and vLLM 0.32 gives a connector no SSM state at chunk boundaries to store or restore."""
-        if model_config.has_inner_state or model_config.is_hybrid or model_config.is_attention_free:
-            arch = ", ".join(getattr(model_config, "architectures", None) or [str(model_config.model)])
-            raise ConfigError(
-                f"KVTierConnector supports attention-only models; {arch} keeps SSM (Mamba) state, which this "
-                "connector cannot cache on vLLM 0.32. Serve it without --kv-transfer-config, or with "
-                "`kvtier serve`, which caches SSM and hybrid models exactly"
-            )
+        cache = CacheConfig.from_dict(values)
+        windows = {"window_snapshots": cache.state_snapshots} if "state_snapshots" in values else {}
+        return cls(cache=cache, metrics_port=port, load_mode=mode, event_media=media, load_nice=nice, **timeouts,
+                   **windows, **own)
 
     def check_block_size(self, block_size: int) -> None:
         """Chunks must be whole vLLM blocks: a chunk is loaded and reported (on failure) block by block."""

@@ -8,7 +8,6 @@ this class only adapts vLLM's calls to them. See the package docstring for the c
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvtier.api.admin import admin_key_from
@@ -25,14 +26,15 @@ from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.admin import AdminServer, token_prompt
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, TierEvents
+from kvtier.integrations.vllm.groups import GroupLayout, group_layout, paged_groups
 from kvtier.integrations.vllm.lookup_socket import LookupClient, socket_path
 from kvtier.integrations.vllm.lookups import Lookups
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta
-from kvtier.integrations.vllm.paged import PagedKV
 from kvtier.integrations.vllm.prom import KVTierPromMetrics
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.stats import KVTierStats, MetricsFeed
 from kvtier.integrations.vllm.threads import set_workers_on_host
+from kvtier.integrations.vllm.uncached import UncachedScheduler
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -48,39 +50,42 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
-def _layer_order(name: str) -> tuple[int, str]:
-    match = _LAYER_INDEX.search(name)
-    return (int(match.group(1)) if match else -1, name)
-
-
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered prefix caching for vLLM: loads cached prefixes (asynchronously by default), saves prompt chunks as
-    prefill computes them and the rest when a request finishes."""
+    prefill computes them and the rest when a request finishes. Supports vLLM's hybrid KV cache manager: a
+    full-attention group is cached as KV chunks, sliding-window groups as window snapshots (groups.py)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
-        self.config.check_model(vllm_config.model_config)
         self.block_size = vllm_config.cache_config.block_size
-        self.config.check_block_size(self.block_size)
+        self.groups: GroupLayout = group_layout(kv_cache_config)
+        if not self.groups.ssm:  # a model served uncached moves no chunk
+            self.config.check_block_size(self.block_size)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("KVTierConnector does not support pipeline parallelism yet")
         self.tp_size = parallel.tensor_parallel_size
+        if self.groups.windows and self.config.load_mode != "async":
+            raise ConfigError("KVTierConnector loads models with sliding-window layers asynchronously only (vLLM "
+                              "takes a failed load of several KV cache groups per request): drop load_mode 'sync'")
         self.engine_id = str(transfer.engine_id)
         model = vllm_config.model_config
         self.model_id = self.config.model_id or f"{model.model}@{model.revision or 'main'}"
-        self._scheduler: SchedulerSide | None = None
+        self._scheduler: SchedulerSide | UncachedScheduler | None = None
         self._worker: WorkerSide | None = None
         self._feed: MetricsFeed | None = None
         self._tier_events: TierEvents | None = None  # worker side, rank 0: kvtier's tier events for vLLM's
         self._scheduler_events = SchedulerEvents()  # scheduler side: what the workers sent
         self._metrics_server: AdminServer | None = None  # worker side: /metrics and the admin API
-        if role == KVConnectorRole.SCHEDULER:
+        if self.groups.ssm:
+            arch = ", ".join(getattr(model, "architectures", None) or [str(model.model)])
+            log.warning("kvtier: %s keeps SSM (Mamba) state, which KVTierConnector cannot restore in vLLM yet: "
+                        "it is served uncached (every request computed as by vLLM alone)", arch)
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = UncachedScheduler()
+        elif role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 # A kvtier miss or corrupt chunk is always recomputable; failing the request would be wrong.
                 log.info("kvtier: setting kv_load_failure_policy to 'recompute'")
@@ -89,7 +94,8 @@ class KVTierConnector(KVConnectorBase_V1):
             lookups = Lookups(LookupClient(paths), self.config.lookup_timeout_s)
             self._scheduler = SchedulerSide(self.config.cache.chunk_size, self.block_size, lookups,
                                             load_async=self.config.load_mode == "async",
-                                            load_timeout_s=self.config.load_timeout_s, tp_size=self.tp_size)
+                                            load_timeout_s=self.config.load_timeout_s, tp_size=self.tp_size,
+                                            groups=self.groups, snapshots=self.config.window_snapshots)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -100,23 +106,24 @@ class KVTierConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
 
+        if self.groups.ssm:
+            return  # served uncached (see __init__): no cache, no lookups, no transfers
         set_workers_on_host(self.tp_size)  # a rank cannot see its siblings' cores: kvtier's threads stay put
-        layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
-        paged = PagedKV(layers, self.block_size, rows_split=current_platform.is_cpu())
+        paged, windows, spec = paged_groups(self.groups, kv_caches, self.block_size,
+                                            rows_split=current_platform.is_cpu())
         rank = get_tensor_model_parallel_rank()
-        cache = KVCache(paged.spec, self.model_id, self.config.cache, tp_rank=rank, tp_size=self.tp_size)
+        cache = KVCache(spec, self.model_id, self.config.cache, tp_rank=rank, tp_size=self.tp_size)
         path = socket_path(self.config.socket_dir, self.engine_id, rank)
         # a lookup never covers more than a whole request: a longer one is not the scheduler asking
         self._worker = WorkerSide(paged, cache, path, self._vllm_config.model_config.max_model_len,
-                                  self.config.load_timeout_s, self.config.load_nice)
+                                  self.config.load_timeout_s, self.config.load_nice, windows=windows)
         self._feed = MetricsFeed(cache.metrics)
         events = self._vllm_config.kv_events_config
         if rank == 0 and events is not None and events.enable_kv_cache_events:
             self._tier_events = TierEvents(cache, self.config.event_media)
         if self.config.metrics_port is not None:
             self._metrics_server = self._admin_server(cache, rank)
-        log.info("kvtier: %d layers, spec %s, tiers %s", len(layers), paged.spec,
-                 [t.name for t in cache.tiers])
+        log.info("kvtier: %d layers, spec %s, tiers %s", len(kv_caches), spec, [t.name for t in cache.tiers])
 
     def _admin_server(self, cache: KVCache, rank: int) -> AdminServer:
         from vllm.tokenizers.registry import cached_tokenizer_from_config
@@ -135,7 +142,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVTierMetadata) and self._worker is not None
+        assert isinstance(meta, KVTierMetadata)
+        if self._worker is None:
+            return  # a model served uncached
         self._worker.submit_saves(meta.saves, meta.delayed)
         for spec in meta.loads:
             if spec.timeout_s is None:  # synchronous: before this step's forward pass
@@ -151,12 +160,21 @@ class KVTierConnector(KVConnectorBase_V1):
         return  # saves read finished requests' blocks on a background thread (see worker.py)
 
     def wait_for_save(self) -> None:
-        return  # nothing to wait for: saved blocks stay allocated until get_finished reports them
+        # after the forward pass: sliding windows are copied now, before the next step frees their blocks; other
+        # saved blocks stay allocated until get_finished reports them
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KVTierMetadata) and meta.windows:
+            self._worker.snapshot_windows(meta.windows)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
         return (self._worker.finished_saves() or None), (self._worker.finished_loads(finished_req_ids) or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
@@ -201,7 +219,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.close()
             self._worker = None
         if self._scheduler is not None:
-            self._scheduler.lookups.close()
+            self._scheduler.close()
 
     # ==============================  scheduler side  ==============================
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -218,7 +236,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -230,6 +248,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler_events.add(connector_output.kv_cache_events)
         if connector_output.invalid_block_ids:
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+        if connector_output.failed_recving:
+            self._scheduler.loads_failed(set(connector_output.failed_recving))
         if connector_output.finished_recving:
             self._scheduler.loads_done(set(connector_output.finished_recving))
         meta = connector_output.kv_connector_worker_meta
@@ -238,3 +258,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.finished(request, block_ids), None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid manager: only the full-attention group's blocks are saved from here (windows were
+        copied as the prompt was computed)."""
+        full = self.groups.full
+        return self.request_finished(request, block_ids[full] if full is not None else [])

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.base.state import StateKind
 from kvtier.core.cache import KVCache
+from kvtier.integrations.vllm.groups import WindowKV
 from kvtier.integrations.vllm.metadata import LoadSpec, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink
 from kvtier.integrations.vllm.threads import name_os_thread
@@ -66,6 +68,8 @@ def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
     tokens, size = unpack_tokens(spec.tokens), cache.chunk_size
     skip = spec.first_token // size
     chain = cache.keys(tokens, salt=spec.salt, extras=unpack_extras(spec.extras))
+    if spec.window_block_ids:
+        return _retrieve_windowed(cache, chain, tokens, skip, sink)
     keys = chain[skip:]
     if not keys:
         return skip * size
@@ -73,6 +77,25 @@ def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
     if skip and good:  # the request used its whole chain: its root must not leave a tier before the chunks read
         cache.chain.order_chain(chain[: skip + good])
     return (skip + good) * size
+
+
+def _retrieve_windowed(cache: KVCache, chain: list, tokens, skip: int, sink) -> int:
+    """A load with sliding-window groups: all or nothing at the boundary that ends ``chain``. Its window snapshot
+    first (a miss or a corrupt one: nothing beyond vLLM's own hit is loaded), then the full-attention chunks from
+    ``skip`` on, then the window into its blocks (``sink.write_window``). Returns as ``retrieve_spec`` does."""
+    size, boundary = cache.chunk_size, len(chain)
+    snapshot = cache.retrieve_snapshot(chain, boundary, tokens)
+    if snapshot is None:
+        return skip * size
+    good = boundary - skip
+    if cache.spec is not None:  # a model whose every layer slides has no full-attention chunks
+        good = cache.retrieve_keyed(chain[skip:], tokens[skip * size : boundary * size], _Shifted(sink, skip * size))
+    if skip + good < boundary:
+        return (skip + good) * size
+    sink.write_window(boundary * size, snapshot[StateKind.WINDOW])
+    if skip and cache.spec is not None:
+        cache.chain.order_chain(chain)
+    return boundary * size
 
 
 @dataclass
@@ -88,6 +111,7 @@ class _Load:
     closed: bool = False
     reason: str = ""
     written: set[int] = field(default_factory=set)  # start tokens of the chunks written
+    windows: WindowKV | None = None  # the sliding-window groups (loads with window_block_ids)
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
         with self.lock:
@@ -98,6 +122,13 @@ class _Load:
 
     def settle(self) -> None:
         self.sink.settle()
+
+    def write_window(self, boundary: int, snapshot: torch.Tensor) -> None:
+        with self.lock:
+            if self.closed or self.windows is None:
+                raise _Closed(self.spec.req_id)
+            self.windows.restore(self.spec.window_block_ids, boundary, self.spec.first_token, self.spec.end,
+                                 snapshot)
 
     def close(self, reason: str) -> bool:
         """Stop writes; False if it was closed already (then someone else reports it)."""
@@ -118,10 +149,13 @@ class _Load:
 class AsyncLoads:
     """This rank's asynchronous loads: ``submit`` from ``start_load_kv``, ``finished`` from ``get_finished``."""
 
-    def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float, *, nice: int = 0) -> None:
+    def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float, *, nice: int = 0,
+                 windows: WindowKV | None = None) -> None:
         """``nice``: the loading thread's niceness (Linux, per thread); threads it starts inherit it. The first
-        load still running a quarter of the way to its deadline ends the niceness (``_unnice``)."""
-        self.paged, self.cache = paged, cache
+        load still running a quarter of the way to its deadline ends the niceness (``_unnice``). ``windows``: the
+        sliding-window groups, for loads that restore them."""
+        self.paged, self.cache, self.windows = paged, cache, windows
+        self.failed: set[str] = set()  #: loads with window groups that fell short (reported per request)
         self.default_timeout_s, self.nice = default_timeout_s, nice
         self._queue: queue.Queue[_Load | None] = queue.Queue()
         self._active: dict[str, _Load] = {}  # submitted, not reported yet (main thread only)
@@ -136,7 +170,7 @@ class AsyncLoads:
         timeout = spec.timeout_s if spec.timeout_s is not None else self.default_timeout_s
         now = time.monotonic()
         load = _Load(spec, PagedSink(self.paged, spec.block_ids, spec.first_token), self.cache.chunk_size,
-                     now + timeout, now + timeout / 4)
+                     now + timeout, now + timeout / 4, windows=self.windows)
         self._active[spec.req_id] = load
         self._queue.put(load)
 
@@ -195,10 +229,17 @@ class AsyncLoads:
         spec, bs = load.spec, self.paged.block_size
         loaded = max(min(got, spec.end) - spec.first_token, 0)
         bad = spec.block_ids[max(got, spec.first_token) // bs : -(-spec.end // bs)] if got < spec.end else []
+        failed = bool(spec.window_block_ids) and got < spec.end
+        if failed:  # block ids are unique only within a group: vLLM takes a failed request and recomputes it all
+            self.failed.add(spec.req_id)
+            loaded, bad = 0, []
         with self._lock:
             self._counts.update(loaded_tokens=loaded, failed_blocks=len(bad),
-                                expired_loads=int(load.reason == "deadline"))
+                                expired_loads=int(load.reason == "deadline"), failed_loads=int(failed))
             self.totals.update([load.reason], loaded_tokens=loaded, failed_blocks=len(bad))
+        if failed and load.reason != "aborted":
+            log.warning("kvtier: request %s: its window snapshot or chunks did not arrive verified (%s); vLLM "
+                        "recomputes it", spec.req_id, load.reason)
         if bad and load.reason != "aborted":
             log.warning("kvtier: request %s got %d of %d promised tokens (%s); %d blocks will be recomputed",
                         spec.req_id, loaded, spec.end - spec.first_token, load.reason, len(bad))

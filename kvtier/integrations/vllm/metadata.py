@@ -51,6 +51,26 @@ class LoadSpec:
     end: int
     timeout_s: float | None = None
     extras: bytes = b""
+    #: with sliding-window KV cache groups (vLLM's hybrid manager): each such group's block table; ``block_ids``
+    #: is then the full-attention group's (empty for a model whose every layer slides). Such a load restores the
+    #: window snapshot at the end of ``tokens`` and reports a failure per request, not per block.
+    window_block_ids: tuple[list[int], ...] = ()
+
+
+@dataclass(frozen=True)
+class WindowSave:
+    """After this step's forward pass, copy the sliding-window groups' windows before ``boundaries`` (tokens, at
+    chunk boundaries, ascending) out of ``block_ids`` (one table per sliding-window group, as this step holds
+    them: vLLM frees blocks that leave the window when it schedules the next step) and store them as snapshots
+    under the chain of ``tokens`` (the request's tokens up to the last boundary). ``salt``, ``extras`` as for
+    LoadSpec."""
+
+    req_id: str
+    tokens: bytes
+    salt: bytes
+    boundaries: list[int]
+    block_ids: tuple[list[int], ...]
+    extras: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,8 @@ class KVTierMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     #: finished requests whose blocks vLLM keeps until the worker reports them done saving
     delayed: set[str] = field(default_factory=set)
+    #: sliding-window snapshots to take after this step's forward pass
+    windows: list[WindowSave] = field(default_factory=list)
 
 
 @dataclass

@@ -15,6 +15,11 @@
   computed full chunks do. ``finished`` returns True (vLLM keeps the blocks) while a job of the request is not
   over on every rank; the workers then report the request in ``finished_sending``. A job's chunks count as in
   flight until every rank reported the job over (``KVTierWorkerMeta``).
+* Sliding-window groups (vLLM's hybrid manager, groups.py): the full-attention group's blocks are saved and
+  loaded as above; the windows before the prompt's chunk boundaries that a step computes (those the snapshot
+  policy picks) become a ``WindowSave`` in that step's metadata, copied by the workers right after its forward
+  pass (the next step frees blocks that left the window). A load restores the window at its last boundary too;
+  one that falls short is reported per request (``loads_failed``), and vLLM recomputes that request whole.
 * Keys: a request's tokens plus what else vLLM keys its blocks with (inputs.py: LoRA, cache salt, multimodal
   inputs, prompt embeddings), read once per request. A request with an input kvtier cannot key is neither
   looked up, loaded nor stored; ``uncached`` counts such requests by kind, and each kind is logged once.
@@ -28,6 +33,8 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from kvtier.base.keys import ChunkHash, ExtraKeys, chunk_hashes
+from kvtier.base.state import SnapshotPolicy
+from kvtier.integrations.vllm.groups import SINGLE_GROUP, GroupLayout
 from kvtier.integrations.vllm.inputs import Unkeyable, request_extras, request_salt, unhandled_fields
 from kvtier.integrations.vllm.lookups import Lookups
 from kvtier.integrations.vllm.metadata import (
@@ -35,6 +42,7 @@ from kvtier.integrations.vllm.metadata import (
     KVTierWorkerMeta,
     LoadSpec,
     SaveSpec,
+    WindowSave,
     pack_extras,
     pack_tokens,
 )
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+EVERY_BOUNDARY = SnapshotPolicy(interval=1, last=False)
 
 
 def request_ttl(request: Request) -> float | None:
@@ -72,8 +81,12 @@ def request_ttl(request: Request) -> float | None:
 
 class SchedulerSide:
     def __init__(self, chunk_size: int, block_size: int, lookups: Lookups, *, load_async: bool = True,
-                 load_timeout_s: float = 30.0, tp_size: int = 1) -> None:
+                 load_timeout_s: float = 30.0, tp_size: int = 1, groups: GroupLayout = SINGLE_GROUP,
+                 snapshots: SnapshotPolicy = EVERY_BOUNDARY) -> None:
+        """``groups``: vLLM's KV cache groups (groups.py); with sliding-window groups, ``snapshots`` chooses the
+        boundaries whose windows are stored."""
         self.chunk_size, self.block_size = chunk_size, block_size
+        self.groups, self.snapshots = groups, snapshots
         self.lookups = lookups
         self.load_async, self.load_timeout_s, self.tp_size = load_async, load_timeout_s, tp_size
         self.kv_cache_manager: Any = None  # bound by vLLM: a running request's block ids
@@ -103,6 +116,9 @@ class SchedulerSide:
         self._inputs: dict[str, tuple[bytes, ExtraKeys] | None] = {}  # req_id -> (salt, extras); None: uncached
         self.uncached: Counter[str] = Counter()  #: requests not cached, by the kind of input kvtier could not key
         self._uncached_reported: Counter[str] = Counter()
+
+    def close(self) -> None:
+        self.lookups.close()
 
     def take_counters(self) -> list[list[Any]]:
         """How much ``deferred_loads`` and ``ignored_params`` grew since the last call, as KVTierStats counter
@@ -193,7 +209,8 @@ class SchedulerSide:
         self.deferred_loads += 1
         return False
 
-    def after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def after_alloc(self, request: Request, tables: tuple[list[int], ...], num_external_tokens: int) -> None:
+        """``tables``: the request's block ids in every KV cache group."""
         plan = self._plans.pop(request.request_id, None)
         if num_external_tokens <= 0 or plan is None:
             return
@@ -202,18 +219,21 @@ class SchedulerSide:
         if not self.load_async:
             self._sync_loads[request.request_id] = (request, first, end)
             return
-        spec, inputs = self._load_spec(request, block_ids, first, end)
-        self._parked[request.request_id] = max(self._blocks_to_run(request) - len(block_ids), 0)
+        spec, inputs = self._load_spec(request, tables, first, end)
+        held = len(tables[self.groups.full if self.groups.full is not None else self.groups.windows[0]])
+        self._parked[request.request_id] = max(self._blocks_to_run(request) - held, 0) * len(tables)
         keys = self._keys(self._usable(request)[: -(-end // self.chunk_size) * self.chunk_size], inputs)
         keys = keys[first // self.chunk_size :]
         self._loading[request.request_id] = keys
         self._in_flight.update(keys)
         self._ready.append(spec)
 
-    def _load_spec(self, request: Request, block_ids: list[int], first: int,
+    def _load_spec(self, request: Request, tables: tuple[list[int], ...], first: int,
                    end: int) -> tuple[LoadSpec, tuple[bytes, ExtraKeys]]:
-        """The load of tokens ``[first, end)`` into ``block_ids``, and the request's inputs (never None here:
-        ``matched_tokens`` promises no load to a request it cannot key)."""
+        """The load of tokens ``[first, end)`` into the request's blocks (``tables``: per KV cache group), and
+        the request's inputs (never None here: ``matched_tokens`` promises no load to a request it cannot key)."""
+        block_ids = list(tables[self.groups.full]) if self.groups.full is not None else []
+        windows = tuple(list(tables[g]) for g in self.groups.windows)
         read_end = -(-end // self.chunk_size) * self.chunk_size
         self._load_blocks[request.request_id] = set(block_ids[first // self.block_size : -(-end // self.block_size)])
         tokens = pack_tokens(list(request.all_token_ids[:read_end]))
@@ -221,7 +241,7 @@ class SchedulerSide:
         inputs = self._request_inputs(request)
         assert inputs is not None
         salt, extras = inputs
-        spec = LoadSpec(request.request_id, tokens, salt, list(block_ids), first, end, timeout, pack_extras(extras))
+        spec = LoadSpec(request.request_id, tokens, salt, block_ids, first, end, timeout, pack_extras(extras), windows)
         return spec, inputs
 
     # -- each step -----------------------------------------------------------------------------------------
@@ -230,11 +250,11 @@ class SchedulerSide:
         self._ready = []
         for new in out.scheduled_new_reqs:
             if new.req_id in self._sync_loads:
-                meta.loads.append(self._sync_spec(new.req_id, new.block_ids[0]))
+                meta.loads.append(self._sync_spec(new.req_id, new.block_ids))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._sync_loads and req_id in cached.resumed_req_ids and cached.new_block_ids[i]:
-                meta.loads.append(self._sync_spec(req_id, cached.new_block_ids[i][0]))
+                meta.loads.append(self._sync_spec(req_id, cached.new_block_ids[i]))
         self._sync_loads.clear()
         self._plans.clear()
         for req_id in out.num_scheduled_tokens:
@@ -246,14 +266,34 @@ class SchedulerSide:
                 if request is not None and req_id not in self._loading:
                     # full prompt chunks computed by earlier steps: this step's forward pass writes none of them
                     limit = min(request.num_computed_tokens, request.num_prompt_tokens)
-                    self._order_save(request, limit, lambda r=req_id: self.kv_cache_manager.get_block_ids(r)[0])
+                    if self.groups.full is not None:
+                        self._order_save(request, limit,
+                                         lambda r=req_id: self.kv_cache_manager.get_block_ids(r)[self.groups.full])
+                    if self.groups.windows:
+                        self._order_windows(meta, request, out.num_scheduled_tokens[req_id])
         meta.saves, self._saves = self._saves, []
         meta.delayed, self._delayed = self._delayed, set()
         return meta
 
-    def _sync_spec(self, req_id: str, block_ids: list[int]) -> LoadSpec:
+    def _sync_spec(self, req_id: str, tables: tuple[list[int], ...]) -> LoadSpec:
         request, first, end = self._sync_loads[req_id]
-        return self._load_spec(request, block_ids, first, end)[0]
+        return self._load_spec(request, tables, first, end)[0]
+
+    def _order_windows(self, meta: KVTierMetadata, request: Request, scheduled: int) -> None:
+        """The windows before the prompt's chunk boundaries that this step computes and the snapshot policy picks
+        (none that the request's hit restored), to copy after this step's forward pass."""
+        inputs = self._request_inputs(request)
+        done, size = request.num_computed_tokens, self.chunk_size
+        upto = min(done + scheduled, request.num_prompt_tokens)
+        hit = self._hits.get(request.request_id, 0) // size
+        chosen = [k * size for k in self.snapshots.boundaries(hit, request.num_prompt_tokens, size)
+                  if done < k * size <= upto]
+        if not chosen or inputs is None:
+            return
+        tables = self.kv_cache_manager.get_block_ids(request.request_id)
+        meta.windows.append(WindowSave(request.request_id, pack_tokens(list(request.all_token_ids[: chosen[-1]])),
+                                       inputs[0], chosen, tuple(list(tables[g]) for g in self.groups.windows),
+                                       pack_extras(inputs[1])))
 
     def _order_save(self, request: Request, n_tokens: int, block_ids) -> None:
         """A save job of the request's full chunks below ``n_tokens`` not held or ordered yet."""
@@ -312,6 +352,13 @@ class SchedulerSide:
         for req_id in req_ids:
             self._in_flight.subtract(self._loading.pop(req_id, ()))
         self._in_flight = +self._in_flight  # drop zero counts
+
+    def loads_failed(self, req_ids: set[str]) -> None:
+        """Loads with window groups that fell short (vLLM recomputes those requests whole): as ``load_failed``."""
+        self.lookups.changed()
+        for req_id in req_ids:
+            self._hits[req_id] = 0
+            self._recompute.add(req_id)
 
     def load_failed(self, block_ids: set[int]) -> None:
         """Blocks a worker could not fill: their requests compute the rest themselves (a second load could fail

@@ -1,10 +1,11 @@
 """Connector statistics in vLLM's own stats channel: logged by vLLM, and exported by its Prometheus endpoint.
 
 Each worker reports, per step: tokens loaded from kvtier into vLLM's blocks, blocks it could not fill
-(recomputed by vLLM), loads cut short by their deadline, tokens newly stored, save jobs over and requests saved
-(logged with vLLM's other KV transfer metrics), plus its KVCache's metrics: how much every counter grew since the
-last report and the current value of every gauge (at most once per ``GAUGE_INTERVAL_S``: a gauge may ask a remote
-store). vLLM sums the reports of its tensor-parallel workers; ``prom.py`` turns them into vLLM Prometheus metrics.
+(recomputed by vLLM), loads cut short by their deadline, tokens newly stored, save jobs over, requests saved and
+loads with sliding-window groups that failed whole (logged with vLLM's other KV transfer metrics), plus its
+KVCache's metrics: how much every counter grew since the last report and the current value of every gauge (at
+most once per ``GAUGE_INTERVAL_S``: a gauge may ask a remote store). vLLM sums the reports of its
+tensor-parallel workers; ``prom.py`` turns them into vLLM Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvtier.base.metrics import MetricKind, Metrics
 
-FIELDS = ("loaded_tokens", "failed_blocks", "expired_loads", "stored_tokens", "save_jobs", "saved_requests")
+FIELDS = ("loaded_tokens", "failed_blocks", "expired_loads", "stored_tokens", "save_jobs", "saved_requests",
+          "failed_loads")
 #: Seconds between two reports of the cache's gauges (counters are reported whenever they moved).
 GAUGE_INTERVAL_S = 1.0
 

@@ -20,13 +20,16 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from kvtier.base.state import StateKind
 from kvtier.core.cache import KVCache
+from kvtier.integrations.vllm.groups import WindowKV
 from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
 from kvtier.integrations.vllm.lookup_socket import LookupLimits, LookupServer
-from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, unpack_extras, unpack_tokens
+from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, WindowSave, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
 from kvtier.integrations.vllm.threads import name_os_thread
 
@@ -48,16 +51,27 @@ class _JobSource(PagedSource):
         return super().chunk(start, end)
 
 
+@dataclass(frozen=True)
+class _Windows:
+    """A WindowSave's snapshots, copied out of vLLM's blocks: ``{boundary in chunks: {WINDOW: tensor}}``."""
+
+    save: WindowSave
+    snapshots: dict[int, dict[StateKind, torch.Tensor]]
+
+
 class WorkerSide:
     def __init__(self, paged: PagedKV, cache: KVCache, socket_path: str, max_lookup_tokens: int,
-                 load_timeout_s: float = 30.0, load_nice: int = 0) -> None:
-        self.paged, self.cache = paged, cache
+                 load_timeout_s: float = 30.0, load_nice: int = 0, windows: WindowKV | None = None) -> None:
+        """``windows``: the sliding-window groups (vLLM's hybrid manager), whose windows are stored as snapshots;
+        ``paged`` is then the full-attention group (any group for a model whose every layer slides: its blocks are
+        only synchronised, never read)."""
+        self.paged, self.cache, self.windows = paged, cache, windows
         self.block_size = paged.block_size
-        self.loads = AsyncLoads(paged, cache, load_timeout_s, nice=load_nice)
+        self.loads = AsyncLoads(paged, cache, load_timeout_s, nice=load_nice, windows=windows)
         self._failed: set[int] = set()
         self._cond = threading.Condition()  # guards everything below, shared with the saving thread
         self._counts: Counter[str] = Counter()
-        self._jobs: deque[SaveSpec | None] = deque()
+        self._jobs: deque[SaveSpec | _Windows | None] = deque()
         self._running: SaveSpec | None = None
         self._pending: Counter[str] = Counter()  # req_id -> save jobs queued or running
         self._cancelled: set[str] = set()
@@ -87,10 +101,16 @@ class WorkerSide:
         self._failed.update(bad)
 
     def finished_loads(self, finished_req_ids: set[str] | None) -> set[str]:
-        """Asynchronous loads over (their failed blocks join ``load_errors`` in the same step)."""
+        """Asynchronous loads over (their failed blocks join ``load_errors`` in the same step, and loads with
+        window groups that failed join ``failed_loads``)."""
         done, bad = self.loads.finished(finished_req_ids)
         self._failed.update(bad)
         return done
+
+    def failed_loads(self) -> set[str]:
+        """Requests among those ``finished_loads`` reported whose load with window groups fell short."""
+        failed, self.loads.failed = self.loads.failed, set()
+        return failed
 
     def load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -106,6 +126,22 @@ class WorkerSide:
             self._delayed.update(delayed)
             self._cond.notify_all()
 
+    def snapshot_windows(self, saves: Iterable[WindowSave]) -> None:
+        """After the forward pass: copy each save's windows out of vLLM's blocks now (the next step may free
+        them) and queue their store. A window vLLM no longer holds whole is skipped."""
+        if self.windows is None:
+            return
+        for save in saves:
+            snaps = {}
+            for boundary in save.boundaries:
+                window = self.windows.snapshot(save.block_ids, boundary)
+                if window is not None:
+                    snaps[boundary // self.cache.chunk_size] = {StateKind.WINDOW: window}
+            if snaps:
+                with self._cond:
+                    self._jobs.append(_Windows(save, snaps))
+                    self._cond.notify_all()
+
     def preempted(self, req_ids: Iterable[str]) -> None:
         """Before the forward pass of the step that preempted ``req_ids``: drop their queued save jobs and wait
         until none of them reads their blocks."""
@@ -116,7 +152,7 @@ class WorkerSide:
             self._cancelled |= req_ids
             kept: deque[SaveSpec | None] = deque()
             for spec in self._jobs:
-                if spec is not None and spec.req_id in req_ids:
+                if isinstance(spec, SaveSpec) and spec.req_id in req_ids:
                     self._job_over(spec, stored=0)
                 else:
                     kept.append(spec)
@@ -134,7 +170,11 @@ class WorkerSide:
                 spec = self._jobs.popleft()
                 if spec is None:
                     return
-                self._running = spec
+                if isinstance(spec, SaveSpec):
+                    self._running = spec
+            if isinstance(spec, _Windows):
+                self._store_windows(spec)
+                continue
             stored = 0
             try:
                 stored = self.cache.store(unpack_tokens(spec.tokens), _JobSource(self.paged, spec, self._cancelled),
@@ -147,6 +187,14 @@ class WorkerSide:
                 self._running = None
                 self._job_over(spec, stored)
                 self._cond.notify_all()
+
+    def _store_windows(self, job: _Windows) -> None:
+        """The copies own their data: no block of vLLM's is read here."""
+        try:
+            self.cache.store_states(unpack_tokens(job.save.tokens), job.snapshots, salt=job.save.salt,
+                                    extras=unpack_extras(job.save.extras))
+        except Exception:  # a bug must not stop the saving thread: the windows are only a future miss
+            log.exception("kvtier: storing the windows of request %s failed", job.save.req_id)
 
     def _job_over(self, spec: SaveSpec, stored: int) -> None:
         """Under ``_cond``."""

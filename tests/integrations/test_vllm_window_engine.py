@@ -1,0 +1,38 @@
+"""A sliding-window model in vLLM's engine (in process) with the kvtier connector and vLLM's hybrid KV cache
+manager on: a chunk that fails verification makes the whole load fail, and vLLM recomputes that request, with
+the same tokens as vLLM alone (block ids are unique only within a KV cache group, so vLLM takes such a failure
+per request, ``failed_recving``, not per block)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from harness.window_model import build_tiny_gemma3  # noqa: E402
+from tests.integrations.vllm_model import prompt_ids, run_engine_spec  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CHUNK = 128
+
+
+def test_a_corrupt_chunk_fails_the_load_and_vllm_recomputes_the_request(tmp_path) -> None:
+    model = build_tiny_gemma3(tmp_path / "model", window=96)
+    prompts = [prompt_ids(1, 600), prompt_ids(2, 300)]
+    base = {"model": str(model), "prompts": prompts, "max_tokens": 12}
+    kvtier = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]}
+    proc, out = run_engine_spec(tmp_path, "plain", {**base, "kvtier": None, "steps": ["gen:cold"]}, in_process=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    expected = [r["tokens"] for r in json.loads(out.read_text())["cold"]]
+    steps = ["gen:cold", "reset", "gen:warm", "reset", "corrupt:0:1", "gen:corrupt"]
+    proc, out = run_engine_spec(tmp_path, "kvtier", {**base, "kvtier": kvtier, "steps": steps}, in_process=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    for step in ("cold", "warm", "corrupt"):
+        assert [r["tokens"] for r in got[step]] == expected, step
+    assert [r["cached"] for r in got["warm"]] == [4 * CHUNK, 2 * CHUNK]
+    # prompt 0's chunk 1 no longer verifies: its load fails whole and vLLM recomputes it (same tokens, above)
+    assert "did not arrive verified" in proc.stderr
+    assert got["corrupt"][1]["cached"] == 2 * CHUNK
