@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -27,28 +28,28 @@ from harness.process import wait_for
 from kvtier.net.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-_VOCAB = ("cache prefix router replica token session model prompt answer server memory disk tier chunk block "
-          "event index policy stream request latency throughput question context document system user").split()
+_VOCAB = ["cache", "prefix", "router", "replica", "token", "session", "model", "prompt", "answer", "server", "memory", "disk", "tier", "chunk", "block", "event", "index", "policy", "stream", "request", "latency", "throughput", "question", "context", "document", "system", "user"]
 
 
 class StubFleet:
     """``n`` stand-in OpenAI replicas (harness.stub_replica), each its own process, optionally pinned."""
 
-    def __init__(self, n: int, cpus: str | None = None) -> None:
+    def __init__(self, n: int, cpus: str | None = None, model: str | None = None) -> None:
         self.ports = [free_port() for _ in range(n)]
+        self.model = model  #: what their /v1/models names (None: 404)
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.procs: list[subprocess.Popen] = []
         self.cpus = cpus
 
-    def __enter__(self) -> StubFleet:
+    def __enter__(self) -> Self:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         for port in self.ports:
-            cmd = [sys.executable, "-m", "harness.stub_replica", str(port)]
+            cmd = [sys.executable, "-m", "harness.stub_replica", str(port), *([self.model] if self.model else [])]
             if self.cpus:
                 cmd = ["taskset", "-c", self.cpus, *cmd]
             self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True))
         for url in self.urls:
-            if not wait_for(lambda: _get_ok(url + "/health"), timeout=60):
+            if not wait_for(lambda url=url: _get_ok(url + "/health"), timeout=60):
                 raise RuntimeError(f"stand-in replica {url} did not start")
         return self
 
@@ -66,7 +67,7 @@ class RouterProc:
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> RouterProc:
+    def __enter__(self) -> Self:
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,

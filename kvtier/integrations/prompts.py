@@ -36,6 +36,7 @@ class PromptTokenizer:
         from kvtier.integrations.models import ensure_smollm2
 
         folder = Path(path).expanduser() if path is not None else ensure_smollm2()
+        self.source = folder  #: where the tokenizer was loaded from
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(folder)
