@@ -126,6 +126,8 @@ def router_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn  # noqa: F401  (kvtier[server]: a missing extra is named before anything else is tried)
+
     from kvtier.apps.route.model import tokenizer_for
     from kvtier.apps.route.workers import serve, supervise
 
