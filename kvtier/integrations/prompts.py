@@ -13,7 +13,9 @@ template that renders a chat's leading messages as the start of the whole chat's
 in turn, as chat templates do); it is checked where the chat is cut (the text of one message less must be the
 start of it), and a chat whose template fails the check gets None (the router routes it without its cache). Rendering
 costs the GIL in proportion to the messages rendered, so a chat of 240k messages costs no more than its first
-few thousand. A chat that fits is rendered whole, with the generation prompt, exactly as before.
+few thousand. A chat that fits is rendered whole, with the generation prompt, and its ids are exactly those of
+one encode of that text, computed incrementally (kvtier.integrations.prompt_cache): only the text after the
+longest message prefix already tokenized (the session's last turn, or a shared system prompt) is encoded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 from pathlib import Path
 
 from kvtier.base.errors import ConfigError
+from kvtier.integrations.prompt_cache import IncrementalChat
 
 
 class PromptTokenizer:
@@ -33,11 +36,30 @@ class PromptTokenizer:
         from kvtier.integrations.models import ensure_smollm2
 
         folder = Path(path).expanduser() if path is not None else ensure_smollm2()
+        self.source = folder  #: where the tokenizer was loaded from
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}") from None
+        self.incremental = self._incremental()
+
+    def _incremental(self) -> IncrementalChat:
+        tokenizer = self._tokenizer
+        backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: the same ids without the wrapper
+        if backend is not None and hasattr(backend, "encode"):
+            def encode(text: str) -> list[int]:
+                return backend.encode(text, add_special_tokens=False).ids
+        else:
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text, add_special_tokens=False)
+
+        def render(messages: list[dict[str, str]], ready: bool) -> str:
+            self.rendered += len(messages)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=ready, tokenize=False)
+
+        specials = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+        return IncrementalChat(encode, render, specials)
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None,
              cut: bool = False) -> list[int] | None:
@@ -61,7 +83,10 @@ class PromptTokenizer:
         lead = len(messages) if max_tokens is None else \
             leading_messages(messages, max(max_tokens, 1) * FIRST_WINDOW_CHARS_PER_TOKEN)
         if lead == len(messages) and not cut:
-            return self._encode(encode, render(messages, True), max_tokens)
+            text = render(messages, True)
+            if max_tokens is None or len(text) <= max(max_tokens, 1) * FIRST_WINDOW_CHARS_PER_TOKEN:
+                return self.incremental.ids(messages, text)  # what one encode of the text gives, from less work
+            return self._encode(encode, text, max_tokens)
         text = render(messages[:lead], False)
         if lead >= 2 and not text.startswith(render(messages[: lead - 1], False)):
             return None  # this template does not render a chat's start as the start of its text

@@ -8,8 +8,10 @@
 Replicas are kvtier serve (whose /kvtier/info and event stream tell the router precisely where prefixes
 are), vLLM (whose KV events, with ``events=``, tell it what sits in vLLM's cache and in the kvtier tiers behind
 it: docs/integrations/vllm-fleet.md), or any OpenAI-compatible server (the router then relies on its own
-record of what it sent where). ``--model`` is the folder whose tokenizer and chat template the replicas use
-(default: the packaged SmolLM2-135M-Instruct): the router hashes prompts exactly as they do.
+record of what it sent where). ``--model`` is the folder whose tokenizer and chat template the replicas use:
+the router hashes prompts exactly as they do. Without it, the model the replicas name at /v1/models is used
+if its tokenizer is at hand (a local folder or the local Hugging Face cache); otherwise the router says to
+pass --model and exits with status 2.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from pathlib import Path
 
 from kvtier.base.errors import ConfigError
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
-from kvtier.web.startup import freeze_startup_objects
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,11 +34,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "URL,events=tcp://H:P,replay=tcp://H:P,block-size=N[,topic=T][,media=GPU:CPU:...]")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", help="folder of the replicas' tokenizer and chat template (default: SmolLM2)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="router processes on the port (SO_REUSEPORT), each following the replicas itself")
+    p.add_argument("--model", help="folder of the replicas' tokenizer and chat template (default: the model "
+                                   "the replicas name at /v1/models, if its tokenizer is at hand)")
     r = p.add_argument_group("routing")
     r.add_argument("--policy", default="load-bounded", choices=["load-bounded", "prefix", "round-robin", "random"])
     r.add_argument("--sticky", action=argparse.BooleanOptionalAction, default=True,
                    help="send a session (X-Session-ID or the user field) back to its replica (default on)")
+    r.add_argument("--sessions", choices=["remembered", "rendezvous"],
+                   help="a sticky session goes back to the replica this router sent it to (remembered), or to its "
+                        "rendezvous home within the load bound, the same in every router (default: rendezvous "
+                        "with --workers above 1, else remembered)")
     r.add_argument("--epsilon", type=float, default=0.25, help="load bound: no replica above (1+eps) x mean")
     r.add_argument("--load-floor", type=int, default=2,
                    help="the load bound never holds a replica below this many requests in flight")
@@ -79,6 +87,7 @@ def router_config(args: argparse.Namespace):
         IndexConfig,
         ProxyConfig,
         RouterConfig,
+        SessionPlacement,
         default_routing,
         parse_replica,
     )
@@ -103,6 +112,9 @@ def router_config(args: argparse.Namespace):
         raise ConfigError("--epsilon and --session-epsilon must not be negative")
     if routing.load_floor < 1:
         raise ConfigError(f"--load-floor must be at least 1, got {routing.load_floor}")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+    sessions = SessionPlacement(args.sessions or ("rendezvous" if args.workers > 1 else "remembered"))
     return RouterConfig(
         replicas=tuple(parse_replica(item) for item in args.replica), routing=routing,
         proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts,
@@ -110,27 +122,27 @@ def router_config(args: argparse.Namespace):
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue),
         health=HealthConfig(interval_s=args.health_interval), index=IndexConfig(recent_ttl_s=args.record_ttl),
         tokenizer=Path(args.model) if args.model else None, http=http_limits(args),
-        events_key=Path(args.events_key) if args.events_key else None)
+        events_key=Path(args.events_key) if args.events_key else None, sessions=sessions)
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    import uvicorn  # noqa: F401  (kvtier[server]: a missing extra is named before anything else is tried)
 
-    from kvtier.apps.route.app import server_config
-    from kvtier.apps.route.service import Router
-    from kvtier.integrations.prompts import PromptTokenizer
+    from kvtier.apps.route.model import tokenizer_for
+    from kvtier.apps.route.workers import serve, supervise
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request and health probe
     try:
         config = router_config(args)
-        tokenizer = PromptTokenizer(config.tokenizer)
+        tokenizer = tokenizer_for(args.model, [r.url for r in config.replicas])
     except ConfigError as exc:
-        print(f"kvtier route: {exc}", file=sys.stderr)
+        print(f"kvtier route: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever a library said
         return 2
-    policy = config.routing.routing.value + (" + sticky sessions" if config.routing.sticky else "")
-    print(f"kvtier route: {len(config.replicas)} replicas, {policy}, on http://{args.host}:{args.port}", flush=True)
+    policy = config.routing.routing.value + (f" + {config.sessions.value} sessions" if config.routing.sticky else "")
+    print(f"kvtier route: {len(config.replicas)} replicas, {policy}, {args.workers} worker(s) on "
+          f"http://{args.host}:{args.port}", flush=True)
     try:
         from kvtier.events.keys import default_key_file, load_or_create
 
@@ -141,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"kvtier route: events key {public} (from {key_file}; replicas on other hosts or of other users need "
           f"kvtier serve --events-allow '{public}')", flush=True)
-    server = uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level))
-    freeze_startup_objects()  # the tokenizer and its modules out of the cyclic GC: no 0.4 s collections under load
-    server.run()
-    return 0
+    if args.workers == 1:
+        serve(args, config, tokenizer)
+        return 0
+    args.model = str(tokenizer.source)  # the workers load what the parent found, without asking the replicas
+    del tokenizer
+    return supervise(args, router_config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +168,15 @@ def parse_replica(text: str) -> ReplicaEntry:
                                                block_size, media, values.get("shared") or None))
 
 
+class SessionPlacement(enum.Enum):
+    """Where a sticky session goes: back to the replica this router last sent it to (``remembered``), or to its
+    rendezvous home within the load bound (``rendezvous``: the same in every router, with no shared state;
+    kvtier.fleet.sessions)."""
+
+    REMEMBERED = "remembered"
+    RENDEZVOUS = "rendezvous"
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """The replicas (base URLs), how to choose among them, the tokenizer's model folder (None: SmolLM2), and
@@ -184,6 +194,7 @@ class RouterConfig:
     #: what a client may cost the router's HTTP server: head size and count, read timeouts, connections
     http: HttpLimits = HttpLimits()
     events_key: Path | None = None
+    sessions: SessionPlacement = SessionPlacement.REMEMBERED
 
     def __post_init__(self) -> None:
         if not self.replicas:

@@ -11,8 +11,9 @@ only if it is no larger than ``HOLD_LIMIT``. After it, bytes go to the client as
 breaks off mid-stream ends the stream with an error event (any other answer is broken off as well).
 
 A client that disconnects cancels the upstream request: the caller cancels ``forward`` while holding, and the
-streaming response's generator closes the upstream response when the server stops it (shielded, so the
-close happens even inside a cancelled scope).
+streaming response's generator drops the upstream connection when the server stops it (a plain call, so it
+happens even inside a cancelled scope). Requests go out over the replica's pooled aiohttp session
+(kvtier.apps.route.upstream), never a client per request.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import anyio
-import httpx
 from starlette.responses import Response, StreamingResponse
 
 from kvtier.apps.route.replicas import Replica, Retryable
+from kvtier.apps.route.upstream import UpstreamAnswer, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def upstream_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     return out
 
 
-def _client_headers(upstream: httpx.Response, replica: Replica) -> dict[str, str]:
+def _client_headers(upstream: UpstreamAnswer, replica: Replica) -> dict[str, str]:
     out = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
     out["x-kvtier-replica"] = replica.name
     return out
@@ -77,37 +77,36 @@ async def forward(replica: Replica, path: str, body: bytes, headers: list[tuple[
     upstream, chunks, held = await replica.unless_ejected(_until_commit(replica, path, body, headers))
     hooks.first_text()
     sse = _is_stream(upstream)
-    scanner = UsageScanner() if sse else TailScanner() if upstream.status_code == 200 else None
+    scanner = UsageScanner() if sse else TailScanner() if upstream.status == 200 else None
     return StreamingResponse(_relay(upstream, chunks, held, hooks, replica.name, scanner, sse),
-                             status_code=upstream.status_code, headers=_client_headers(upstream, replica))
+                             status_code=upstream.status, headers=_client_headers(upstream, replica))
 
 
-def _is_stream(upstream: httpx.Response) -> bool:
-    return upstream.status_code == 200 and "text/event-stream" in upstream.headers.get("content-type", "")
+def _is_stream(upstream: UpstreamAnswer) -> bool:
+    return upstream.status == 200 and "text/event-stream" in upstream.headers.get("content-type", "")
 
 
 async def _until_commit(replica: Replica, path: str, body: bytes,
-                        headers: list[tuple[bytes, bytes]]) -> tuple[httpx.Response, AsyncIterator[bytes], bytes]:
+                        headers: list[tuple[bytes, bytes]]) -> tuple[UpstreamAnswer, AsyncIterator[bytes], bytes]:
     """The replica's answer up to the commit point: the response, its remaining chunks and what was held."""
-    request = replica.client.build_request("POST", path, content=body, headers=headers)
     try:
-        upstream = await replica.client.send(request, stream=True)
-    except httpx.HTTPError as exc:
-        raise Retryable(f"{type(exc).__name__}") from None
+        upstream = await replica.upstream.send(path, body, headers)
+    except UpstreamError as exc:
+        raise Retryable(str(exc)) from None
     try:
-        status = upstream.status_code
-        chunks = upstream.aiter_raw()
+        status = upstream.status
+        chunks = upstream.chunks()
         if status >= 500 or status == 429:
             content = await _hold(chunks, lambda _: False)
             kept = len(content) <= HOLD_LIMIT
             answer = Response(content, status, _client_headers(upstream, replica)) if kept else None
             raise Retryable(f"status {status}", answer)
         held = await _hold(chunks, committing) if _is_stream(upstream) else b""
-    except httpx.HTTPError as exc:
-        await upstream.aclose()
-        raise Retryable(f"{type(exc).__name__} before the first text") from None
+    except UpstreamError as exc:
+        upstream.close(reuse=False)
+        raise Retryable(f"{exc} before the first text") from None
     except BaseException:
-        await upstream.aclose()
+        upstream.close(reuse=False)
         raise
     return upstream, chunks, held
 
@@ -122,7 +121,7 @@ async def _hold(chunks: AsyncIterator[bytes], enough: Callable[[bytes], bool]) -
     return bytes(held)
 
 
-async def _relay(upstream: httpx.Response, chunks: AsyncIterator[bytes], held: bytes, hooks: Hooks, name: str,
+async def _relay(upstream: UpstreamAnswer, chunks: AsyncIterator[bytes], held: bytes, hooks: Hooks, name: str,
                  usage: UsageScanner | TailScanner | None, sse: bool) -> AsyncIterator[bytes]:
     """Every byte of the answer as it arrives. A replica that breaks off a stream ends it with an error event;
     one that breaks off any other answer breaks off the client's too (raised: the connection is aborted, so
@@ -136,17 +135,16 @@ async def _relay(upstream: httpx.Response, chunks: AsyncIterator[bytes], held: b
             _feed(usage, chunk)
             yield chunk
         ok = True
-    except httpx.HTTPError as exc:
-        log.warning("replica %s broke off an answer: %s", name, type(exc).__name__)  # (a message may quote headers)
+    except UpstreamError as exc:
+        log.warning("replica %s broke off an answer: %s", name, exc)  # (the kind only: a message may quote headers)
         if not sse:
             raise
-        error = {"error": {"message": f"the replica broke off the stream: {type(exc).__name__}",
+        error = {"error": {"message": f"the replica broke off the stream: {exc}",
                            "type": "server_error", "param": None, "code": 502}}
         yield f"data: {json.dumps(error)}\n\n".encode()
     finally:
-        with anyio.CancelScope(shield=True):
-            await upstream.aclose()
-        hooks.finished(usage.cached_tokens if usage is not None else None, ok and upstream.status_code == 200)
+        upstream.close(reuse=ok)  # a connection whose answer was not read whole is dropped: the replica stops
+        hooks.finished(usage.cached_tokens if usage is not None else None, ok and upstream.status == 200)
 
 
 def _feed(usage: UsageScanner | TailScanner | None, chunk: bytes) -> None:

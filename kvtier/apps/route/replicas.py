@@ -31,6 +31,7 @@ import torch
 import zmq.asyncio
 
 from kvtier.apps.route.config import ProxyConfig, ReplicaEntry
+from kvtier.apps.route.upstream import Upstream
 from kvtier.apps.route.vllm_events import VllmEventSubscriber
 from kvtier.base.keys import Namespace
 from kvtier.base.layout import KVSpec
@@ -140,7 +141,9 @@ class Replica:
         timeout = httpx.Timeout(proxy.read_timeout_s, connect=proxy.connect_timeout_s, pool=proxy.read_timeout_s)
         limits = httpx.Limits(max_connections=proxy.max_connections, max_keepalive_connections=proxy.max_connections,
                               keepalive_expiry=CLIENT_KEEPALIVE_S)
-        self.client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)  # health, admin
+        self.upstream = Upstream(self.url, proxy.max_connections, proxy.connect_timeout_s, proxy.read_timeout_s,
+                                 self.client)
         self.state = ReplicaState.UP
         self._ejected = asyncio.Event()  # set when ejected; a fresh one on readmission
         self.in_flight = self.prefill_tokens = self.decode_streams = 0
@@ -258,6 +261,7 @@ class Replica:
     async def close(self) -> None:
         self.stop_events()
         await self.client.aclose()
+        await self.upstream.close()
 
 
 class _ReplicaSink:

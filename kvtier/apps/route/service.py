@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvtier.api.errors import error_body
 from kvtier.apps.route.admission import Admission, Slot
-from kvtier.apps.route.config import RouterConfig
+from kvtier.apps.route.config import RouterConfig, SessionPlacement
 from kvtier.apps.route.health import Health
 from kvtier.apps.route.metrics import (
     BROKEN_STREAMS,
@@ -57,6 +58,7 @@ from kvtier.events.subscriber import SubscriberConfig
 from kvtier.fleet.draws import prompt_digest
 from kvtier.fleet.index import FleetIndex
 from kvtier.fleet.scoring import Reason, RouteRequest, StickySessions, TieBreak
+from kvtier.fleet.sessions import RendezvousSessions
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,14 @@ class Plan:
     decision: int = 0
 
 
+def _policy(config: RouterConfig):
+    routing = config.routing
+    if config.sessions is SessionPlacement.RENDEZVOUS and routing.sticky:
+        inner = dataclasses.replace(routing, sticky=False).build()
+        return RendezvousSessions(inner, routing.epsilon, routing.load_floor)
+    return routing.build()
+
+
 class Router:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, metrics: Metrics | None = None) -> None:
         self.config, self.tokenizer = config, tokenizer
@@ -92,7 +102,7 @@ class Router:
         self.index = FleetIndex(recent_ttl_s=idx.recent_ttl_s, in_flight_ttl_s=idx.in_flight_ttl_s,
                                 shared_ttl_s=idx.shared_ttl_s, replicas=len(self.replicas))
         self.record = record_namespace(idx.chunk_size)
-        self.policy = config.routing.build()
+        self.policy = _policy(config)
         self.health = Health(self.replicas, config.health, self.metrics, self._follow)
         self.admission: Admission | None = None
         self._zmq: zmq.asyncio.Context | None = None
@@ -119,7 +129,7 @@ class Router:
 
     def _follow(self, replica: Replica) -> None:
         assert self._zmq is not None
-        count = lambda what: self.metrics.inc(EVENTS, replica=replica.name, what=what)  # noqa: E731
+        count = lambda what: self.metrics.inc(EVENTS, replica=replica.name, what=what)
         replica.follow_events(self._zmq, self.index, SubscriberConfig(resync_s=self.config.index.resync_s), count,
                               self.events_key)
 

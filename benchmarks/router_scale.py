@@ -1,0 +1,179 @@
+"""The fleet's front door: `kvtier route` (1 process and --workers 2) against vllm-router and sglang-router.
+
+All routers stand in front of the same fast stand-in OpenAI replicas (harness.stub_replica), each router pinned
+to the same cores (`taskset`, --router-cpus), the replicas and the client on the others, the arms interleaved
+round by round so the load other jobs put on this shared machine falls on each alike. Per arm:
+
+* rate: the closed-loop maximum (``--concurrency`` clients, each sending a session's next turn of a chat with a
+  ~``--system-tokens`` system prompt as soon as the last was answered; an open-loop search for the rate held
+  at p99 < 20 ms takes too long on this shared 2-core machine), its p99 latency, the router's CPU seconds per
+  request (its process tree's utime + stime) and RSS;
+* oracle share: the Mooncake FAST'25 multi-turn trace (/work/shared/workloads), each 512-token block id
+  expanded into ``--block-words`` deterministic words (scaled down so a run fits here), sent in order as text
+  completions; the share of requests sent to a replica holding the longest prefix of blocks among the
+  replicas, by an oracle that knows what every replica was sent (the stand-ins cache nothing, so every router
+  works from its own record of what it sent where);
+* RSS after ``--sessions`` distinct sessions, extrapolated linearly to 1 M (an over-estimate for kvtier, whose
+  session and prompt caches are bounded).
+
+Peers come from a venv of their own (scripts/router-peers-venv.sh; --peers). Prints a table and the ratios
+against vllm-router, writes a PNG and JSON under --out; last line RESULT {json}.
+
+    PYTHONPATH=. python benchmarks/router_scale.py [--seconds 8 --rounds 2 --sessions 5000 --trace 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _util import result, stop_children_on_signal  # noqa: E402
+
+from harness.router_load import ChatWorkload, RouterProc, StubFleet, closed_loop  # noqa: E402
+from harness.router_trace import oracle_share, session_flood, tree_cpu_rss  # noqa: E402
+from kvtier.net.ports import free_port  # noqa: E402
+
+TRACE = Path("/work/shared/workloads/mooncake_synthetic_trace.jsonl")
+
+
+def arms(args, model: str) -> dict[str, callable]:
+    peers = Path(args.peers)
+    kvtier = [sys.executable, "-m", "kvtier", "route", "--model", model, "--log-level", "warning"]
+
+    def k(*extra):
+        return lambda port, urls: [*kvtier, "--port", str(port), *extra, *sum((["--replica", u] for u in urls), [])]
+
+    out = {"kvtier route": k(), "kvtier route x2": k("--workers", "2")}
+    if (peers / "bin/vllm-router").exists():
+        out["vllm-router cache_aware"] = lambda port, urls: [str(peers / "bin/vllm-router"), "--host", "127.0.0.1",
+                                                             "--port", str(port), "--policy", "cache_aware",
+                                                             "--worker-urls", *urls]
+    if (peers / "bin/sglang-router").exists():
+        out["sglang-router cache_aware"] = lambda port, urls: [str(peers / "bin/sglang-router"), "launch", "--host",
+                                                               "127.0.0.1", "--port", str(port), "--policy",
+                                                               "cache_aware", "--worker-urls", *urls]
+    return out
+
+
+def measure(name: str, cmd, fleet: StubFleet, args, out: Path, last: bool) -> dict:
+    """One round of one arm: the closed-loop rate; in the last round also the oracle share and the RSS after a
+    flood of sessions (the same router process: one start per arm and round)."""
+    port = free_port()
+    with RouterProc(cmd(port, fleet.urls), port, log=out / f"{name.replace(' ', '_')}.log",
+                    cpus=args.router_cpus) as router:
+        router.wait_ready("/health", timeout=300)
+        asyncio.run(closed_loop(router.url, ChatWorkload(seed=99), args.concurrency, 1.0))  # warm up
+        cpu0, _ = tree_cpu_rss(router.pid)
+        workload = ChatWorkload(seed=len(name), system_tokens=args.system_tokens)
+        load = asyncio.run(closed_loop(router.url, workload, args.concurrency, args.seconds))
+        cpu1, rss = tree_cpu_rss(router.pid)
+        got = {"rate": load.rate, "p99_ms": load.quantile(0.99) * 1e3, "p50_ms": load.quantile(0.5) * 1e3,
+               "cpu_ms_per_request": (cpu1 - cpu0) * 1e3 / max(load.ok, 1), "rss_mb": rss / 2**20,
+               "errors": load.sent - load.ok}
+        if not last:
+            return got
+        got["oracle_share"] = oracle_share(router.url, TRACE, args.trace, args.block_words, fleet.ports)
+        _, rss0 = tree_cpu_rss(router.pid)
+        sent = session_flood(router.url, args.sessions, args.concurrency)
+        _, rss1 = tree_cpu_rss(router.pid)
+        got.update({"sessions": sent, "rss_after_sessions_mb": rss1 / 2**20,
+                    "rss_1m_sessions_mb": (rss0 + max(rss1 - rss0, 0) * 1e6 / max(sent, 1)) / 2**20})
+        return got
+
+
+def table(figures: dict[str, dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="routers in front of 4 stand-in replicas")
+    cols = ["rate", "p99_ms", "cpu_ms_per_request", "rss_mb", "oracle_share", "rss_1m_sessions_mb"]
+    t.add_column("router")
+    for col in cols:
+        t.add_column(col, justify="right")
+    for name, f in figures.items():
+        t.add_row(name, *(f"{f[c]:.3g}" if isinstance(f.get(c), float) else str(f.get(c, "-")) for c in cols))
+    Console().print(t)
+
+
+def plot(figures: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(figures)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (key, label) in zip(axes, [("rate", "req/s (closed loop)"), ("cpu_ms_per_request", "CPU ms / request"),
+                                       ("rss_1m_sessions_mb", "RSS after 1 M sessions (MB, extrapolated)")]):
+        ax.bar(range(len(names)), [figures[n].get(key, 0) for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        ax.set_title(label)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=8.0, help="per arm and round of the rate measurement")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--system-tokens", type=int, default=2000)
+    p.add_argument("--sessions", type=int, default=5000, help="distinct sessions before the RSS reading")
+    p.add_argument("--trace", type=int, default=300, help="requests of the multi-turn trace for the oracle share")
+    p.add_argument("--block-words", type=int, default=24, help="words each 512-token trace block becomes")
+    p.add_argument("--router-cpus", default="0", help="taskset cores of every router")
+    p.add_argument("--other-cpus", default=None, help="taskset cores of the replicas and the client")
+    p.add_argument("--peers", default=os.environ.get("KVTIER_ROUTER_PEERS", "/work/venvs/routers"))
+    p.add_argument("--model", help="tokenizer folder for kvtier route (default: the packaged SmolLM2)")
+    p.add_argument("--out", default="benchmarks/out/router_scale")
+    args = p.parse_args()
+    stop_children_on_signal()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.other_cpus is None:
+        cores = os.sched_getaffinity(0) - {int(c) for c in args.router_cpus.split(",")}
+        args.other_cpus = ",".join(map(str, sorted(cores))) or None
+    if args.other_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.other_cpus.split(",")})
+    from kvtier.integrations.models import ensure_smollm2
+
+    model = args.model or str(ensure_smollm2())
+    routers = arms(args, model)
+    figures: dict[str, dict] = {name: {} for name in routers}
+    from tqdm import tqdm
+
+    steps = [(r, name) for r in range(args.rounds) for name in routers]  # interleaved: each round every arm
+    with StubFleet(args.replicas, cpus=args.other_cpus) as fleet:
+        for r, name in tqdm(steps, desc="router_scale"):
+            got = measure(name, routers[name], fleet, args, out, last=r == args.rounds - 1)
+            for key, value in got.items():
+                figures[name].setdefault(key + "_all", []).append(value)
+                figures[name][key] = max(figures[name].get(key, value), value) if key == "rate" else value
+    table(figures)
+    base = figures.get("vllm-router cache_aware", {})
+    ratios = {}
+    for name, f in figures.items():
+        if base:
+            ratios[name] = {k: f[k] / base[k] for k in ("rate", "cpu_ms_per_request", "oracle_share")
+                            if f.get(k) and base.get(k)}
+            print(f"{name}: vs vllm-router " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios[name].items()))
+    scaling = figures["kvtier route x2"]["rate"] / figures["kvtier route"]["rate"]
+    print(f"kvtier route --workers 2 / 1 process: {scaling:.2f}x (router cores: {args.router_cpus})")
+    (out / "router_scale.json").write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=1))
+    plot(figures, out / "router_scale.png")
+    summary = {f"{n.replace(' ', '_')}_{k}": v for n, f in figures.items() for k, v in f.items()
+               if not k.endswith("_all")}
+    summary.update({f"{n.replace(' ', '_')}_rate_vs_vllm_router": r.get("rate") for n, r in ratios.items()})
+    summary["kvtier_workers2_scaling"] = scaling
+    result(summary)
+
+
+if __name__ == "__main__":
+    main()

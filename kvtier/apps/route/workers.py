@@ -1,0 +1,88 @@
+"""``kvtier route --workers N``: N router processes on one port, each a whole router of its own.
+
+Each worker binds the port with ``SO_REUSEPORT`` (the kernel spreads new connections across them), loads the
+tokenizer, probes the replicas and follows their events itself: nothing is shared between workers, so they
+scale with cores and a worker that dies takes only its own connections. With several routers, a session's
+requests reach different ones, so their placement must not depend on what one router remembers:
+``--sessions rendezvous`` (the default with more than one worker) sends a session to its rendezvous home
+among the replicas within the load bound (kvtier.fleet.sessions), which every router computes alike. The
+same holds for several ``kvtier route`` instances behind a load balancer, on one host or many.
+
+The parent process only supervises: SIGTERM or SIGINT stops every worker; a worker that exits stops the rest,
+and the parent exits with its status (a supervisor restarts the whole router).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import signal
+import socket
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from kvtier.web.startup import freeze_startup_objects
+
+
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket bound to ``host:port`` that other processes may bind too (``SO_REUSEPORT``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
+
+
+def serve(args: argparse.Namespace, config, tokenizer) -> None:
+    """Run one router (this process) on ``args.host:args.port`` until it is stopped."""
+    import uvicorn
+
+    from kvtier.apps.route.app import server_config
+    from kvtier.apps.route.service import Router
+
+    sock = listening_socket(args.host, args.port)
+    server = uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level))
+    freeze_startup_objects()  # the tokenizer and its modules out of the cyclic GC: no 0.4 s collections under load
+    server.run(sockets=[sock])
+
+
+def _worker(args: argparse.Namespace, router_config: Callable[[argparse.Namespace], object]) -> None:
+    import logging
+
+    from kvtier.apps.route.model import tokenizer_for
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    config = router_config(args)
+    serve(args, config, tokenizer_for(args.model, [r.url for r in config.replicas]))
+
+
+def supervise(args: argparse.Namespace, router_config: Callable[[argparse.Namespace], object]) -> int:
+    """Start ``args.workers`` router processes (``args.model`` already resolved; ``router_config`` builds each
+    one's RouterConfig from ``args``, a module-level function) and wait for them."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter each: no forked loop, sockets or threads
+    workers = [context.Process(target=_worker, args=(args, router_config), name=f"kvtier-route-{i}") for i in range(args.workers)]
+    stopping = False
+
+    def stop(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    for worker in workers:
+        worker.start()
+    wait([worker.sentinel for worker in workers])
+    first = next((w.exitcode for w in workers if w.exitcode is not None), 0)
+    stop(signal.SIGTERM, None)
+    for worker in workers:
+        worker.join(timeout=30)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    return 0 if stopping and first in (0, -signal.SIGTERM) else 1 if first else 0
