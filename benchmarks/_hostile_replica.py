@@ -13,10 +13,8 @@ HTTP is harness.stub_replica's (``/health`` 200, small completions), plus:
   says how many events went out. Until then a snapshot is empty and at the stream's current position, so the
   router follows the batches that come after it (one at a fixed position sent it into a gap-and-resync loop
   that never applied a batch: the full run's index held 0 keys).
-* ``POST /admin/v1/lookup`` answering by the body's ``text`` (A-3, the router's admin fan-out): ``huge`` 200
-  and HUGE_BYTES of JSON-looking bytes without a length, ``drip`` one byte every 0.2 s for ever, ``hang``
-  nothing for ever, ``deep`` an array nested 100,000 deep, ``digits`` a 5,000-digit ``cached_tokens``,
-  ``mistyped`` ``{"cached_tokens": "many"}``; anything else a well-formed answer (it checks no key).
+* ``POST /admin/v1/lookup`` answering by the body's ``text`` (A-3, the router's admin fan-out) as
+  harness.hostile_admin's ``admin_lookup`` does, ``huge`` with HUGE_BYTES (it checks no key).
 
 The event publisher is a process of its own (forked before anything else starts): building and sending
 millions of events must not hold this process's GIL, or its HTTP ``/health`` stalls, the router ejects it
@@ -26,7 +24,6 @@ and forgets its index, and the flood never reaches the index it is aimed at. Bot
 
 from __future__ import annotations
 
-import asyncio
 import json
 import multiprocessing
 import os
@@ -49,6 +46,7 @@ from _hostile_attacks import attacker_priority  # noqa: E402
 
 from kvtier.core.events import TierHolding  # noqa: E402
 from kvtier.events.wire import SNAPSHOT_REQUEST, TOPIC, Batch, WireEvent, encode_batch, encode_snapshot  # noqa: E402
+from harness.hostile_admin import admin_lookup  # noqa: E402
 from harness.stub_replica import create_app  # noqa: E402
 from harness.hostile_events import fake_key  # noqa: E402
 
@@ -147,7 +145,7 @@ def main() -> None:
         return JSONResponse({"sent": publisher.sent, "seq": publisher.seq})
 
     routes = [Route("/kvtier/info", kvtier_info), Route("/hostile/flood", flood, methods=["GET", "POST"]),
-              Route("/admin/v1/lookup", _admin_lookup(huge), methods=["POST"])]
+              Route("/admin/v1/lookup", admin_lookup(huge), methods=["POST"])]
     app = Starlette(routes=routes + list(stub.routes))
 
     async def asgi(scope, receive, send):
@@ -173,29 +171,6 @@ def main() -> None:
         return await app(scope, receive, send)
 
     uvicorn.run(asgi, host="127.0.0.1", port=port, log_level="warning")
-
-
-def _admin_lookup(huge: int):
-    async def drip():
-        yield b'{"cached_tokens": 1, "pad": "'
-        while True:
-            await asyncio.sleep(0.2)
-            yield b"x"
-
-    async def lookup(request: Request) -> Response:
-        mode = json.loads(await request.body()).get("text")
-        if mode == "huge":
-            return StreamingResponse(_huge(huge), media_type="application/json")
-        if mode == "drip":
-            return StreamingResponse(drip(), media_type="application/json")
-        if mode == "hang":
-            await asyncio.sleep(3600)
-        answers = {"deep": b"[" * 100_000 + b"]" * 100_000, "digits": b'{"cached_tokens": ' + b"7" * 5000 + b"}",
-                   "mistyped": b'{"cached_tokens": "many"}'}
-        return Response(answers.get(mode, b'{"model": "tiny", "prompt_tokens": 64, "cached_tokens": 0, "tiers": {}}'),
-                        media_type="application/json")
-
-    return lookup
 
 
 async def _huge(size: int):

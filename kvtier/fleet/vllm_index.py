@@ -40,7 +40,7 @@ from kvtier.base.keys import ChunkHash, Namespace, chunk_hashes
 from kvtier.base.layout import KVSpec
 from kvtier.events.wire import Batch, WireEvent
 from kvtier.fleet.index import PreparedSnapshot, ReplicaHoldings, ShardedKeys
-from kvtier.fleet.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, VllmBatch
+from kvtier.fleet.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, VllmBatch
 
 #: vLLM's own name for its device cache (``vllm.distributed.kv_events.MEDIUM_GPU``; on CPU builds too).
 DEVICE_MEDIUM = "GPU"
@@ -91,6 +91,11 @@ class VllmReplicaIndex:
         local = {m: ShardedKeys(self.max_keys) for m in self.media if m not in self.shared}
         shared = {m: (self.shared[m], []) for m in self.media if m in self.shared}
         self.holdings.reset(PreparedSnapshot(list(self.media), local, shared, 0))
+
+    def cost(self, event: Event) -> int:
+        """About how many router keys applying ``event`` touches, at least 1: what a subscriber budgets per
+        event-loop turn (a batch applied in pieces gives the same index as applied whole)."""
+        return max(1, len(getattr(event, "block_hashes", ())), len(getattr(event, "token_ids", ())) // self.block_size)
 
     def apply(self, batch: VllmBatch) -> None:
         out: list[WireEvent] = []

@@ -12,6 +12,8 @@ Contract of ``decode_batch``:
 * the batch must be the array above; anything else raises ``VllmWireError`` (the caller counts a drop);
 * each event is decoded on its own: one of an unknown type or with a field of the wrong type or beyond the
   bounds below is skipped and counted in ``VllmBatch.dropped``, the rest of the batch stands;
+* ``decode_raw_batch`` and ``decode_event`` are its two steps, for a caller that decodes a big batch's events a
+  slice at a time (the router's subscriber: the first step is one call, about 0.1 s for 100,000 events);
 * bounds: a block hash is bytes of at most 64 or an integer (vLLM's ``ExternalBlockHash``); an event names at
   most ``MAX_BLOCKS`` blocks and ``MAX_TOKENS`` token ids, a medium of at most 64 characters; unknown fields
   are ignored (later vLLM versions add some).
@@ -63,7 +65,9 @@ class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type", frozen=True):
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class _RawBatch(msgspec.Struct, array_like=True, frozen=True):
+class RawBatch(msgspec.Struct, array_like=True, frozen=True):
+    """A batch whose events are still undecoded (``decode_event`` decodes one)."""
+
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
@@ -77,23 +81,31 @@ class VllmBatch(msgspec.Struct, frozen=True):
     dropped: int = 0
 
 
-_batch = msgspec.msgpack.Decoder(_RawBatch)
+_batch = msgspec.msgpack.Decoder(RawBatch)
 _event = msgspec.msgpack.Decoder(Event)
+
+
+def decode_raw_batch(payload: bytes) -> RawBatch:
+    """The batch in ``payload``, its events undecoded; VllmWireError if it is not a batch at all."""
+    try:
+        return _batch.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise VllmWireError(f"not a vLLM event batch: {exc}") from None
+
+
+def decode_event(item: msgspec.Raw) -> Event | None:
+    """One event of a ``RawBatch``; None if it is not one (unknown type, wrong field types, beyond the bounds)."""
+    try:
+        return _event.decode(item)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def decode_batch(payload: bytes) -> VllmBatch:
     """The batch in ``payload`` (see the module's contract); VllmWireError if it is not a batch at all."""
-    try:
-        raw = _batch.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise VllmWireError(f"not a vLLM event batch: {exc}") from None
-    events, dropped = [], 0
-    for item in raw.events:
-        try:
-            events.append(_event.decode(item))
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            dropped += 1
-    return VllmBatch(raw.ts, events, dropped)
+    raw = decode_raw_batch(payload)
+    events = [event for event in map(decode_event, raw.events) if event is not None]
+    return VllmBatch(raw.ts, events, len(raw.events) - len(events))
 
 
 def decode_seq(frame: bytes) -> int:

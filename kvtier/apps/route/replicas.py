@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from kvtier.apps.route.config import ProxyConfig, ReplicaEntry
 from kvtier.apps.route.upstream import Upstream
-from kvtier.apps.route.vllm_events import VllmEventSubscriber
+from kvtier.apps.route.vllm_events import VllmEventSubscriber, VllmSubscriberConfig
 from kvtier.base.keys import Namespace
 from kvtier.base.layout import KVSpec
 from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
@@ -208,7 +208,7 @@ class Replica:
         client ``client_key`` (the router's pair; None: the default one). A vLLM replica's events (its entry's
         ``vllm_events``) are followed from the first call until ``stop_events``."""
         if self.entry.vllm_events is not None:
-            self._follow_vllm(ctx, index, count)
+            self._follow_vllm(ctx, index, config, count)
             return
         events = self.info.events if self.info is not None else None
         if self._events is not None and self._events.done() and not self._events.cancelled():
@@ -227,7 +227,8 @@ class Replica:
                                      count, client_key)
         self._events = asyncio.ensure_future(subscriber.run())
 
-    def _follow_vllm(self, ctx: zmq.asyncio.Context, index: FleetIndex, count: Callable[[str], None]) -> None:
+    def _follow_vllm(self, ctx: zmq.asyncio.Context, index: FleetIndex, config: SubscriberConfig,
+                     count: Callable[[str], None]) -> None:
         if self._events is not None and not self._events.done():
             return
         if self._events is not None and not self._events.cancelled() and self._events.exception() is not None:
@@ -243,7 +244,8 @@ class Replica:
         shared = {SHARED_MEDIUM: events.shared} if events.shared is not None else None
         self.vllm_index = VllmReplicaIndex(index.holdings(self.name), events.block_size, events.media,
                                            shared=shared, count=count)
-        subscriber = VllmEventSubscriber(ctx, events.endpoint, events.replay, events.topic, self.vllm_index,
+        paced = VllmSubscriberConfig(share=config.share, keys_per_turn=config.keys_per_turn)
+        subscriber = VllmEventSubscriber(ctx, events.endpoint, events.replay, events.topic, self.vllm_index, paced,
                                          count=counted)
         self._events = asyncio.ensure_future(subscriber.run())
         self._sink = _ReplicaSink(index, self.name)  # frees the index when the replica is ejected

@@ -15,7 +15,10 @@ socket (see kvtier.fleet.vllm_wire). vLLM has no snapshot and publishes nothing 
   (``malformed``); single undecodable events inside a batch are counted (``bad_event``) and skipped.
 
 What one message can cost is bounded: at most ``MAX_BATCH_BYTES`` (ZMQ refuses longer ones), a replay at most
-``max_replay_batches`` messages. vLLM's publisher has no authentication (unlike kvtier serve's CURVE sockets):
+``max_replay_batches`` messages. A batch's structure is decoded in one call (about 0.1 s for 100,000 events), then
+its events are decoded and applied in slices of about ``keys_per_turn`` router keys (``VllmReplicaIndex.cost``)
+per event-loop turn, paced like kvtier's own stream (kvtier.events.subscriber.Pacer), so a flood of big batches
+leaves the router's loop free to answer ``/health`` and route between the slices. vLLM's publisher has no authentication (unlike kvtier serve's CURVE sockets):
 whoever can reach its ports can publish or replay to the router, so its endpoints must stay on a local or
 firewalled network (docs/integrations/vllm-fleet.md).
 
@@ -34,8 +37,17 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from kvtier.events.subscriber import KEYS_PER_TURN, Pacer
 from kvtier.fleet.vllm_index import VllmReplicaIndex
-from kvtier.fleet.vllm_wire import END_SEQ, VllmWireError, decode_batch, decode_seq
+from kvtier.fleet.vllm_wire import (
+    END_SEQ,
+    RawBatch,
+    VllmBatch,
+    VllmWireError,
+    decode_event,
+    decode_raw_batch,
+    decode_seq,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +57,13 @@ _END = END_SEQ.to_bytes(8, "big", signed=True)
 
 @dataclass(frozen=True)
 class VllmSubscriberConfig:
+    """``replay_timeout_s``: the most time a replay may wait for its messages (time spent applying them does not
+    count); ``share`` and ``keys_per_turn``: as kvtier.events.subscriber.SubscriberConfig's."""
+
     replay_timeout_s: float = 5.0
     max_replay_batches: int = 100_000
+    share: float = 0.5
+    keys_per_turn: int = KEYS_PER_TURN
 
 
 class VllmEventSubscriber:
@@ -62,6 +79,8 @@ class VllmEventSubscriber:
         # the live stream is past it)
         self._replayed = range(0)
         self._replay_works = True  # False after a replay failed: joining mid-stream then asks for none
+        self._pacer = Pacer(config.share)
+        self._working = 0.0  # this thread's CPU time when this task's current piece of work began
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -74,10 +93,12 @@ class VllmEventSubscriber:
             await self._replay(0)
             while True:
                 frames = await sub.recv_multipart()
-                start = self._receive(frames)
+                self._working = time.thread_time()
+                start = await self._receive(frames)
                 if start is not None:
                     await self._replay(start)
-                await asyncio.sleep(0)  # a flood must not starve the event loop (see subscriber.py)
+                # recv returns at once while batches are queued: without a pause a flood starves the loop
+                await self._pace()
         finally:
             sub.close(linger=0)
 
@@ -85,31 +106,58 @@ class VllmEventSubscriber:
         self._sink.reset()
         self.next_seq, self._replayed = None, range(0)
 
-    def _parse(self, frames: list[bytes]) -> tuple[int, object] | None:
+    def _parse(self, frames: list[bytes]) -> tuple[int, RawBatch] | None:
         try:
             if len(frames) != 3:
                 raise VllmWireError(f"expected 3 frames, got {len(frames)}")
             seq = decode_seq(frames[1])
             if seq < 0:
                 raise VllmWireError(f"negative sequence number {seq}")
-            return seq, decode_batch(frames[2])
+            return seq, decode_raw_batch(frames[2])
         except VllmWireError as exc:
             self._count("malformed")
             log.warning("vLLM events %s: dropped a message: %s", self._endpoint, exc)
             return None
 
-    def _apply(self, seq: int, batch) -> None:
-        if batch.dropped:
-            for _ in range(batch.dropped):
+    async def _apply(self, seq: int, batch: RawBatch) -> None:
+        """Decode and apply ``batch``'s events in order, ``keys_per_turn`` router keys a slice, the loop served
+        (paced) between slices: 100,000 events decoded and applied in one turn held the loop for seconds on a
+        loaded machine. Nothing else feeds this sink, so a batch applied in slices is the batch applied whole; one
+        the index chokes on (a bug) is skipped from there, counted, and the stream followed on."""
+        budget, piece, keys = max(self._config.keys_per_turn, 1), [], 0
+        for item in batch.events:
+            event = decode_event(item)
+            if event is None:
                 self._count("bad_event")
+                continue
+            piece.append(event)
+            keys += self._sink.cost(event)
+            if keys >= budget:
+                if not self._apply_piece(seq, batch.ts, piece):
+                    break
+                piece, keys = [], 0
+                await self._pace()
+        else:
+            self._apply_piece(seq, batch.ts, piece)
+        self.next_seq = seq + 1
+        await self._pace()
+
+    async def _pace(self) -> None:
+        await self._pacer.spent(time.thread_time() - self._working)
+        self._working = time.thread_time()
+
+    def _apply_piece(self, seq: int, ts: float, events: list) -> bool:
+        if not events:
+            return True
         try:
-            self._sink.apply(batch)
+            self._sink.apply(VllmBatch(ts, events))
         except Exception:  # the index choked on one batch (a bug): skip it, counted, and keep following
             log.exception("vLLM events %s: applying batch %d failed; skipped", self._endpoint, seq)
             self._count("apply_failed")
-        self.next_seq = seq + 1
+            return False
+        return True
 
-    def _receive(self, frames: list[bytes]) -> int | None:
+    async def _receive(self, frames: list[bytes]) -> int | None:
         """Apply a live message; the sequence number to replay from when batches are missing, else None."""
         parsed = self._parse(frames)
         if parsed is None:
@@ -122,7 +170,7 @@ class VllmEventSubscriber:
                 if self._replay_endpoint is not None and self._replay_works:
                     self._count("gap")
                     return 0
-            self._apply(seq, batch)
+            await self._apply(seq, batch)
             self._count("batch")
             return None
         if seq < expected:
@@ -133,14 +181,14 @@ class VllmEventSubscriber:
                         expected, seq)
             self._reset()
             if self._replay_endpoint is None:
-                self._apply(seq, batch)
+                await self._apply(seq, batch)
                 return None
             return 0
         self._count("gap")
         if self._replay_endpoint is None:
             self._count("reset")
             self._reset()
-            self._apply(seq, batch)
+            await self._apply(seq, batch)
             return None
         return expected
 
@@ -161,6 +209,7 @@ class VllmEventSubscriber:
                 if left <= 0:
                     raise TimeoutError
                 frames = await asyncio.wait_for(dealer.recv_multipart(), left)
+                self._working = time.thread_time()
                 if len(frames) == 4 and frames[1] == b"" and frames[2] == _END:
                     filled = True
                     break
@@ -174,7 +223,9 @@ class VllmEventSubscriber:
                 if seq > expected:  # the buffer no longer reaches back to what is missing
                     self._count("reset")
                     self._reset()
-                self._apply(seq, batch)
+                applying = time.monotonic()
+                await self._apply(seq, batch)
+                deadline += time.monotonic() - applying  # the timeout is for the replayer, not for this side
                 self._replayed = range(min(start, seq), seq + 1)
                 self._count("replayed")
         except TimeoutError:

@@ -5,6 +5,9 @@ Started by the worker side of the connector when ``metrics_port`` is set (rank `
 bound to ``metrics_host``), so ``kvtier cache --url http://host:port`` works against each rank.
 
 * ``GET /metrics``: Prometheus text of the rank's cache, open as before (no key).
+* ``GET /health``: ``{"status": "ok", "model": ...}`` (no key), or 503 with ``"status": "unhealthy"`` and
+  ``dead_threads`` naming this process's long-lived kvtier threads that died (kvtier.base.threads: the
+  connector's save and load threads among them), as ``kvtier serve``'s ``/health`` answers.
 * ``/admin/v1/*``: the admin key only, from ``admin_key_file`` in the connector's config, else
   ``KVTIER_ADMIN_KEY`` in the worker's environment. vLLM's requests carry no kvtier tenant keys (their tenants
   are ``cache_salt`` values), so a tenant key is a 403 here. Without an admin key every admin call answers
@@ -38,6 +41,7 @@ from kvtier.api.admin_ops import AdminOps, PromptFn
 from kvtier.api.chat import ChatPrompt
 from kvtier.api.errors import RequestError, error_body
 from kvtier.base.metrics import CONTENT_TYPE
+from kvtier.base.threads import WATCHED
 from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.rank_http import BoundedHandler, RankHTTPServer
 
@@ -102,7 +106,7 @@ class AdminServer:
     def __init__(self, cache: KVCache, port: int, host: str, *, name: str, prompt: PromptFn,
                  admin_key: str | None) -> None:
         self.ops = AdminOps(lambda: cache, name=name, prompt=prompt, admin_key=admin_key, tenant_keys=False)
-        self._server = RankHTTPServer((host, port), _handler(cache, self.ops))
+        self._server = RankHTTPServer((host, port), _handler(cache, self.ops, name))
         self.port = self._server.port
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"kvtier-admin-{self.port}",
                                         daemon=True)
@@ -115,12 +119,22 @@ class AdminServer:
         self._thread.join(timeout=5)
 
 
-def _handler(cache: KVCache, ops: AdminOps) -> type[BoundedHandler]:
+def health(name: str) -> tuple[int, dict[str, Any]]:
+    """The rank's ``/health`` answer: 200 ok, or 503 naming the watched threads that died."""
+    dead = WATCHED.dead()
+    if not dead:
+        return 200, {"status": "ok", "model": name}
+    return 503, {"status": "unhealthy", "model": name, "dead_threads": dead}
+
+
+def _handler(cache: KVCache, ops: AdminOps, name: str) -> type[BoundedHandler]:
     class Handler(BoundedHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             path = self.path.partition("?")[0]
             if path == "/metrics":
                 self.reply(200, cache.metrics.render_prometheus().encode(), CONTENT_TYPE)
+            elif path == "/health":
+                self._json(*health(name))
             else:
                 self._admin("GET", path, b"")
 
@@ -136,7 +150,7 @@ def _handler(cache: KVCache, ops: AdminOps) -> type[BoundedHandler]:
 
         def _admin(self, method: str, path: str, raw: bytes) -> None:
             if not path.startswith(PREFIX + "/"):
-                self._json(404, error_body(f"no route {path}: /metrics and {PREFIX}/*", 404))
+                self._json(404, error_body(f"no route {path}: /metrics, /health and {PREFIX}/*", 404))
                 return
             try:
                 status, answer = ops.handle(method, path, self.headers.get("authorization"), raw)

@@ -36,6 +36,7 @@ from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.groups import WindowKV
 from kvtier.integrations.vllm.metadata import LoadSpec, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink
+from kvtier.base.threads import WATCHED
 from kvtier.integrations.vllm.threads import name_os_thread
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class AsyncLoads:
         self._done: list[tuple[_Load, int]] = []  # (load, verified tokens from 0) finished by the thread
         self._counts: Counter[str] = Counter()
         self.totals: Counter[str] = Counter()  #: loads reported since the start, by how they ended
-        self._thread = threading.Thread(target=self._run, name="kvtier-load", daemon=True)
+        self._thread = WATCHED.watch(threading.Thread(target=self._run, name="kvtier-load", daemon=True))
         self._thread.start()
 
     def submit(self, spec: LoadSpec) -> None:
@@ -271,6 +272,7 @@ class AsyncLoads:
         for load in self._active.values():
             load.close("shutdown")
         self._queue.put(None)
+        WATCHED.unwatch(self._thread)
         self._thread.join(timeout=5)  # a retrieve stuck in a tier cannot write anymore: do not wait for it
         self.paged.synchronize()
         self._active.clear()

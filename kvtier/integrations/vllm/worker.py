@@ -31,6 +31,7 @@ from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
 from kvtier.integrations.vllm.lookup_socket import LookupLimits, LookupServer
 from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, WindowSave, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
+from kvtier.base.threads import WATCHED
 from kvtier.integrations.vllm.threads import name_os_thread
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class WorkerSide:
         self._cancelled: set[str] = set()
         self._delayed: set[str] = set()  # finished requests to report once their jobs are done
         self._done_jobs: Counter[int] = Counter()
-        self._saver = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
+        # watched: a saver that died would leave every save pending while the rank's /health said ok
+        self._saver = WATCHED.watch(threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True))
         self._saver.start()
         self.server = LookupServer(cache, socket_path, LookupLimits(max_tokens=max_lookup_tokens))
 
@@ -233,6 +235,7 @@ class WorkerSide:
         with self._cond:
             self._jobs.append(None)
             self._cond.notify_all()
+        WATCHED.unwatch(self._saver)
         self._saver.join(timeout=30)
         self.server.close()
         self.cache.close()

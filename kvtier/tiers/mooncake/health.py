@@ -1,14 +1,13 @@
 """The Mooncake tier's health: joining a pool whose master was not reachable at start, and probing the master
 while the circuit breaker is open (a base class of MooncakeTier, as MooncakeControl is).
 
-One daemon thread at most, started when the tier could not join or the breaker opens; it ends once the tier is
-joined and the breaker closed, and is started again the next time either happens.
+One daemon thread at most (kvtier.tiers.health_worker), started when the tier could not join or the breaker
+opens; it ends once the tier is joined and the breaker closed, and is started again the next time either happens.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from time import monotonic
 
 from kvtier.base.errors import ConfigError, TierError
@@ -19,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class MooncakeHealth:
-    """Needs, from the tier: ``name``, ``config``, ``_metrics``, ``_client``, ``_breaker``, ``_lock``, ``_wake``,
-    ``_health``, ``_closed`` and ``_probe_key``."""
+    """Needs, from the tier: ``name``, ``config``, ``_metrics``, ``_client``, ``_breaker``, ``_health`` (a
+    ``HealthWorker`` running ``_watch_turns``), ``_closed`` and ``_probe_key``."""
 
     def _breaker_changed(self, state: BreakerState) -> None:
         if state is BreakerState.OPEN:
@@ -33,29 +32,13 @@ class MooncakeHealth:
                         self.config.master_address)
 
     def _start_health(self) -> None:
-        with self._lock:
-            self._wake.set()
-            if self._closed or (self._health is not None and self._health.is_alive()):
-                return
-            self._health = threading.Thread(target=self._watch, name=f"kvtier-{self.name}-health", daemon=True)
-            self._health.start()
-
-    def _watch(self) -> None:
-        """Run ``_watch_turns`` until it ends; what it raises (a bug: probes report failures as False) is logged, and it
-        starts again a second later, so a tier's recovery never stops for good."""
-        while not self._closed:
-            try:
-                self._watch_turns()
-                return
-            except Exception:
-                log.exception("mooncake tier %s: the health thread failed; it goes on in a second", self.name)
-                self._wake.wait(1.0)
+        self._health.start()
 
     def _watch_turns(self) -> None:
         """Join the pool until joined, and probe the master while the breaker is open; then end."""
         cooldown = self.config.breaker_cooldown_s
         while not self._closed:
-            self._wake.clear()
+            self._health.wake.clear()
             if not self._client.joined:
                 try:
                     joined = self._client.join(monotonic() + self.config.connect_timeout_s)
@@ -68,12 +51,10 @@ class MooncakeHealth:
                     self._breaker.success()
                 wait = self._breaker.seconds_to_next_probe()
             else:
-                with self._lock:
-                    if not self._wake.is_set():
-                        self._health = None
-                        return
+                if self._health.idle():
+                    return
                 continue
-            self._wake.wait(max(0.01, wait))
+            self._health.wake.wait(max(0.01, wait))
 
     def _probe(self) -> bool:
         try:

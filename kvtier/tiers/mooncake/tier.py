@@ -49,6 +49,7 @@ from kvtier.base.metrics import LATENCY_BUCKETS, declare_counter, declare_gauge,
 from kvtier.codecs import Payload, get_codec
 from kvtier.net.breaker import CircuitBreaker
 from kvtier.tiers.base import TierContext, TierStats, stats_gauges
+from kvtier.tiers.health_worker import HealthWorker
 from kvtier.tiers.metrics import (
     BREAKER_OPEN,
     BREAKER_REJECTED,
@@ -111,10 +112,10 @@ class MooncakeTier(MooncakeTransfers, MooncakeControl, MooncakeHealth):
         self._last_stats = TierStats(0, 0, 0)
         self._stats_read_at = float("-inf")
         self._closed = False
-        self._health: threading.Thread | None = None
-        self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._client = MooncakeClient(config, self._calls, on_joined=self._wake.set, timed=self._timed_stage)
+        self._health = HealthWorker(f"kvtier-{self.name}-health", self._watch_turns, self._lock,
+                                    lambda: self._closed, f"mooncake tier {self.name}")
+        self._client = MooncakeClient(config, self._calls, on_joined=self._health.wake.set, timed=self._timed_stage)
         self._buffers = RegisteredBuffers(config.buffer_bytes, self._client.register)
         self.max_get_bytes = self._buffers.capacity  #: BoundedGets: a get within it is read in one call
         self._spill = Spill(SPILL_KEEP_BUFFERS * self._buffers.capacity)
@@ -204,7 +205,7 @@ class MooncakeTier(MooncakeTransfers, MooncakeControl, MooncakeHealth):
             if self._closed:
                 return
             self._closed = True
-        self._wake.set()
+        self._health.wake.set()
         if self._calls.close(wait_s=self.config.connect_timeout_s):
             self._client.close()  # nothing is using the engine any more: leave the pool
         else:  # tearing the engine down under a call still inside it would crash the process

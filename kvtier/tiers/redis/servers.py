@@ -19,6 +19,7 @@ from typing import Any
 
 from kvtier.base.metrics import Metrics
 from kvtier.net.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.health_worker import HealthWorker
 from kvtier.tiers.metrics import BREAKER_OPEN, BREAKER_OPENS, BREAKER_REJECTED, TIER_ERRORS
 from kvtier.tiers.redis.batches import Batch, is_redirect, probe, run_batches
 from kvtier.tiers.redis.client import Endpoint, key_slot_function
@@ -48,9 +49,9 @@ class Servers:
         self._slots: list[Node | None] | None = None
         self._stale = config.cluster
         self._last_refresh = float("-inf")
-        self._worker: threading.Thread | None = None
-        self._wake = threading.Event()
         self._closed = False
+        self._health = HealthWorker(f"kvtier-{name}-health", self._work_turns, self._lock, lambda: self._closed,
+                                    f"redis tier {name}")
         metrics.add_gauges(self._gauges)
         if config.cluster:
             self._refresh_slots()
@@ -124,7 +125,7 @@ class Servers:
 
     def close(self) -> None:
         self._closed = True
-        self._wake.set()
+        self._health.wake.set()
         with self._lock:
             nodes = list(self._nodes.values())
         for node in nodes:
@@ -148,28 +149,13 @@ class Servers:
             self._start_worker()
 
     def _start_worker(self) -> None:
-        with self._lock:
-            self._wake.set()
-            if self._closed or (self._worker is not None and self._worker.is_alive()):
-                return
-            self._worker = threading.Thread(target=self._work, name=f"kvtier-{self.name}-health", daemon=True)
-            self._worker.start()
-
-    def _work(self) -> None:
-        """Run ``_work_turns`` until it ends; what it raises (a bug: probes report failures as False) is logged, and it
-        starts again a second later, so a tier's recovery never stops for good."""
-        while not self._closed:
-            try:
-                self._work_turns()
-                return
-            except Exception:
-                log.exception("redis tier %s: the health thread failed; it goes on in a second", self.name)
-                self._wake.wait(1.0)
+        self._health.start()
 
     def _work_turns(self) -> None:
-        """Probe open breakers and refresh the slot map, until there is nothing left to do."""
+        """Probe open breakers and refresh the slot map, until there is nothing left to do (the health thread's
+        work: kvtier.tiers.health_worker)."""
         while not self._closed:
-            self._wake.clear()
+            self._health.wake.clear()
             with self._lock:
                 nodes = list(self._nodes.values())
             for node in nodes:
@@ -181,12 +167,10 @@ class Servers:
             if self._stale:
                 waits.append(max(0.05, self._last_refresh + REFRESH_INTERVAL_S - monotonic()))
             if not waits:
-                with self._lock:
-                    if not self._wake.is_set():
-                        self._worker = None
-                        return
+                if self._health.idle():
+                    return
                 continue
-            self._wake.wait(max(0.01, min(waits)))
+            self._health.wake.wait(max(0.01, min(waits)))
 
     def _refresh_slots(self) -> None:
         """Read the slot map (CLUSTER SLOTS) from the seed or any known node that answers."""

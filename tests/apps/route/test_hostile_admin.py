@@ -1,6 +1,6 @@
 """Attacks on the admin surfaces of ``kvtier route`` and ``kvtier serve`` (issue 48's A-1 to A-3), all real
 processes over real sockets: a ``kvtier serve`` replica, a hostile stand-in replica
-(tests.apps.route.hostile_admin_replica) and a ``kvtier route`` in front of both.
+(harness.hostile_admin) and a ``kvtier route`` in front of both.
 
 Each used to cost a 500, a leaked key, gigabytes of the router's memory or an admin call that never ended.
 """
@@ -97,7 +97,7 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     procs: list[subprocess.Popen] = []
     try:
         serve.start()
-        procs.append(_start(["tests.apps.route.hostile_admin_replica", str(hostile_port)], base / "hostile.log"))
+        procs.append(_start(["harness.hostile_admin", str(hostile_port)], base / "hostile.log"))
         hostile_url = f"http://127.0.0.1:{hostile_port}"
         procs.append(_start(["kvtier", "route", "--replica", serve.url, "--replica", hostile_url, "--port",
                              str(router_port), "--model", str(model), "--events-key", str(base / "events.key"),

@@ -290,3 +290,52 @@ def test_a_replica_entry_follows_its_events_and_a_restart_drops_the_routers_own_
             ctx.destroy(linger=0)
 
     asyncio.run(main())
+
+
+def test_a_100k_event_batch_is_decoded_and_applied_in_slices_with_the_loop_served_between(publisher):
+    """A batch of 100,000 one-block stores from a real publisher socket: another task of the loop runs between
+    every slice of at most ``keys_per_turn`` keys (it sees the index part-way, never the batch in one turn), and
+    the whole batch reaches the index, ``next_seq`` moving on only after its last slice."""
+    n, budget = 100_000, 2_048
+    index = FleetIndex(max_total_keys=2 * n, replicas=1)
+    sink = VllmReplicaIndex(index.holdings("r"), BLOCK, MEDIA)
+    sizes: list[int] = []
+    applied = sink.apply
+
+    def apply(batch) -> None:
+        sizes.append(len(batch.events))
+        applied(batch)
+
+    sink.apply = apply  # type: ignore[method-assign]
+    counts: dict[str, int] = {}
+    ctx = zmq.asyncio.Context()
+    subscriber = VllmEventSubscriber(ctx, publisher.endpoint, publisher.replay, "kv@", sink,
+                                     VllmSubscriberConfig(keys_per_turn=budget),
+                                     lambda what: counts.__setitem__(what, counts.get(what, 0) + 1))
+    turns: list[tuple[int, int | None]] = []  # (events applied, next_seq) at each turn of the other task
+
+    async def main():
+        task = asyncio.ensure_future(subscriber.run())
+
+        async def tick() -> None:
+            while True:
+                turns.append((sum(sizes), subscriber.next_seq))
+                await asyncio.sleep(0)
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            await asyncio.sleep(0.3)  # the SUB socket connects (ZMQ's slow joiner)
+            publisher.send(op="flood", n=n, block_size=BLOCK)
+            await until(lambda: counts.get("batch", 0) >= 1, "the flood", timeout=600)  # a bound, not a speed
+        finally:
+            for t in (task, ticker):
+                t.cancel()
+            await asyncio.gather(task, ticker, return_exceptions=True)
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+    assert sum(sizes) == n and max(sizes) <= budget and len(sizes) >= n // budget
+    seen = {done for done, _ in turns if 0 < done < n}
+    assert len(seen) >= len(sizes) - 1  # the other task ran after every slice but the last
+    assert all(seq is None for done, seq in turns if done < n)
+    assert index.chunks("r")["GPU"] == n and subscriber.next_seq == 1

@@ -5,6 +5,8 @@ buffered batches and the ``-1`` end marker), driven by JSON lines on stdin:
 * ``{"op": "batch", "events": [...], "publish": true}``: the next batch (events as vLLM's maps, ``type`` tags);
   with ``publish`` false it is only buffered for replay (a batch the subscriber lost);
 * ``{"op": "raw", "frames": ["hex", ...]}``: any multipart message (malformed ones);
+* ``{"op": "flood", "n": N, "block_size": B}``: the next batch is N stores of one root block each, block hash
+  ``10**6 + i`` and tokens ``[i, 0, 0, ...]`` (B of them): a compromised or very busy replica's big batch;
 * ``{"op": "restart"}``: sequence numbers and the replay buffer start over (a new vLLM process);
 * ``{"op": "replay_off"}``: replay requests are read and never answered.
 
@@ -52,6 +54,12 @@ def main() -> None:
                 return
             command = json.loads(line)
             op = command["op"]
+            if op == "flood":
+                size = command["block_size"]
+                command["events"] = [{"type": "BlockStored", "block_hashes": [10**6 + i], "parent_block_hash": None,
+                                      "token_ids": [i] + [0] * (size - 1), "block_size": size, "medium": "GPU"}
+                                     for i in range(command["n"])]
+                op = "batch"
             if op == "batch":
                 payload = msgspec.msgpack.encode([time.time(), command["events"], None])
                 buffer.append((seq, payload))
