@@ -2,7 +2,8 @@
 
 The router's chunk keys must be the replicas' own, so it needs their tokenizer and chat template. Without
 ``--model`` it asks the replicas (``GET /v1/models``, the first model each names) and uses that name as a local
-folder or an entry of the local Hugging Face cache, offline. Anything else is a ``ConfigError`` whose one line
+folder or an entry of the local Hugging Face cache, offline, or, for the model kvtier ships (SmolLM2-135M-Instruct,
+what a default ``kvtier serve`` names), kvtier's own converted copy. Anything else is a ``ConfigError`` whose one line
 says what to pass: no replica named a model, the replicas name different ones, or the one they name is not at
 hand. It never falls back to another model's tokenizer: a router hashing a Llama fleet's prompts with SmolLM2's
 tokenizer would route by keys no replica holds.
@@ -16,6 +17,7 @@ import httpx
 import msgspec
 
 from kvtier.base.errors import ConfigError
+from kvtier.integrations.models import SMOLLM2_NAME
 
 PASS_MODEL = "pass --model DIR (the folder of the replicas' tokenizer and chat template)"
 
@@ -63,6 +65,6 @@ def tokenizer_for(model: str | None, urls: list[str]):
         raise ConfigError(f"no replica names its model at /v1/models; {PASS_MODEL}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a name is looked up in the local cache, never downloaded
     try:
-        return PromptTokenizer(named)
+        return PromptTokenizer(None if named == SMOLLM2_NAME else named)  # None: the packaged one
     except ConfigError:
         raise ConfigError(f"the replicas serve {named!r}, whose tokenizer is not at hand here; {PASS_MODEL}") from None

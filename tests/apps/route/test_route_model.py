@@ -60,3 +60,16 @@ def test_the_router_uses_the_named_model_or_model(tmp_path, named):
             body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
             answer = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=30)
     assert answer.status_code == 200 and answer.json()["served_by"] in fleet.ports
+
+
+def test_replicas_that_name_the_packaged_model_get_its_tokenizer():
+    """A default ``kvtier serve`` names SmolLM2-135M-Instruct, the model kvtier ships: its tokenizer is at hand."""
+    with StubFleet(1, model="SmolLM2-135M-Instruct") as fleet:
+        port = free_port()
+        cmd = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--log-level", "warning",
+               "--replica", fleet.urls[0]]
+        with RouterProc(cmd, port) as router:
+            router.wait_ready()
+            body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
+            answer = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 200 and answer.json()["served_by"] in fleet.ports
