@@ -43,6 +43,7 @@ from kvtier.apps.route.proxy import sendable
 from kvtier.apps.route.requests import parse_request
 from kvtier.apps.route.service import Router
 from kvtier.web.body import read_body
+from kvtier.web.heap import HeapTrimmer
 from kvtier.web.http_limits import guarded_protocol
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ CLIENT_CLOSED = 499  # nginx's status for a client that went away before the ans
 
 def create_app(router: Router) -> Starlette:
     """The router's ASGI app; starting it starts the router (health checks, event subscriptions)."""
+    heap = HeapTrimmer()  # large bodies are tokenized and forwarded on worker threads: their arenas keep the pages
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -62,10 +64,10 @@ def create_app(router: Router) -> Starlette:
             await router.close()
 
     async def completions(request: Request) -> Response:
-        return await _generate(router, request, "/v1/completions", chat=False)
+        return await _generate(router, request, "/v1/completions", heap, chat=False)
 
     async def chat(request: Request) -> Response:
-        return await _generate(router, request, "/v1/chat/completions", chat=True)
+        return await _generate(router, request, "/v1/chat/completions", heap, chat=True)
 
     async def models(request: Request) -> Response:
         return await _models(router)
@@ -107,7 +109,7 @@ def _error(router: Router, endpoint: str, exc: RequestError, headers: dict[str, 
     return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status, headers=headers)
 
 
-async def _generate(router: Router, request: Request, path: str, *, chat: bool) -> Response:
+async def _generate(router: Router, request: Request, path: str, heap: HeapTrimmer, *, chat: bool) -> Response:
     endpoint = "chat" if chat else "completions"
     try:
         return await _serve(router, request, path, endpoint, chat)
@@ -117,6 +119,8 @@ async def _generate(router: Router, request: Request, path: str, *, chat: bool) 
     except Exception:  # a bug: still an answer in OpenAI's envelope, and counted
         log.exception("the router failed a request")
         return _error(router, endpoint, RequestError("the router failed the request", 500))
+    finally:
+        heap.large_request_done(getattr(request.state, "body_bytes", 0))
 
 
 async def _serve(router: Router, request: Request, path: str, endpoint: str, chat: bool) -> Response:
@@ -125,6 +129,7 @@ async def _serve(router: Router, request: Request, path: str, endpoint: str, cha
         if not all(sendable(value) for _, value in request.headers.raw):
             raise RequestError("a header value holds a control character")
         body = await read_body(request, router.config.proxy.max_body_bytes)
+        request.state.body_bytes = len(body)
         parsed = await asyncio.to_thread(parse_request, body, chat, headers)
     except RequestError as exc:
         router.metrics.inc(REJECTED, reason="malformed")
