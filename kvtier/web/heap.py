@@ -45,23 +45,37 @@ def trim_heap() -> bool:
 
 
 class HeapTrimmer:
-    """At most one pending trim per event loop; ``trims`` counts those run."""
+    """At most one pending trim per event loop; ``trims`` counts those run. A large request that ends while a
+    trim runs gets one more after it (that trim may have passed the pages it freed); one that ends while a trim
+    waits to run is covered by it."""
 
     def __init__(self, delay_s: float = DELAY_S) -> None:
         self.delay_s = delay_s
         self.trims = 0
+        self.trimming = False  #: a trim is running now (on a worker thread)
         self._pending: asyncio.Task[None] | None = None
+        self._again = False
 
     def large_request_done(self, body_bytes: int) -> None:
         """Call on the event loop when a request ends; schedules a trim when its body was large."""
-        if body_bytes < LARGE_BODY_BYTES or _TRIM is None or (self._pending and not self._pending.done()):
+        if body_bytes < LARGE_BODY_BYTES or _TRIM is None:
+            return
+        if self._pending is not None and not self._pending.done():
+            self._again = self._again or self.trimming
             return
         self._pending = asyncio.get_running_loop().create_task(self._trim_later())
 
     async def _trim_later(self) -> None:
-        await asyncio.sleep(self.delay_s)
-        try:
-            await asyncio.to_thread(trim_heap)
-            self.trims += 1
-        except Exception:  # noqa: BLE001 - a trim that fails costs memory, never a request
-            log.warning("malloc_trim failed", exc_info=True)
+        while True:
+            await asyncio.sleep(self.delay_s)
+            self.trimming = True
+            try:
+                await asyncio.to_thread(trim_heap)
+                self.trims += 1
+            except Exception:
+                log.warning("malloc_trim failed", exc_info=True)
+            finally:
+                self.trimming = False
+            if not self._again:
+                return
+            self._again = False
