@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--other-cpus", default=None, help="taskset cores of the replicas and the client")
     p.add_argument("--peers", default=os.environ.get("KVTIER_ROUTER_PEERS", "/work/venvs/routers"))
     p.add_argument("--model", help="tokenizer folder for kvtier route (default: the packaged SmolLM2)")
-    p.add_argument("--out", default="benchmarks/out/router_scale")
+    p.add_argument("--out", default="results/router_scale")
     args = p.parse_args()
     stop_children_on_signal()
     out = Path(args.out)
