@@ -17,6 +17,7 @@ import kvtier.integrations.blend.lm
 import kvtier.tiers.disk.tier
 import kvtier.tiers.metrics
 import kvtier.tiers.mooncake.tier
+import kvtier.tiers.mooncake.transfers
 import kvtier.tiers.redis.tier
 from kvtier.base.metric_decls import MetricDecl, declarations_so_far
 
