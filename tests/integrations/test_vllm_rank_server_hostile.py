@@ -115,22 +115,48 @@ class _Silent(BoundedHandler):
         self.reply(200, b"ok", "text/plain")
 
 
-def test_p1_connections_beyond_the_cap_are_answered_503_and_closed() -> None:
-    server = RankHTTPServer(("127.0.0.1", 0), _Silent, max_connections=8, max_workers=2)
+def _capped(max_connections: int, max_workers: int) -> tuple[RankHTTPServer, threading.Thread]:
+    server = RankHTTPServer(("127.0.0.1", 0), _Silent, max_connections=max_connections, max_workers=max_workers)
     loop = threading.Thread(target=server.serve_forever, daemon=True)
     loop.start()
+    return server, loop
+
+
+def test_p1_at_the_cap_a_new_connection_closes_the_longest_idle_one() -> None:
+    server, loop = _capped(8, 2)
     held = connect(server.port, 8)  # idle: each waits (IDLE_TIMEOUT_S) for a request that never comes
-    extra = connect(server.port, 4)  # accepted after the 8 (one queue, in order): over the cap
     try:
+        assert wait_for(lambda: server.evicted == 0 and server.connections == (8, 0), 30)
+        # a scrape while the idle flood holds every slot is answered, not refused
+        assert httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=30).status_code == 200
+        assert server.refused == 0 and server.evicted == 1
+        held[0].settimeout(30)
+        assert held[0].recv(1 << 16) == b""  # the first one accepted was closed, with nothing sent to it
+    finally:
+        server.shutdown()
+        loop.join(30)
+        for sock in held:
+            sock.close()
+
+
+def test_p1_when_every_connection_is_being_answered_a_new_one_gets_503_and_is_closed() -> None:
+    server, loop = _capped(2, 2)
+    slow = connect(server.port, 2)
+    extra: list[socket.socket] = []
+    try:
+        for sock in slow:  # half a head: each holds a worker until REQUEST_TIMEOUT_S
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: x\r\n")
+        assert wait_for(lambda: server.connections == (0, 2), 30)
+        extra = connect(server.port, 3)
         for sock in extra:
             sock.settimeout(30)
             assert sock.recv(64).startswith(b"HTTP/1.1 503")
             assert wait_for(lambda s=sock: s.recv(1 << 16) == b"", 30)  # then closed by the server
-        assert server.refused == 4
+        assert server.refused == 3 and server.evicted == 0
     finally:
         server.shutdown()
         loop.join(30)
-        for sock in held + extra:
+        for sock in slow + extra:
             sock.close()
 
 

@@ -5,8 +5,10 @@ lets idle connections hold a thread and a descriptor each for ever (1,500 of the
 ``RankHTTPServer`` waits for connections' first bytes on one thread (a selector), and only a connection with a
 request arriving gets a worker thread, for that one request:
 
-* an accepted connection that sends nothing for ``IDLE_TIMEOUT_S`` is closed; beyond ``MAX_CONNECTIONS`` open
-  ones, a new connection is answered 503 (``Retry-After: 1``) and closed at once;
+* an accepted connection that sends nothing for ``IDLE_TIMEOUT_S`` is closed; at ``MAX_CONNECTIONS`` open ones,
+  a new connection closes the one that has waited longest without sending a byte (it has no request to lose), so
+  a flood of idle connections cannot lock out a scrape or an admin call; only when every open connection is
+  being answered is a new one answered 503 (``Retry-After: 1``) and closed at once;
 * at most ``MAX_WORKERS`` requests are read and answered at once (more: 503); a request must arrive whole
   within ``REQUEST_TIMEOUT_S`` of its first byte (else the connection is closed), and each wait for bytes, in
   either direction, is at most ``IDLE_TIMEOUT_S``;
@@ -108,6 +110,7 @@ class RankHTTPServer:
         self._selector.register(self.socket, selectors.EVENT_READ)
         self._stop = threading.Event()
         self.refused = 0  #: connections answered 503
+        self.evicted = 0  #: idle connections closed to make room for a new one
 
     def serve_forever(self) -> None:
         try:
@@ -127,6 +130,11 @@ class RankHTTPServer:
     def shutdown(self) -> None:
         self._stop.set()
 
+    @property
+    def connections(self) -> tuple[int, int]:
+        """(waiting for a request, being answered) connections now."""
+        return len(self._waiting), self._busy
+
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
             try:
@@ -137,8 +145,11 @@ class RankHTTPServer:
                 log.warning("kvtier admin server: accept failed: %s", exc)
                 return
             if len(self._waiting) + self._busy >= self._max_connections:
-                self._refuse(conn)
-                continue
+                if not self._waiting:
+                    self._refuse(conn)
+                    continue
+                self._drop(next(iter(self._waiting)))  # the oldest: dicts keep insertion order
+                self.evicted += 1
             conn.setblocking(False)
             self._waiting[conn] = (address, time.monotonic() + IDLE_TIMEOUT_S)
             self._selector.register(conn, selectors.EVENT_READ)
