@@ -39,6 +39,7 @@ from kvtier.apps.serve.metrics import (
     REQUESTS,
     TTFT_SECONDS,
 )
+from kvtier.apps.serve.prompt_limits import refuse_too_many_messages
 from kvtier.apps.serve.protocol import ChatRequest, CompletionRequest, parse
 from kvtier.apps.serve.textstream import TextStream
 from kvtier.base.metrics import CONTENT_TYPE
@@ -173,6 +174,8 @@ class Prepared:
 
 def _prepare(backend: Backend, raw: bytes, route: Route) -> Prepared:
     """Everything that can refuse a request, cheapest first; runs on a worker thread."""
+    if route.chat:
+        refuse_too_many_messages(raw, backend.context)
     body = decode_json(raw)
     req = parse(ChatRequest if route.chat else CompletionRequest, body)
     if req.model is not None and req.model != backend.name:

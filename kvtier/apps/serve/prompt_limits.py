@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from kvtier.api.errors import RequestError
 from kvtier.integrations.tokenize import CUT_MARGIN, FIRST_WINDOW_CHARS_PER_TOKEN, PromptTooLong
 
-__all__ = ["CUT_MARGIN", "FIRST_WINDOW_CHARS_PER_TOKEN", "encode_within", "refuse_overlong_chat"]
+__all__ = ["CUT_MARGIN", "FIRST_WINDOW_CHARS_PER_TOKEN", "encode_within", "refuse_overlong_chat",
+           "refuse_too_many_messages"]
+
+#: bodies from this size on are counted before they are decoded whole (a smaller one decodes in a few ms)
+COUNT_FROM_BYTES = 1 << 20
 
 
 def encode_within(encode: Callable[[str], Sequence[int]], text: str, context: int) -> list[int]:
@@ -38,3 +44,25 @@ def refuse_overlong_chat(render: Callable[..., Any], encode: Callable[[str], Seq
     if lead >= 2 and not text.startswith(render(messages[: lead - 1], add_generation_prompt=False, tokenize=False)):
         return
     encode_within(encode, text, context)
+
+
+class _MessagesOnly(msgspec.Struct):
+    messages: list[msgspec.Raw] | None = None
+
+
+def refuse_too_many_messages(raw: bytes, context: int) -> None:
+    """RequestError(400) on ``messages`` for a chat body with more messages than ``context`` has tokens (each
+    message renders to at least its role's header), found before the body is decoded whole. Decoding and
+    validating a 240k-message body holds the interpreter lock for a few hundred ms in one C call, which stalls
+    the event loop's /health meanwhile; counting the messages as raw spans takes about a quarter of that.
+    Bodies under ``COUNT_FROM_BYTES``, and anything this count cannot read, are left to the full decoder,
+    whose errors are the ones to give."""
+    if len(raw) < COUNT_FROM_BYTES:
+        return
+    try:
+        messages = msgspec.json.decode(raw, type=_MessagesOnly).messages
+    except (msgspec.DecodeError, RecursionError, ValueError):
+        return
+    if messages is not None and len(messages) > context:
+        raise RequestError(f"a chat of {len(messages):,} messages cannot fit this model's context of {context:,} "
+                           "tokens", param="messages")

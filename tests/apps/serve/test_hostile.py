@@ -127,13 +127,26 @@ def test_a_chat_of_many_messages_is_refused_after_rendering_only_its_leading_one
         return real_render(messages, *args, **kwargs)
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", render)
-    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} of a long chat"}
-            for i in range(40_000)]
+    words = " the cache keeps a prefix" * 10  # no more messages than the context has tokens, but far more text
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} of a long chat{words}"}
+            for i in range(server.backend.context)]
     with httpx.Client(base_url=server.url, timeout=120) as c:
         response = c.post("/v1/chat/completions", json={"messages": many})
         assert response.status_code == 400 and "context" in response.json()["error"]["message"]
-        assert rendered and max(rendered) < len(many) // 4  # the leading messages only, never all 40,000
+        assert rendered and max(rendered) < len(many) // 4  # the leading messages only, never all of them
         rendered.clear()
         short = [{"role": "user", "content": SYSTEM}]
         fits = c.post("/v1/chat/completions", json={"messages": short, "max_tokens": 2})
         assert fits.status_code == 200 and rendered == [1]  # a chat that fits is rendered once, whole
+
+
+def test_a_chat_of_more_messages_than_the_context_has_tokens_is_refused_before_it_is_decoded(server, monkeypatch):
+    decoded = []
+    monkeypatch.setattr("kvtier.apps.serve.app.decode_json", lambda raw: decoded.append(len(raw)))
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(240_000)]
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        response = c.post("/v1/chat/completions", json={"messages": many})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages" and "240,000 messages" in error["message"]
+        assert decoded == []  # refused from a count of raw spans: the body was never decoded into objects
