@@ -198,10 +198,12 @@ class EventSubscriber:
         dealer.connect(self._control_endpoint)
         try:
             await dealer.send_multipart([SNAPSHOT_REQUEST])
-            frames = await asyncio.wait_for(dealer.recv_multipart(), self._config.snapshot_timeout_s)
-            if len(frames) != 2 or frames[0] != SNAPSHOT_REQUEST:
-                raise WireError(f"unexpected reply {frames[:1]!r}")
-            snapshot, prepared = await asyncio.to_thread(self._prepare, frames[1])
+            # zero-copy: a snapshot of 2.5M keys is an 85 MB frame, and copying it into bytes held the loop
+            # ~80 ms (fresh pages fault in at ~1 GB/s here); its buffer is decoded on the worker thread instead
+            frames = await asyncio.wait_for(dealer.recv_multipart(copy=False), self._config.snapshot_timeout_s)
+            if len(frames) != 2 or frames[0].bytes != SNAPSHOT_REQUEST:
+                raise WireError(f"unexpected reply {frames[0].bytes[:16]!r}")
+            snapshot, prepared = await asyncio.to_thread(self._prepare, frames[1].buffer)
         except (TimeoutError, WireError) as exc:
             self._count("snapshot_failed")
             log.warning("event stream %s: no snapshot: %s", self._control_endpoint, exc or "timed out")
@@ -218,6 +220,6 @@ class EventSubscriber:
         self._count("snapshot")
         return True
 
-    def _prepare(self, payload: bytes) -> tuple[SnapshotHead, object]:
+    def _prepare(self, payload: bytes | memoryview) -> tuple[SnapshotHead, object]:
         snapshot = decode_snapshot_head(payload)
         return snapshot, self._sink.prepare(snapshot)

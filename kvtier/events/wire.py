@@ -126,7 +126,7 @@ def decode_snapshot(payload: bytes) -> Snapshot:
         raise WireError(f"not a snapshot: {exc}") from None
 
 
-def decode_snapshot_head(payload: bytes) -> SnapshotHead:
+def decode_snapshot_head(payload: bytes | memoryview) -> SnapshotHead:
     """A snapshot with its tiers' keys left raw (their structure checked, none decoded)."""
     try:
         return _head_decoder.decode(payload)
