@@ -17,9 +17,10 @@ subscriber goes on asking for a snapshot every ``retry_s`` (the replica logs the
 message can cost is bounded: a batch at most ``MAX_BATCH_BYTES``, a snapshot at most ``MAX_SNAPSHOT_BYTES``
 (ZMQ refuses longer ones), and a snapshot is decoded and prepared (``HoldingsSink.prepare``) in a worker
 thread, off the event loop: its structure in one call, its keys in pieces of ``wire.KEYS_PIECE`` (one call each,
-so the loop gets the GIL between them). A batch is decoded in one call (about 40 ms for 100,000 events) and
-applied ``KEYS_PER_TURN`` events per loop turn, paced (``Pacer``), so a flood of big batches leaves the loop
-free to answer ``/health`` and route between the slices.
+so the loop gets the GIL between them). A batch's structure is read in one call (its events as raw spans: about
+a quarter of a full decode, ~75 ms for the largest batch allowed) and its events are decoded and applied
+``KEYS_PER_TURN`` per loop turn, paced (``Pacer``), so a flood of big batches leaves the loop free to answer
+``/health`` and route between the slices.
 
 The replica's silence is not this module's business: the router's health checks eject a dead replica and
 restart its subscriber when it comes back (its endpoints may have changed).
@@ -42,9 +43,11 @@ from kvtier.events.wire import (
     SNAPSHOT_REQUEST,
     TOPIC,
     Batch,
+    BatchHead,
     SnapshotHead,
     WireError,
-    decode_batch,
+    decode_batch_head,
+    decode_events,
     decode_snapshot_head,
 )
 
@@ -137,7 +140,7 @@ class EventSubscriber:
                 if not await self._resync():
                     await asyncio.sleep(self._config.retry_s)
             while True:
-                frames = await sub.recv_multipart()
+                frames = await sub.recv_multipart(copy=False)  # a 16 MB batch is not copied on the loop
                 spent = time.thread_time()
                 batch = self._receive(frames)
                 # pyzmq's recv returns a finished future while batches are queued, so without a pause a flood
@@ -151,35 +154,43 @@ class EventSubscriber:
         finally:
             sub.close(linger=0)
 
-    async def _apply(self, batch: Batch, spent: float) -> None:
-        """Apply ``batch`` ``keys_per_turn`` events at a time, the loop served between (paced): a batch of
-        100,000 events applied in one turn held the loop a third of a second on an idle machine, seconds on a
-        loaded one, and ``/health`` waited. Batches are applied whole and in order all the same: nothing else
-        feeds this sink, and ``seq`` moves on only once all of the batch is in."""
-        events, step = batch.events, max(self._config.keys_per_turn, 1)
-        for start in range(0, max(len(events), 1), step):
+    async def _apply(self, head: BatchHead, spent: float) -> None:
+        """Decode and apply ``head``'s events ``keys_per_turn`` at a time, the loop served between (paced): a
+        batch of 100,000 events applied in one turn held the loop a third of a second on an idle machine, and
+        one of 330,000 decoded in one call held it 0.46 s on a loaded one, while ``/health`` waited. Batches are
+        applied whole and in order all the same: nothing else feeds this sink, and ``seq`` moves on only once all
+        of the batch is in. A slice that is not valid events ends the batch there and resynchronises."""
+        raw, step = head.events, max(self._config.keys_per_turn, 1)
+        for start in range(0, max(len(raw), 1), step):
             began = time.thread_time()
             try:
-                self._sink.apply(batch if len(events) <= step else
-                                 Batch(batch.epoch, batch.seq, batch.ts, events[start: start + step]))
+                events = decode_events(raw[start: start + step])
+            except WireError as exc:
+                self._count("malformed")
+                log.warning("event stream %s: batch %d: %s; resynchronising", self._endpoint, head.seq, exc)
+                self.epoch = None
+                return
+            try:
+                self._sink.apply(Batch(head.epoch, head.seq, head.ts, events))
             except Exception:  # the sink choked on one batch (a bug): resynchronise from a snapshot, go on listening
                 log.exception("event stream %s: applying batch %d failed; resynchronising", self._endpoint,
-                              batch.seq)
+                              head.seq)
                 self._count("apply_failed")
                 self.epoch = None
                 return
             await self._pacer.spent(spent + time.thread_time() - began)
             spent = 0.0
-        self.seq = batch.seq
+        self.seq = head.seq
         self._count("batch")
 
-    def _receive(self, frames: list[bytes]) -> Batch | None:
-        """The batch in ``frames`` if it is the next one to apply; None for a message dropped, a batch already
-        applied, or one after a gap (then ``epoch`` is None: the caller resynchronises)."""
+    def _receive(self, frames: list[zmq.Frame]) -> BatchHead | None:
+        """The batch in ``frames`` (its events not yet decoded) if it is the next one to apply; None for a
+        message dropped, a batch already applied, or one after a gap (then ``epoch`` is None: the caller
+        resynchronises)."""
         try:
             if len(frames) != 3:
                 raise WireError(f"expected 3 frames, got {len(frames)}")
-            batch = decode_batch(frames[2])
+            batch = decode_batch_head(frames[2].buffer)
         except WireError as exc:
             self._count("malformed")
             log.warning("event stream %s: dropped a message: %s", self._endpoint, exc)

@@ -58,6 +58,15 @@ class Batch(msgspec.Struct, array_like=True, frozen=True):
     events: list[WireEvent]
 
 
+class BatchHead(msgspec.Struct, array_like=True, frozen=True):
+    """A ``Batch`` whose events are left raw, one span each (``decode_batch_head``; ``decode_events``)."""
+
+    epoch: Name
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    ts: float
+    events: list[msgspec.Raw]
+
+
 class WireTier(msgspec.Struct, array_like=True, frozen=True):
     name: TierName
     keys: list[Key] | None  #: None: the tier cannot list its keys
@@ -91,6 +100,8 @@ class Snapshot(msgspec.Struct, array_like=True, frozen=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(Batch)
+_batch_head_decoder = msgspec.msgpack.Decoder(BatchHead)
+_events_decoder = msgspec.msgpack.Decoder(list[WireEvent])
 _snapshot_decoder = msgspec.msgpack.Decoder(Snapshot)
 _head_decoder = msgspec.msgpack.Decoder(SnapshotHead)
 _keys_decoder = msgspec.msgpack.Decoder(list[Key])
@@ -110,6 +121,24 @@ def decode_batch(payload: bytes) -> Batch:
     try:
         return _batch_decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"not an event batch: {exc}") from None
+
+
+def decode_batch_head(payload: bytes | memoryview) -> BatchHead:
+    """A batch's epoch, seq and time, its events split into raw spans and not decoded: about a quarter of the
+    time of ``decode_batch`` (a 16 MB batch of 330k events: ~75 ms against ~270 ms in one call), so that the
+    events can be decoded a slice per event-loop turn (``decode_events``)."""
+    try:
+        return _batch_head_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError(f"not an event batch: {exc}") from None
+
+
+def decode_events(raw: list[msgspec.Raw]) -> list[WireEvent]:
+    """Events of a ``BatchHead`` slice, in one call; WireError for any that is not a valid event."""
+    try:
+        return _events_decoder.decode(b"\xdd" + len(raw).to_bytes(4, "big") + b"".join(raw))
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise WireError(f"not an event batch: {exc}") from None
 
 

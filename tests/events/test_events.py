@@ -17,7 +17,18 @@ from kvtier.base.threads import WATCHED
 from kvtier.core.events import ChunkEvent, ChunkEventKind, holdings
 from kvtier.events.publisher import EventPublisher, PublisherConfig
 from kvtier.events.subscriber import EventSubscriber, SubscriberConfig
-from kvtier.events.wire import WireError, decode_batch, decode_snapshot, namespace_from_json, namespace_json
+from kvtier.events.wire import (
+    Batch,
+    WireError,
+    WireEvent,
+    decode_batch,
+    decode_batch_head,
+    decode_events,
+    decode_snapshot,
+    encode_batch,
+    namespace_from_json,
+    namespace_json,
+)
 from kvtier.fleet.index import FleetIndex
 from kvtier.tiers import DiskTierConfig, MemoryTierConfig, WriteMode
 
@@ -88,6 +99,22 @@ def test_a_chunk_that_fails_verification_is_reported_removed(tmp_path):
     assert cache.retrieve(tokens)[1] == 0
     assert [(e.kind, e.tier) for e in seen] == [(ChunkEventKind.REMOVED, "disk")]
     cache.close()
+
+
+def test_a_batch_decodes_in_slices_to_exactly_its_events_and_a_bad_event_fails_its_slice():
+    events = [WireEvent(i % 3 != 0, f"tier-{i % 7}", bytes([i % 256]) * 32, i if i % 2 else None)
+              for i in range(5_000)]
+    head = decode_batch_head(encode_batch(Batch("epoch-1", 9, 1.5, events)))
+    assert (head.epoch, head.seq, head.ts, len(head.events)) == ("epoch-1", 9, 1.5, 5_000)
+    sliced = [e for start in range(0, 5_000, 2_048) for e in decode_events(head.events[start: start + 2_048])]
+    assert sliced == events
+    bad = msgspec.msgpack.encode(["e", 0, 0.0, [[True, "memory", b"k" * 32, 0], [True, "memory", b"short", 0]]])
+    head = decode_batch_head(bad)  # the structure is fine: the bad key is found by the slice that holds it
+    assert decode_events(head.events[:1])[0].tier == "memory"
+    with pytest.raises(WireError):
+        decode_events(head.events[1:])
+    with pytest.raises(WireError):
+        decode_batch_head(b"\x93\x01\x02")
 
 
 def test_wire_rejects_what_is_not_a_message():
