@@ -183,14 +183,14 @@ class EventSubscriber:
         self.seq = head.seq
         self._count("batch")
 
-    def _receive(self, frames: list[zmq.Frame]) -> BatchHead | None:
+    def _receive(self, frames: list[zmq.Frame] | list[bytes]) -> BatchHead | None:
         """The batch in ``frames`` (its events not yet decoded) if it is the next one to apply; None for a
         message dropped, a batch already applied, or one after a gap (then ``epoch`` is None: the caller
         resynchronises)."""
         try:
             if len(frames) != 3:
                 raise WireError(f"expected 3 frames, got {len(frames)}")
-            batch = decode_batch_head(frames[2].buffer)
+            batch = decode_batch_head(getattr(frames[2], "buffer", frames[2]))  # a zmq.Frame, or bytes
         except WireError as exc:
             self._count("malformed")
             log.warning("event stream %s: dropped a message: %s", self._endpoint, exc)
