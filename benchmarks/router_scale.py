@@ -13,8 +13,13 @@ round by round so the load other jobs put on this shared machine falls on each a
   completions; the share of requests sent to a replica holding the longest prefix of blocks among the
   replicas, by an oracle that knows what every replica was sent (the stand-ins cache nothing, so every router
   works from its own record of what it sent where);
-* RSS after ``--sessions`` distinct sessions, extrapolated linearly to 1 M (an over-estimate for kvtier, whose
-  session and prompt caches are bounded).
+* RSS after ``--sessions`` distinct sessions (peers: extrapolated linearly to 1 M);
+* kvtier's plateau (``--plateau-cap``): a `kvtier route` with its per-session and per-prompt caps
+  (``--max-sessions``, ``--prompt-cache-entries``) set to the cap, flooded with distinct small sessions to
+  ``--plateau-factor`` x the cap, RSS read at every half cap: the growth from the cap on is the plateau's
+  flatness (measured); its RSS after 1 M sessions is the plateau plus what the default caps hold beyond the
+  lowered ones, at the cost per entry measured below the cap (a bound from the caps, not a line through
+  sessions).
 
 Peers come from a venv of their own (scripts/router-peers-venv.sh; --peers). Prints a table and the ratios
 against vllm-router, writes a PNG and JSON under --out; last line RESULT {json}.
@@ -87,6 +92,31 @@ def measure(name: str, cmd, fleet: StubFleet, args, out: Path, last: bool) -> di
         return got
 
 
+def plateau(fleet: StubFleet, args, model: str, out: Path) -> dict:
+    """RSS of one kvtier route through a flood of distinct sessions past its (lowered) caps; see the docstring."""
+    cap, port = args.plateau_cap, free_port()
+    cmd = [sys.executable, "-m", "kvtier", "route", "--model", model, "--log-level", "warning", "--port", str(port),
+           "--max-sessions", str(cap), "--prompt-cache-entries", str(cap),
+           *sum((["--replica", u] for u in fleet.urls), [])]
+    step = max(cap // 2, 1)
+    curve: list[tuple[int, float]] = []
+    with RouterProc(cmd, port, log=out / "plateau.log", cpus=args.router_cpus) as router:
+        router.wait_ready("/health", timeout=300)
+        session_flood(router.url, 200, args.concurrency, start=10**9)  # warm: every code path once
+        curve.append((0, tree_cpu_rss(router.pid)[1] / 2**20))
+        sent = 0
+        while sent < args.plateau_factor * cap:
+            sent += session_flood(router.url, step, args.concurrency, start=sent)
+            curve.append((sent, tree_cpu_rss(router.pid)[1] / 2**20))
+    at_cap = next(rss for n, rss in curve if n >= cap)
+    per_entry_mb = (at_cap - curve[0][1]) / cap  # one session + one prompt prefix, below the cap
+    defaults = 100_000  # --max-sessions's default; --prompt-cache-entries's is 65,536
+    bound = max(rss for _, rss in curve) + per_entry_mb * (defaults - cap)
+    return {"plateau_curve": curve, "plateau_cap": cap, "rss_at_cap_mb": at_cap,
+            "rss_growth_past_cap_mb": curve[-1][1] - at_cap, "mb_per_session_below_cap": per_entry_mb,
+            "rss_1m_sessions_mb": bound}
+
+
 def table(figures: dict[str, dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -110,7 +140,7 @@ def plot(figures: dict[str, dict], path: Path) -> None:
     names = list(figures)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (key, label) in zip(axes, [("rate", "req/s (closed loop)"), ("cpu_ms_per_request", "CPU ms / request"),
-                                       ("rss_1m_sessions_mb", "RSS after 1 M sessions (MB, extrapolated)")]):
+                                       ("rss_1m_sessions_mb", "RSS after 1 M sessions (MB; kvtier: plateau)")]):
         ax.bar(range(len(names)), [figures[n].get(key, 0) for n in names])
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         ax.set_title(label)
@@ -126,6 +156,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--sessions", type=int, default=5000, help="distinct sessions before the RSS reading")
+    p.add_argument("--plateau-cap", type=int, default=20_000, help="kvtier's session and prompt caps in the flood")
+    p.add_argument("--plateau-factor", type=float, default=3.0, help="flood this many times the cap")
     p.add_argument("--trace", type=int, default=300, help="requests of the multi-turn trace for the oracle share")
     p.add_argument("--block-words", type=int, default=24, help="words each 512-token trace block becomes")
     p.add_argument("--router-cpus", default="0", help="taskset cores of every router")
@@ -156,6 +188,9 @@ def main() -> None:
             for key, value in got.items():
                 figures[name].setdefault(key + "_all", []).append(value)
                 figures[name][key] = max(figures[name].get(key, value), value) if key == "rate" else value
+        k = figures["kvtier route"]
+        k["rss_1m_sessions_mb_extrapolated"] = k.get("rss_1m_sessions_mb")  # the linear one, for comparison
+        k.update(plateau(fleet, args, model, out))
     table(figures)
     base = figures.get("vllm-router cache_aware", {})
     ratios = {}

@@ -84,12 +84,13 @@ def _held_prefix(held: set[tuple[int, ...]], blocks: list[int]) -> int:
     return longest
 
 
-def session_flood(url: str, n: int, concurrency: int) -> int:
+def session_flood(url: str, n: int, concurrency: int, start: int = 0) -> int:
+    """Send ``n`` small chats of distinct sessions (``flood-{start}`` on), ``concurrency`` at once; returns the 200s."""
     async def run() -> int:
         import aiohttp
 
         done = 0
-        queue = iter(range(n))
+        queue = iter(range(start, start + n))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as client:
             async def worker() -> None:
                 nonlocal done

@@ -36,7 +36,10 @@ from kvtier.integrations.prompt_cache import IncrementalChat
 class PromptTokenizer:
     """A model folder's tokenizer and chat template (default: the packaged SmolLM2-135M-Instruct)."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None, cache_entries: int = 65_536,
+                 cache_tokens: int = 4 << 20) -> None:
+        """``cache_entries``/``cache_tokens``: the bounds of the incremental tokenization's prefix cache (its
+        memory: about 4 bytes a token plus ~200 bytes an entry, least recently used dropped first)."""
         from kvtier.integrations.models import ensure_smollm2
 
         folder = Path(path).expanduser() if path is not None else ensure_smollm2()
@@ -46,9 +49,9 @@ class PromptTokenizer:
             self._tokenizer = _load(folder)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}") from None
-        self.incremental = self._incremental()
+        self.incremental = self._incremental(cache_entries, cache_tokens)
 
-    def _incremental(self) -> IncrementalChat:
+    def _incremental(self, entries: int, tokens: int) -> IncrementalChat:
         tokenizer = self._tokenizer
         backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: the same ids without the wrapper
         if backend is not None and hasattr(backend, "encode"):
@@ -63,7 +66,7 @@ class PromptTokenizer:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=ready, tokenize=False)
 
         specials = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values()]
-        return IncrementalChat(encode, render, specials)
+        return IncrementalChat(encode, render, specials, max_tokens=tokens, max_entries=entries)
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None,
              cut: bool = False) -> list[int] | None:

@@ -71,3 +71,21 @@ def test_the_lean_tokenizer_gives_autotokenizers_ids(chat: list[dict[str, str]])
         assert lean.apply_chat_template(chat, add_generation_prompt=ready, tokenize=False) == text
         assert lean.encode(text, add_special_tokens=False) == auto.encode(text, add_special_tokens=False)
         assert lean.encode(text) == auto.encode(text)
+
+
+def test_the_session_and_prompt_caps_are_the_flags() -> None:
+    import argparse
+
+    from kvtier.apps.route.cli import add_parser, router_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["route", "--replica", "http://127.0.0.1:1", "--max-sessions", "7",
+                              "--prompt-cache-entries", "3"])
+    assert router_config(args).routing.build().max_sessions == 7
+    from kvtier.integrations.prompts import PromptTokenizer
+
+    tokenizer = PromptTokenizer(ensure_smollm2(), cache_entries=args.prompt_cache_entries)
+    for i in range(20):  # twenty distinct sessions' chats: the prefix cache keeps the three latest
+        tokenizer.chat([{"role": "user", "content": f"session {i} says hello"}])
+    assert len(tokenizer.incremental._entries) == 3
