@@ -11,8 +11,9 @@ round by round so the load other jobs put on this shared machine falls on each a
 * oracle share: the Mooncake FAST'25 multi-turn trace (/work/shared/workloads), each 512-token block id
   expanded into ``--block-words`` deterministic words (scaled down so a run fits here), sent in order as text
   completions; the share of requests sent to a replica holding the longest prefix of blocks among the
-  replicas, by an oracle that knows what every replica was sent (the stand-ins cache nothing, so every router
-  works from its own record of what it sent where);
+  replicas, by an oracle that knows what every replica was sent and models each one's bounded cache (each
+  stand-in holds at most ``--replica-blocks`` block prefixes, least recently used dropped, and publishes
+  nothing, so a router's record of what it sent where goes stale as a real replica's cache would);
 * RSS after ``--sessions`` distinct sessions (peers: extrapolated linearly to 1 M);
 * kvtier's plateau (``--plateau-cap``): a `kvtier route` with its per-session and per-prompt caps
   (``--max-sessions``, ``--prompt-cache-entries``) set to the cap, flooded with distinct small sessions to
@@ -83,7 +84,8 @@ def measure(name: str, cmd, fleet: StubFleet, args, out: Path, last: bool) -> di
                "errors": load.sent - load.ok}
         if not last:
             return got
-        got["oracle_share"] = oracle_share(router.url, TRACE, args.trace, args.block_words, fleet.ports)
+        got["oracle_share"] = oracle_share(router.url, TRACE, args.trace, args.block_words, fleet.ports,
+                                           args.replica_blocks or None)
         _, rss0 = tree_cpu_rss(router.pid)
         sent = session_flood(router.url, args.sessions, args.concurrency)
         _, rss1 = tree_cpu_rss(router.pid)
@@ -159,6 +161,8 @@ def main() -> None:
     p.add_argument("--plateau-cap", type=int, default=20_000, help="kvtier's session and prompt caps in the flood")
     p.add_argument("--plateau-factor", type=float, default=3.0, help="flood this many times the cap")
     p.add_argument("--trace", type=int, default=300, help="requests of the multi-turn trace for the oracle share")
+    p.add_argument("--replica-blocks", type=int, default=500,
+                   help="block prefixes each stand-in holds (LRU; 0: unbounded, every router then matches the oracle)")
     p.add_argument("--block-words", type=int, default=24, help="words each 512-token trace block becomes")
     p.add_argument("--router-cpus", default="0", help="taskset cores of every router")
     p.add_argument("--other-cpus", default=None, help="taskset cores of the replicas and the client")
@@ -182,7 +186,7 @@ def main() -> None:
     from tqdm import tqdm
 
     steps = [(r, name) for r in range(args.rounds) for name in routers]  # interleaved: each round every arm
-    with StubFleet(args.replicas, cpus=args.other_cpus) as fleet:
+    with StubFleet(args.replicas, cpus=args.other_cpus, blocks=args.replica_blocks or None) as fleet:
         for r, name in tqdm(steps, desc="router_scale"):
             got = measure(name, routers[name], fleet, args, out, last=r == args.rounds - 1)
             for key, value in got.items():
