@@ -51,7 +51,7 @@ class PromptTokenizer:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}") from None
         self.incremental = self._incremental(cache_entries, cache_tokens)
 
-    def _incremental(self, entries: int, tokens: int) -> IncrementalChat:
+    def _incremental(self, entries: int = 65_536, tokens: int = 4 << 20) -> IncrementalChat:
         tokenizer = self._tokenizer
         backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: the same ids without the wrapper
         if backend is not None and hasattr(backend, "encode"):
