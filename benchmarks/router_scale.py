@@ -19,8 +19,8 @@ round by round so the load other jobs put on this shared machine falls on each a
   (``--max-sessions``, ``--prompt-cache-entries``) set to the cap, flooded with distinct small sessions to
   ``--plateau-factor`` x the cap, RSS read at every half cap: the growth from the cap on is the plateau's
   flatness (measured); its RSS after 1 M sessions is the plateau plus what the default caps hold beyond the
-  lowered ones, at the cost per entry measured below the cap (a bound from the caps, not a line through
-  sessions).
+  lowered ones, at the cost per entry measured below the cap, plus any growth still seen past the cap carried
+  on linearly to 1 M (on a flat plateau nothing; ``plateau_figures``).
 
 Peers come from a venv of their own (scripts/router-peers-venv.sh; --peers). Prints a table and the ratios
 against vllm-router, writes a PNG and JSON under --out; last line RESULT {json}.
@@ -110,13 +110,22 @@ def plateau(fleet: StubFleet, args, model: str, out: Path) -> dict:
         while sent < args.plateau_factor * cap:
             sent += session_flood(router.url, step, args.concurrency, start=sent)
             curve.append((sent, tree_cpu_rss(router.pid)[1] / 2**20))
-    at_cap = next(rss for n, rss in curve if n >= cap)
-    per_entry_mb = (at_cap - curve[0][1]) / cap  # one session + one prompt prefix, below the cap
-    defaults = 100_000  # --max-sessions's default; --prompt-cache-entries's is 65,536
-    bound = max(rss for _, rss in curve) + per_entry_mb * (defaults - cap)
+    return plateau_figures(curve, cap)
+
+
+def plateau_figures(curve: list[tuple[int, float]], cap: int, defaults: int = 100_000) -> dict:
+    """From RSS ``curve`` [(sessions, MB)] of a router whose caps are ``cap``: its growth per session below and
+    past the cap, and RSS after 1 M sessions at the default caps (``defaults``: --max-sessions's; the prompt
+    cache's 65,536 is smaller): the last reading, plus what the default caps hold beyond ``cap`` at the cost
+    below it, plus whatever still grew past the cap carried on linearly to 1 M (zero on a flat plateau)."""
+    n_cap, at_cap = next((n, rss) for n, rss in curve if n >= cap)
+    last_n, last = curve[-1]
+    below = (at_cap - curve[0][1]) / max(n_cap, 1)
+    past = max(last - at_cap, 0.0) / max(last_n - n_cap, 1)
+    bound = last + below * max(defaults - cap, 0) + past * max(1_000_000 - last_n, 0)
     return {"plateau_curve": curve, "plateau_cap": cap, "rss_at_cap_mb": at_cap,
-            "rss_growth_past_cap_mb": curve[-1][1] - at_cap, "mb_per_session_below_cap": per_entry_mb,
-            "rss_1m_sessions_mb": bound}
+            "rss_growth_past_cap_mb": last - at_cap, "mb_per_session_below_cap": below,
+            "mb_per_session_past_cap": past, "rss_1m_sessions_mb": bound}
 
 
 def table(figures: dict[str, dict]) -> None:
