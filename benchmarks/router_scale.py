@@ -11,10 +11,16 @@ round by round so the load other jobs put on this shared machine falls on each a
 * oracle share: the Mooncake FAST'25 multi-turn trace (/work/shared/workloads), each 512-token block id
   expanded into ``--block-words`` deterministic words (scaled down so a run fits here), sent in order as text
   completions; the share of requests sent to a replica holding the longest prefix of blocks among the
-  replicas, by an oracle that knows what every replica was sent (the stand-ins cache nothing, so every router
-  works from its own record of what it sent where);
-* RSS after ``--sessions`` distinct sessions, extrapolated linearly to 1 M (an over-estimate for kvtier, whose
-  session and prompt caches are bounded).
+  replicas, by an oracle that knows what every replica was sent and models each one's bounded cache (each
+  stand-in holds at most ``--replica-blocks`` block prefixes, least recently used dropped, and publishes
+  nothing, so a router's record of what it sent where goes stale as a real replica's cache would);
+* RSS after ``--sessions`` distinct sessions (peers: extrapolated linearly to 1 M);
+* kvtier's plateau (``--plateau-cap``): a `kvtier route` with its per-session and per-prompt caps
+  (``--max-sessions``, ``--prompt-cache-entries``) set to the cap, flooded with distinct small sessions to
+  ``--plateau-factor`` x the cap, RSS read at every half cap: the growth from the cap on is the plateau's
+  flatness (measured); its RSS after 1 M sessions is the plateau plus what the default caps hold beyond the
+  lowered ones, at the cost per entry measured below the cap, plus any growth still seen past the cap carried
+  on linearly to 1 M (on a flat plateau nothing; ``plateau_figures``).
 
 Peers come from a venv of their own (scripts/router-peers-venv.sh; --peers). Prints a table and the ratios
 against vllm-router, writes a PNG and JSON under --out; last line RESULT {json}.
@@ -78,13 +84,48 @@ def measure(name: str, cmd, fleet: StubFleet, args, out: Path, last: bool) -> di
                "errors": load.sent - load.ok}
         if not last:
             return got
-        got["oracle_share"] = oracle_share(router.url, TRACE, args.trace, args.block_words, fleet.ports)
+        got["oracle_share"] = oracle_share(router.url, TRACE, args.trace, args.block_words, fleet.ports,
+                                           args.replica_blocks or None)
         _, rss0 = tree_cpu_rss(router.pid)
         sent = session_flood(router.url, args.sessions, args.concurrency)
         _, rss1 = tree_cpu_rss(router.pid)
         got.update({"sessions": sent, "rss_after_sessions_mb": rss1 / 2**20,
                     "rss_1m_sessions_mb": (rss0 + max(rss1 - rss0, 0) * 1e6 / max(sent, 1)) / 2**20})
         return got
+
+
+def plateau(fleet: StubFleet, args, model: str, out: Path) -> dict:
+    """RSS of one kvtier route through a flood of distinct sessions past its (lowered) caps; see the docstring."""
+    cap, port = args.plateau_cap, free_port()
+    cmd = [sys.executable, "-m", "kvtier", "route", "--model", model, "--log-level", "warning", "--port", str(port),
+           "--max-sessions", str(cap), "--prompt-cache-entries", str(cap),
+           *sum((["--replica", u] for u in fleet.urls), [])]
+    step = max(cap // 2, 1)
+    curve: list[tuple[int, float]] = []
+    with RouterProc(cmd, port, log=out / "plateau.log", cpus=args.router_cpus) as router:
+        router.wait_ready("/health", timeout=300)
+        session_flood(router.url, 200, args.concurrency, start=10**9)  # warm: every code path once
+        curve.append((0, tree_cpu_rss(router.pid)[1] / 2**20))
+        sent = 0
+        while sent < args.plateau_factor * cap:
+            sent += session_flood(router.url, step, args.concurrency, start=sent)
+            curve.append((sent, tree_cpu_rss(router.pid)[1] / 2**20))
+    return plateau_figures(curve, cap)
+
+
+def plateau_figures(curve: list[tuple[int, float]], cap: int, defaults: int = 100_000) -> dict:
+    """From RSS ``curve`` [(sessions, MB)] of a router whose caps are ``cap``: its growth per session below and
+    past the cap, and RSS after 1 M sessions at the default caps (``defaults``: --max-sessions's; the prompt
+    cache's 65,536 is smaller): the last reading, plus what the default caps hold beyond ``cap`` at the cost
+    below it, plus whatever still grew past the cap carried on linearly to 1 M (zero on a flat plateau)."""
+    n_cap, at_cap = next((n, rss) for n, rss in curve if n >= cap)
+    last_n, last = curve[-1]
+    below = (at_cap - curve[0][1]) / max(n_cap, 1)
+    past = max(last - at_cap, 0.0) / max(last_n - n_cap, 1)
+    bound = last + below * max(defaults - cap, 0) + past * max(1_000_000 - last_n, 0)
+    return {"plateau_curve": curve, "plateau_cap": cap, "rss_at_cap_mb": at_cap,
+            "rss_growth_past_cap_mb": last - at_cap, "mb_per_session_below_cap": below,
+            "mb_per_session_past_cap": past, "rss_1m_sessions_mb": bound}
 
 
 def table(figures: dict[str, dict]) -> None:
@@ -110,7 +151,7 @@ def plot(figures: dict[str, dict], path: Path) -> None:
     names = list(figures)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (key, label) in zip(axes, [("rate", "req/s (closed loop)"), ("cpu_ms_per_request", "CPU ms / request"),
-                                       ("rss_1m_sessions_mb", "RSS after 1 M sessions (MB, extrapolated)")]):
+                                       ("rss_1m_sessions_mb", "RSS after 1 M sessions (MB; kvtier: plateau)")]):
         ax.bar(range(len(names)), [figures[n].get(key, 0) for n in names])
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         ax.set_title(label)
@@ -126,7 +167,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--sessions", type=int, default=5000, help="distinct sessions before the RSS reading")
+    p.add_argument("--plateau-cap", type=int, default=20_000, help="kvtier's session and prompt caps in the flood")
+    p.add_argument("--plateau-factor", type=float, default=3.0, help="flood this many times the cap")
     p.add_argument("--trace", type=int, default=300, help="requests of the multi-turn trace for the oracle share")
+    p.add_argument("--replica-blocks", type=int, default=500,
+                   help="block prefixes each stand-in holds (LRU; 0: unbounded, every router then matches the oracle)")
     p.add_argument("--block-words", type=int, default=24, help="words each 512-token trace block becomes")
     p.add_argument("--router-cpus", default="0", help="taskset cores of every router")
     p.add_argument("--other-cpus", default=None, help="taskset cores of the replicas and the client")
@@ -150,12 +195,15 @@ def main() -> None:
     from tqdm import tqdm
 
     steps = [(r, name) for r in range(args.rounds) for name in routers]  # interleaved: each round every arm
-    with StubFleet(args.replicas, cpus=args.other_cpus) as fleet:
+    with StubFleet(args.replicas, cpus=args.other_cpus, blocks=args.replica_blocks or None) as fleet:
         for r, name in tqdm(steps, desc="router_scale"):
             got = measure(name, routers[name], fleet, args, out, last=r == args.rounds - 1)
             for key, value in got.items():
                 figures[name].setdefault(key + "_all", []).append(value)
                 figures[name][key] = max(figures[name].get(key, value), value) if key == "rate" else value
+        k = figures["kvtier route"]
+        k["rss_1m_sessions_mb_extrapolated"] = k.get("rss_1m_sessions_mb")  # the linear one, for comparison
+        k.update(plateau(fleet, args, model, out))
     table(figures)
     base = figures.get("vllm-router cache_aware", {})
     ratios = {}

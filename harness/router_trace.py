@@ -6,8 +6,8 @@ trace, and a flood of distinct sessions.
   (``hash_ids``: one id per 512-token block), each block id expanded into ``block_words`` deterministic words,
   sent in order as text completions through the router at ``url`` to stand-in replicas (which name the port
   that served them); the share of requests whose replica held the longest prefix of blocks among all replicas,
-  by an oracle that knows every replica was sent (an unbounded cache on each), over the requests some replica
-  held anything for.
+  by an oracle that knows every replica was sent and models each one's cache (unbounded, or the stand-ins'
+  bounded LRU of block prefixes: ``blocks_cap``), over the requests some replica held anything for.
 * ``session_flood(url, n, concurrency)``: ``n`` short chat requests, each a new session; how many succeeded.
 """
 
@@ -54,42 +54,43 @@ def _block_text(block: int, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words)) + "."
 
 
-def oracle_share(url: str, trace: Path, n: int, block_words: int, ports: list[int]) -> float:
+def oracle_share(url: str, trace: Path, n: int, block_words: int, ports: list[int],
+                 blocks_cap: int | None = None) -> float:
+    """See the module docstring. ``blocks_cap``: each stand-in holds at most that many block prefixes
+    (harness.stub_replica --blocks) and the oracle models every replica's bounded cache alike; a replica's answer
+    (``held_blocks``) must agree with the oracle's model of it (RuntimeError otherwise)."""
     import httpx
 
-    held: dict[int, set[tuple[int, ...]]] = {port: set() for port in ports}
+    from harness.stub_replica import PrefixCache, prompt_blocks
+
+    model = {port: PrefixCache(blocks_cap or 1 << 62) for port in ports}
     hits = counted = 0
     with trace.open() as fh, httpx.Client(timeout=120) as client:
         for _, line in zip(range(n), fh):
-            blocks = json.loads(line)["hash_ids"]
-            best = {port: _held_prefix(held[port], blocks) for port in ports}
-            prompt = " ".join(_block_text(b, block_words) for b in blocks)
+            prompt = " ".join(_block_text(b, block_words) for b in json.loads(line)["hash_ids"])
+            keys = PrefixCache.keys(prompt_blocks(prompt))
+            best = {port: model[port].held(keys) for port in ports}
             answer = client.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4})
             if answer.status_code != 200:
                 continue
-            port = answer.json()["served_by"]
+            body = answer.json()
+            port = body["served_by"]
             if max(best.values()) > 0:
                 counted += 1
                 hits += best[port] == max(best.values())
-            held[port].update(tuple(blocks[:i]) for i in range(1, len(blocks) + 1))
+            on_arrival = model[port].serve(keys)
+            if blocks_cap and body.get("held_blocks") != on_arrival:
+                raise RuntimeError(f"replica {port} held {body.get('held_blocks')} blocks, the oracle {on_arrival}")
     return hits / counted if counted else 0.0
 
 
-def _held_prefix(held: set[tuple[int, ...]], blocks: list[int]) -> int:
-    longest = 0
-    for i in range(1, len(blocks) + 1):
-        if tuple(blocks[:i]) not in held:
-            break
-        longest = i
-    return longest
-
-
-def session_flood(url: str, n: int, concurrency: int) -> int:
+def session_flood(url: str, n: int, concurrency: int, start: int = 0) -> int:
+    """Send ``n`` small chats of distinct sessions (``flood-{start}`` on), ``concurrency`` at once; returns the 200s."""
     async def run() -> int:
         import aiohttp
 
         done = 0
-        queue = iter(range(n))
+        queue = iter(range(start, start + n))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as client:
             async def worker() -> None:
                 nonlocal done

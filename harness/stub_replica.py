@@ -1,6 +1,6 @@
 """A stand-in OpenAI replica for the router's hostile-input tests, run as its own process on a loopback port.
 
-    python -m harness.stub_replica PORT [MODEL]
+    python -m harness.stub_replica PORT [MODEL] [--blocks N]
 
 It speaks real HTTP (uvicorn) and answers like an OpenAI server without a model, so the router's tests start
 in a second rather than loading one: ``/health`` 200, ``/kvtier/info`` 404 (a plain OpenAI replica: the router
@@ -9,13 +9,20 @@ keeps its own record), and the two generation routes answer a small non-streamed
 non-streamed 200 whose JSON body starts at once and ends only 60 s later: a router that buffers answers
 whole passes none of it on meanwhile. ``/v1/models`` names MODEL when one is given (404 otherwise, as a server
 that does not say what it serves).
+
+With ``--blocks N`` it keeps a bounded cache as a real replica would, and publishes nothing about it: a text
+prompt is a run of blocks (sentences ending in ``.``, as harness.router_trace writes them); the replica holds
+the block prefixes of the prompts it served, at most N, least recently used dropped first, and its answer's
+``held_blocks`` says how many leading blocks of the prompt it held when the request arrived.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import sys
+from collections import OrderedDict
 
 import uvicorn
 from starlette.applications import Starlette
@@ -26,7 +33,47 @@ from starlette.routing import Route
 HOLD_S = 60.0
 
 
-def create_app(port: int, model: str | None = None) -> Starlette:
+class PrefixCache:
+    """The block prefixes a replica holds: at most ``capacity``, least recently used dropped first. The oracle of
+    harness.router_trace keeps the same model of every replica."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: OrderedDict[bytes, None] = OrderedDict()
+
+    @staticmethod
+    def keys(blocks: list[str]) -> list[bytes]:
+        out, h = [], b""
+        for block in blocks:
+            h = hashlib.sha256(h + block.encode()).digest()
+            out.append(h)
+        return out
+
+    def held(self, keys: list[bytes]) -> int:
+        """Leading keys held, without touching them."""
+        n = 0
+        while n < len(keys) and keys[n] in self._held:
+            n += 1
+        return n
+
+    def serve(self, keys: list[bytes]) -> int:
+        """Leading keys held on arrival; then every prefix of the prompt is held (most recent last)."""
+        n = self.held(keys)
+        for key in keys:
+            self._held[key] = None
+            self._held.move_to_end(key)
+        while len(self._held) > self.capacity:
+            self._held.popitem(last=False)
+        return n
+
+
+def prompt_blocks(prompt: str) -> list[str]:
+    return [part.strip() for part in prompt.split(".") if part.strip()]
+
+
+def create_app(port: int, model: str | None = None, blocks: int | None = None) -> Starlette:
+    cache = PrefixCache(blocks) if blocks else None
+
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -43,7 +90,14 @@ def create_app(port: int, model: str | None = None) -> Starlette:
         if b"HOLD" in body:
             return StreamingResponse(_held(), media_type="application/json")
         echo = dict(request.headers.raw).get(b"x-echo", b"")
-        return JSONResponse({"id": "cmpl-stub", "object": "text_completion", "served_by": port,
+        held = None
+        if cache is not None:
+            try:
+                prompt = json.loads(body).get("prompt")
+            except (ValueError, AttributeError):
+                prompt = None
+            held = cache.serve(PrefixCache.keys(prompt_blocks(prompt))) if isinstance(prompt, str) else None
+        return JSONResponse({"id": "cmpl-stub", "object": "text_completion", "served_by": port, "held_blocks": held,
                              "echo": echo.hex(), "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
                              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
                                        "prompt_tokens_details": {"cached_tokens": 0}}})
@@ -60,6 +114,12 @@ async def _held():
 
 
 if __name__ == "__main__":
-    port = int(sys.argv[1])
-    uvicorn.run(create_app(port, sys.argv[2] if len(sys.argv) > 2 else None), host="127.0.0.1", port=port,
+    argv = sys.argv[1:]
+    cap = None
+    if "--blocks" in argv:
+        at = argv.index("--blocks")
+        cap = int(argv[at + 1])
+        del argv[at:at + 2]
+    port = int(argv[0])
+    uvicorn.run(create_app(port, argv[1] if len(argv) > 1 else None, cap), host="127.0.0.1", port=port,
                 log_level="warning")

@@ -49,7 +49,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvtier.base.errors import ConfigError, InvalidArgument
 from kvtier.base.hashes import HASH_BYTES, ChunkHash
@@ -66,7 +65,7 @@ _SPAN = struct.Struct("<QQ")
 #: The end of a span that covers every position from its start on (an adapter).
 SPAN_END = (1 << 63) - 1
 
-Tokens = Sequence[int] | np.ndarray | torch.Tensor
+Tokens = Sequence[int] | np.ndarray  # or a torch.Tensor (torch is not imported here; see token_array)
 
 
 def _field(name: str, value: str | int | bytes) -> bytes:
@@ -155,7 +154,8 @@ class Namespace:
 
 def token_array(tokens: Tokens) -> np.ndarray:
     """Tokens as a contiguous little-endian uint32 array; raises InvalidArgument for ids outside [0, 2**32)."""
-    if isinstance(tokens, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only if torch is loaded: the router never imports it
+    if torch is not None and isinstance(tokens, torch.Tensor):
         arr = tokens.detach().cpu().reshape(-1).numpy()
     elif isinstance(tokens, np.ndarray):
         arr = tokens.reshape(-1)

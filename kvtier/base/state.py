@@ -30,12 +30,14 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvtier.base.errors import ConfigError, InvalidArgument
 from kvtier.base.hashes import ChunkHash
 from kvtier.base.layout import KVSpec, dtype_from_name, dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 _STATE_DOMAIN = b"kvtier/state/v1"
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,27 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.base.errors import ConfigError
+from kvtier.base.sizes import parse_size  # re-exported: the size fields of configs
 from kvtier.base.state import SnapshotPolicy
 from kvtier.tiers import TIER_KINDS, TierConfig
 from kvtier.tiers.memory.config import MemoryTierConfig
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: int | str) -> int:
-    """``"4GiB"`` -> 4294967296; ints pass through. Raises ConfigError for anything else."""
-    if isinstance(value, bool):
-        raise ConfigError(f"not a size: {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"size must not be negative: {value}")
-        return value
-    match = _SIZE.match(str(value).replace("_", ""))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"not a size: {value!r} (try 512MiB, 4GiB or a number of bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def _coerce(owner: str, name: str, hint: Any, value: Any) -> Any:

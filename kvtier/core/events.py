@@ -26,11 +26,14 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.base.keys import NO_EXTRAS, ChunkHash, ExtraKeys, SpanKey
-from kvtier.tiers import Listable, RemovalReporter, SharedStore, Tier
+
+if TYPE_CHECKING:  # the tiers (and torch under them) are loaded by whoever holds tiers, never by a router
+    from kvtier.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,8 @@ class CacheEvents:
 
     def watch(self, tiers: Sequence[Tier]) -> None:
         """Report the removals of every tier that can tell them."""
+        from kvtier.tiers import RemovalReporter
+
         for tier in tiers:
             if isinstance(tier, RemovalReporter):
                 tier.set_removal_listener(lambda key, name=tier.name: self._removed(name, key))
@@ -144,6 +149,8 @@ def _chunk_tokens(token_ids: np.ndarray | None, i: int, chunk_size: int) -> byte
 
 def holdings(tiers: Sequence[Tier]) -> list[TierHolding]:
     """What each tier holds now, fastest first: the body of a snapshot."""
+    from kvtier.tiers import Listable, SharedStore
+
     out = []
     for tier in tiers:
         keys = tier.list_keys() if isinstance(tier, Listable) else None

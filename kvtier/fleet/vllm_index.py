@@ -34,8 +34,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from kvtier.base.keys import ChunkHash, Namespace, chunk_hashes
 from kvtier.base.layout import KVSpec
 from kvtier.events.wire import Batch, WireEvent
@@ -46,7 +44,7 @@ from kvtier.fleet.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, 
 DEVICE_MEDIUM = "GPU"
 #: The medium of the kvtier connector's shared stores (kvtier.integrations.vllm.events).
 SHARED_MEDIUM = "SHARED"
-_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.uint8)
+_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8")
 
 
 def vllm_namespace(block_size: int) -> Namespace:

@@ -16,10 +16,16 @@ costs the GIL in proportion to the messages rendered, so a chat of 240k messages
 few thousand. A chat that fits is rendered whole, with the generation prompt, and its ids are exactly those of
 one encode of that text, computed incrementally (kvtier.integrations.prompt_cache): only the text after the
 longest message prefix already tokenized (the session's last turn, or a shared system prompt) is encoded.
+
+A folder whose ``tokenizer_config.json`` names the generic fast tokenizer (``TokenizersBackend``, as
+transformers 5 saves one, or ``PreTrainedTokenizerFast``) is loaded with that class directly, which is what
+``AutoTokenizer`` resolves it to, without ``AutoTokenizer``'s import of the model configs (and torch under them):
+a router then never loads torch (about 180 MB). Any other tokenizer class goes through ``AutoTokenizer``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -30,21 +36,22 @@ from kvtier.integrations.prompt_cache import IncrementalChat
 class PromptTokenizer:
     """A model folder's tokenizer and chat template (default: the packaged SmolLM2-135M-Instruct)."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, path: str | os.PathLike[str] | None = None, cache_entries: int = 65_536,
+                 cache_tokens: int = 4 << 20) -> None:
+        """``cache_entries``/``cache_tokens``: the bounds of the incremental tokenization's prefix cache (its
+        memory: about 4 bytes a token plus ~200 bytes an entry, least recently used dropped first)."""
         from kvtier.integrations.models import ensure_smollm2
 
         folder = Path(path).expanduser() if path is not None else ensure_smollm2()
         self.source = folder  #: where the tokenizer was loaded from
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(folder)
+            self._tokenizer = _load(folder)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}") from None
-        self.incremental = self._incremental()
+        self.incremental = self._incremental(cache_entries, cache_tokens)
 
-    def _incremental(self) -> IncrementalChat:
+    def _incremental(self, entries: int = 65_536, tokens: int = 4 << 20) -> IncrementalChat:
         tokenizer = self._tokenizer
         backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: the same ids without the wrapper
         if backend is not None and hasattr(backend, "encode"):
@@ -59,7 +66,7 @@ class PromptTokenizer:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=ready, tokenize=False)
 
         specials = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values()]
-        return IncrementalChat(encode, render, specials)
+        return IncrementalChat(encode, render, specials, max_tokens=tokens, max_entries=entries)
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None,
              cut: bool = False) -> list[int] | None:
@@ -115,3 +122,23 @@ def leading_messages(messages: list[dict[str, str]], chars: int) -> int:
         if total > chars:
             return i + 1
     return len(messages)
+
+
+#: Tokenizer classes that AutoTokenizer loads as the generic Rust-backed tokenizer, from tokenizer.json alone.
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _load(folder: Path):
+    """The tokenizer of ``folder``: the generic class directly when the folder names it (no torch), else
+    ``AutoTokenizer``. Raises OSError/ValueError as ``from_pretrained`` does."""
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in _GENERIC_CLASSES and (folder / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

@@ -37,6 +37,7 @@ from typing import Protocol, runtime_checkable
 
 from kvtier.base.errors import ConfigError, InvalidArgument, KVTierError, TierError
 from kvtier.base.keys import ChunkHash
+from kvtier.base.sizes import MAX_TTL_S  # re-exported; defined below the tiers so a router reads it alone
 from kvtier.codecs import Payload
 from kvtier.tiers.base import Tier, TierConfig
 
@@ -156,10 +157,6 @@ def _put_tagged(tier: Tier, items: Sequence[tuple[ChunkHash, Payload]], tags: Ta
     return tier.put_tagged(items, tags)
 
 
-#: The longest retention time a store may ask for (about 100 years): within what every tier can represent (Redis
-#: takes milliseconds as a 64-bit integer; a float clock loses no second there), so a TTL that passes this check
-#: never fails in a tier. Every server checks request TTLs against it (a 400) and ``expires_at`` here.
-MAX_TTL_S = 100 * 365 * 86400
 
 
 def check_ttl(ttl_s: object) -> float:

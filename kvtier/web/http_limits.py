@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from kvtier.api.errors import error_body
 from kvtier.base.errors import ConfigError
-from kvtier.core.config import parse_size
+from kvtier.base.sizes import parse_size
 
 FD_RESERVE = 256  #: descriptors kept for what the process opens itself (replica pools, ZMQ, files)
 REFUSALS_PER_TURN = 32  #: timed-out connections answered per event-loop turn (~3 ms of work)

@@ -62,6 +62,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--record-ttl", type=float, default=600.0,
                    help="seconds the router trusts its own record of replicas that publish no events")
     f = p.add_argument_group("limits and failures")
+    f.add_argument("--max-sessions", type=int, default=100_000,
+                   help="sticky sessions remembered (remembered placement; least recently used forgotten first)")
+    f.add_argument("--prompt-cache-entries", type=int, default=65_536,
+                   help="message prefixes whose token ids are kept for incremental tokenization (LRU)")
     f.add_argument("--max-in-flight", type=int, default=256, help="requests proxied at once")
     f.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond that; more get 429")
     f.add_argument("--max-attempts", type=int, default=3, help="replicas tried for a request that failed early")
@@ -105,13 +109,15 @@ def router_config(args: argparse.Namespace):
     routing = dataclasses.replace(default_routing(), routing=Routing(args.policy), sticky=args.sticky,
                                   epsilon=args.epsilon, session_epsilon=args.session_epsilon,
                                   load_floor=args.load_floor, tier_weights=tuple(weights.items()),
-                                  tie_break=TieBreak(args.tie_break))
+                                  tie_break=TieBreak(args.tie_break), max_sessions=args.max_sessions)
     if args.decode_stream_tokens is not None:
         routing = dataclasses.replace(routing, decode_stream_tokens=args.decode_stream_tokens)
     if routing.epsilon < 0 or routing.session_epsilon < 0:
         raise ConfigError("--epsilon and --session-epsilon must not be negative")
     if routing.load_floor < 1:
         raise ConfigError(f"--load-floor must be at least 1, got {routing.load_floor}")
+    if args.max_sessions < 1 or args.prompt_cache_entries < 1:
+        raise ConfigError("--max-sessions and --prompt-cache-entries must be at least 1")
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
     sessions = SessionPlacement(args.sessions or ("rendezvous" if args.workers > 1 else "remembered"))
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request and health probe
     try:
         config = router_config(args)
-        tokenizer = tokenizer_for(args.model, [r.url for r in config.replicas])
+        tokenizer = tokenizer_for(args.model, [r.url for r in config.replicas], args.prompt_cache_entries)
     except ConfigError as exc:
         print(f"kvtier route: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever a library said
         return 2

@@ -47,7 +47,7 @@ def named_model(urls: list[str], timeout_s: float = 5.0) -> str | None:
     return names.pop() if names else None
 
 
-def tokenizer_for(model: str | None, urls: list[str]):
+def tokenizer_for(model: str | None, urls: list[str], cache_entries: int = 65_536):
     """The PromptTokenizer of ``model`` (``--model``), else of the model the replicas name; ConfigError with one
     line saying what to pass when neither gives one."""
     try:
@@ -56,7 +56,7 @@ def tokenizer_for(model: str | None, urls: list[str]):
         raise ConfigError(f"the router tokenizes prompts with transformers, which is not installed ({exc.name})")
     if model is not None:
         try:
-            return PromptTokenizer(model)
+            return PromptTokenizer(model, cache_entries)
         except ConfigError as exc:
             reason = " ".join(str(exc).split())[:300]
             raise ConfigError(f"--model {model} holds no tokenizer the router can load ({reason})") from None
@@ -65,6 +65,6 @@ def tokenizer_for(model: str | None, urls: list[str]):
         raise ConfigError(f"no replica names its model at /v1/models; {PASS_MODEL}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a name is looked up in the local cache, never downloaded
     try:
-        return PromptTokenizer(None if named == SMOLLM2_NAME else named)  # None: the packaged one
+        return PromptTokenizer(None if named == SMOLLM2_NAME else named, cache_entries)  # None: the packaged one
     except ConfigError:
         raise ConfigError(f"the replicas serve {named!r}, whose tokenizer is not at hand here; {PASS_MODEL}") from None

@@ -27,7 +27,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import msgspec
-import torch
 import zmq.asyncio
 
 from kvtier.apps.route.config import ProxyConfig, ReplicaEntry
@@ -58,7 +57,7 @@ class Retryable(Exception):
         self.cause, self.response = cause, response
 
 #: The namespace of the router's own record for replicas that publish nothing (only compared with itself).
-_RECORD_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.uint8)
+_RECORD_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8")
 
 
 def record_namespace(chunk_size: int) -> Namespace:

@@ -40,7 +40,7 @@ import msgspec
 
 from kvtier.api.errors import RequestError
 from kvtier.api.tenants import api_key, tenant_salt
-from kvtier.tiers.control import MAX_TTL_S
+from kvtier.base.sizes import MAX_TTL_S
 from kvtier.web.body import decode_json
 
 SESSION_HEADER = "x-session-id"

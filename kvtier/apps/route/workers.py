@@ -56,7 +56,7 @@ def _worker(args: argparse.Namespace, router_config: Callable[[argparse.Namespac
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config = router_config(args)
-    serve(args, config, tokenizer_for(args.model, [r.url for r in config.replicas]))
+    serve(args, config, tokenizer_for(args.model, [r.url for r in config.replicas], args.prompt_cache_entries))
 
 
 def supervise(args: argparse.Namespace, router_config: Callable[[argparse.Namespace], object]) -> int:
