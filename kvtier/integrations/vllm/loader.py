@@ -38,6 +38,7 @@ from kvtier.integrations.vllm.metadata import LoadSpec, unpack_extras, unpack_to
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink
 from kvtier.base.threads import WATCHED
 from kvtier.integrations.vllm.threads import name_os_thread
+from kvtier.integrations.vllm.transfer import load_tail
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +62,33 @@ class _Shifted:
             settle()
 
 
-def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
+def retrieve_spec(cache: KVCache, spec: LoadSpec, sink, block_size: int) -> int:
     """Retrieve ``spec``'s chunks from the one holding ``spec.first_token`` into ``sink`` (absolute token
     positions); returns the end of the verified run from token 0 (the chunks before the first read count as
     present: vLLM holds them). Only the chunks read count as hits in kvtier's metrics; the tiers' eviction order
-    learns the whole chain, the chunks not read included (a chain's root must not leave before its tail)."""
+    learns the whole chain, the chunks not read included (a chain's root must not leave before its tail). A spec
+    with a ``tail_nonce`` (a disaggregated decode) reads the prompt's partial last chunk after its full chunks
+    (kvtier.integrations.vllm.transfer), into whole blocks of ``block_size`` tokens: the verified end is then the
+    whole prompt."""
     tokens, size = unpack_tokens(spec.tokens), cache.chunk_size
     skip = spec.first_token // size
-    chain = cache.keys(tokens, salt=spec.salt, extras=unpack_extras(spec.extras))
+    extras = unpack_extras(spec.extras)
+    chain = cache.keys(tokens, salt=spec.salt, extras=extras)
     if spec.window_block_ids:
         return _retrieve_windowed(cache, chain, tokens, skip, sink)
     keys = chain[skip:]
-    if not keys:
-        return skip * size
-    good = cache.retrieve_keyed(keys, tokens[skip * size : (skip + len(keys)) * size], _Shifted(sink, skip * size))
+    good = 0
+    if keys:
+        good = cache.retrieve_keyed(keys, tokens[skip * size : (skip + len(keys)) * size],
+                                    _Shifted(sink, skip * size))
     if skip and good:  # the request used its whole chain: its root must not leave a tier before the chunks read
         cache.chain.order_chain(chain[: skip + good])
-    return (skip + good) * size
+    got = (skip + good) * size
+    if spec.tail_nonce and skip + good == len(chain) and got < len(tokens):  # a disaggregated decode's tail
+        parent = chain[-1] if chain else None
+        if load_tail(cache, tokens, parent, spec.salt, extras, spec.tail_nonce, sink, block_size):
+            return len(tokens)
+    return got
 
 
 def _retrieve_windowed(cache: KVCache, chain: list, tokens, skip: int, sink) -> int:
@@ -189,7 +200,7 @@ class AsyncLoads:
                     continue  # past its deadline or cancelled while queued: reported already
                 got = 0
                 try:
-                    got = retrieve_spec(self.cache, load.spec, load)
+                    got = retrieve_spec(self.cache, load.spec, load, self.paged.block_size)
                 except Exception as exc:  # a bug or a sink error: what did not arrive is recomputed
                     if load.closed or _interpreter_exiting(exc):  # reported already, or the process is ending
                         log.debug("kvtier: closed load of request %s ended in an error", load.spec.req_id)

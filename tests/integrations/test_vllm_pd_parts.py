@@ -1,0 +1,91 @@
+"""The pieces of prefill/decode disaggregation without an engine: the params each side reads and writes, and a
+prompt stored from one paged cache and loaded into another through a real cache, the partial last chunk included.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvtier import CacheConfig, KVCache  # noqa: E402
+from kvtier.integrations.vllm.loader import retrieve_spec  # noqa: E402
+from kvtier.integrations.vllm.metadata import LoadSpec, TransferSpec, pack_tokens  # noqa: E402
+from kvtier.integrations.vllm.paged import PagedKV, PagedSink  # noqa: E402
+from kvtier.integrations.vllm.pd import PD_KEY, PDRequests, decode_ticket  # noqa: E402
+from kvtier.integrations.vllm.transfer import store_transfer  # noqa: E402
+
+BLOCKS, HEADS, BS, DIM, LAYERS, CHUNK = 16, 2, 32, 16, 2, 64
+PROMPT = list(range(1000, 1150))  # two full chunks and a tail of 22 tokens (a block and a part)
+
+
+def request(params, n: int = len(PROMPT), req_id: str = "r") -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=params, num_prompt_tokens=n)
+
+
+def test_a_prefill_hands_its_decode_a_nonce_and_the_prompt_length():
+    pd = PDRequests()
+    prefill = request({"do_remote_decode": True})
+    pd.new_request(prefill)
+    assert pd.finished(prefill, stored_normally=True) is None  # its store was never ordered
+    pd.new_request(prefill)
+    pd.stored.add("r")
+    params = pd.finished(prefill, stored_normally=True)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    ticket = decode_ticket(request(params))
+    assert ticket.prompt_tokens == len(PROMPT) and len(ticket.nonce) == 16
+    pd.new_request(request(params, req_id="d"))
+    assert pd.decodes["d"] == ticket
+    pd.new_request(request(params, n=len(PROMPT) + 1, req_id="e"))  # another prompt: an ordinary request
+    assert "e" not in pd.decodes
+
+
+@pytest.mark.parametrize("ours", ["x", {"nonce": "zz" * 16, "prompt_tokens": 5}, {"nonce": "ab", "prompt_tokens": 5},
+                                  {"nonce": "ab" * 16, "prompt_tokens": 0}, {"nonce": "ab" * 16, "prompt_tokens": True}])
+def test_malformed_params_make_an_ordinary_request(ours):
+    with pytest.raises(ValueError, match=PD_KEY):
+        decode_ticket(request({"do_remote_prefill": True, PD_KEY: ours}))
+    pd = PDRequests()
+    pd.new_request(request({"do_remote_prefill": True, PD_KEY: ours}))
+    assert not pd.decodes and pd.ignored == 1
+
+
+def test_other_connectors_params_are_not_ours():
+    assert decode_ticket(request({"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [1]})) is None
+    assert decode_ticket(request(None)) is None
+
+
+def paged(fill: bool) -> PagedKV:
+    make = torch.randn if fill else torch.zeros
+    return PagedKV([make(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)], BS, rows_split=True)
+
+
+def rows(kv: PagedKV, blocks: list[int], n: int) -> torch.Tensor:
+    """Canonical KV of the first ``n`` tokens held in ``blocks``."""
+    return kv.gather(blocks, 0, -(-n // BS) * BS)[:, :, :n]
+
+
+def test_a_prompt_travels_whole_and_its_tail_only_to_its_own_request():
+    cache = KVCache(paged(False).spec, "m@1", CacheConfig(chunk_size=CHUNK))
+    source, prefill_blocks = paged(True), [3, 7, 1, 9, 12]
+    nonce = b"n" * 16
+    stored = store_transfer(cache, source, TransferSpec("p", pack_tokens(PROMPT), b"", prefill_blocks, nonce))
+    assert stored == len(PROMPT)
+    decode_blocks = [0, 2, 4, 5, 6]
+
+    def load(tail_nonce: bytes) -> tuple[int, PagedKV]:
+        target = paged(False)
+        spec = LoadSpec("d", pack_tokens(PROMPT), b"", decode_blocks, 0, len(PROMPT), 30.0, b"", tail_nonce)
+        return retrieve_spec(cache, spec, PagedSink(target, decode_blocks, 0), BS), target
+
+    got, target = load(nonce)
+    assert got == len(PROMPT)
+    assert torch.equal(rows(target, decode_blocks, len(PROMPT)), rows(source, prefill_blocks, len(PROMPT)))
+    tail_block = target.gather(decode_blocks, 4 * BS, 5 * BS)
+    assert not tail_block[:, :, len(PROMPT) - 4 * BS :].any()  # rows past the prompt: zeros, not another's KV
+    got, target = load(b"m" * 16)  # another request's nonce: the full chunks, not the tail
+    assert got == 2 * CHUNK
+    assert not target.gather(decode_blocks, 2 * CHUNK, 5 * BS).any()
