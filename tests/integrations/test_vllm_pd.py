@@ -164,7 +164,8 @@ def test_cached_prefix_is_loaded_by_the_prefill_and_only_the_rest_stored(fleet):
     grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     n_long = len(prefill.post("/tokenize", {"model": NAME, "prompt": PROMPTS["long"]})["tokens"])
     n_prefixed = len(prefill.post("/tokenize", {"model": NAME, "prompt": PROMPTS["prefixed"]})["tokens"])
-    assert grew.get("kvtier_hit_tokens_total{memory}", 0) >= n_long - n_long % CHUNK
+    hits = sum(v for k, v in grew.items() if k.startswith("kvtier_hit_tokens_total"))  # memory, or redis if evicted
+    assert hits >= n_long - n_long % CHUNK
     # the new full chunks and the tail, never the prefix again
     assert 0 < grew.get("kvtier_stored_tokens_total{redis}", 0) <= n_prefixed - n_long + 2 * CHUNK
 
