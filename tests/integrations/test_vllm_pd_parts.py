@@ -78,7 +78,7 @@ def test_a_prompt_travels_whole_and_its_tail_only_to_its_own_request():
 
     def load(tail_nonce: bytes) -> tuple[int, PagedKV]:
         target = paged(False)
-        spec = LoadSpec("d", pack_tokens(PROMPT), b"", decode_blocks, 0, len(PROMPT), 30.0, b"", tail_nonce)
+        spec = LoadSpec("d", pack_tokens(PROMPT), b"", decode_blocks, 0, len(PROMPT), 30.0, b"", tail_nonce=tail_nonce)
         return retrieve_spec(cache, spec, PagedSink(target, decode_blocks, 0), BS), target
 
     got, target = load(nonce)
