@@ -15,11 +15,12 @@ from kvtier import CacheConfig, KVCache  # noqa: E402
 from kvtier.integrations.vllm.loader import retrieve_spec  # noqa: E402
 from kvtier.integrations.vllm.metadata import LoadSpec, TransferSpec, pack_tokens  # noqa: E402
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink  # noqa: E402
-from kvtier.integrations.vllm.pd import PD_KEY, PDRequests, decode_ticket  # noqa: E402
+from kvtier.integrations.vllm.pd import PD_KEY, PDRequests, decode_ticket, loadable_tokens  # noqa: E402
 from kvtier.integrations.vllm.transfer import store_transfer  # noqa: E402
 
 BLOCKS, HEADS, BS, DIM, LAYERS, CHUNK = 16, 2, 32, 16, 2, 64
-PROMPT = list(range(1000, 1150))  # two full chunks and a tail of 22 tokens (a block and a part)
+PROMPT = list(range(1000, 1190))  # two full chunks and a tail of 62 tokens (a block and a part)
+LOADED = 160  # the decode side's share: the whole blocks before the block of the prompt's last token
 
 
 def request(params, n: int = len(PROMPT), req_id: str = "r") -> SimpleNamespace:
@@ -68,24 +69,30 @@ def rows(kv: PagedKV, blocks: list[int], n: int) -> torch.Tensor:
     return kv.gather(blocks, 0, -(-n // BS) * BS)[:, :, :n]
 
 
-def test_a_prompt_travels_whole_and_its_tail_only_to_its_own_request():
+def test_a_prompt_travels_in_whole_blocks_and_its_tail_only_to_its_own_request():
     cache = KVCache(paged(False).spec, "m@1", CacheConfig(chunk_size=CHUNK))
-    source, prefill_blocks = paged(True), [3, 7, 1, 9, 12]
+    source, prefill_blocks = paged(True), [3, 7, 1, 9, 12, 14]
     nonce = b"n" * 16
     stored = store_transfer(cache, source, TransferSpec("p", pack_tokens(PROMPT), b"", prefill_blocks, nonce))
-    assert stored == len(PROMPT)
-    decode_blocks = [0, 2, 4, 5, 6]
+    assert stored == LOADED  # the full chunks, and of the tail its first whole block only
+    assert loadable_tokens(len(PROMPT), BS) == LOADED
+    decode_blocks = [0, 2, 4, 5, 6, 8]
 
     def load(tail_nonce: bytes) -> tuple[int, PagedKV]:
         target = paged(False)
-        spec = LoadSpec("d", pack_tokens(PROMPT), b"", decode_blocks, 0, len(PROMPT), 30.0, b"", tail_nonce=tail_nonce)
-        return retrieve_spec(cache, spec, PagedSink(target, decode_blocks, 0), BS), target
+        spec = LoadSpec("d", pack_tokens(PROMPT), b"", decode_blocks, 0, LOADED, 30.0, b"", tail_nonce=tail_nonce)
+        return retrieve_spec(cache, spec, PagedSink(target, decode_blocks, 0)), target
 
     got, target = load(nonce)
-    assert got == len(PROMPT)
-    assert torch.equal(rows(target, decode_blocks, len(PROMPT)), rows(source, prefill_blocks, len(PROMPT)))
-    tail_block = target.gather(decode_blocks, 4 * BS, 5 * BS)
-    assert not tail_block[:, :, len(PROMPT) - 4 * BS :].any()  # rows past the prompt: zeros, not another's KV
+    assert got == LOADED
+    # block for block the bytes of the prefill's blocks, whatever a backend keeps in a block's rows
+    assert torch.equal(rows(target, decode_blocks, LOADED), rows(source, prefill_blocks, LOADED))
+    assert not target.gather(decode_blocks, LOADED, 6 * BS).any()  # the last, partly filled block: not loaded
     got, target = load(b"m" * 16)  # another request's nonce: the full chunks, not the tail
     assert got == 2 * CHUNK
-    assert not target.gather(decode_blocks, 2 * CHUNK, 5 * BS).any()
+    assert not target.gather(decode_blocks, 2 * CHUNK, 6 * BS).any()
+
+
+@pytest.mark.parametrize(("n", "loaded"), [(1, 0), (32, 0), (33, 32), (35, 32), (64, 32), (65, 64), (129, 128)])
+def test_the_decode_side_loads_whole_blocks_before_the_last_tokens_block(n, loaded):
+    assert loadable_tokens(n, BS) == loaded

@@ -62,14 +62,13 @@ class _Shifted:
             settle()
 
 
-def retrieve_spec(cache: KVCache, spec: LoadSpec, sink, block_size: int) -> int:
+def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
     """Retrieve ``spec``'s chunks from the one holding ``spec.first_token`` into ``sink`` (absolute token
     positions); returns the end of the verified run from token 0 (the chunks before the first read count as
     present: vLLM holds them). Only the chunks read count as hits in kvtier's metrics; the tiers' eviction order
     learns the whole chain, the chunks not read included (a chain's root must not leave before its tail). A spec
-    with a ``tail_nonce`` (a disaggregated decode) reads the prompt's partial last chunk after its full chunks
-    (kvtier.integrations.vllm.transfer), into whole blocks of ``block_size`` tokens: the verified end is then the
-    whole prompt."""
+    with a ``tail_nonce`` (a disaggregated decode) reads the whole blocks of the prompt's partial last chunk up to
+    ``spec.end`` after its full chunks (kvtier.integrations.vllm.transfer): the verified end is then ``spec.end``."""
     tokens, size = unpack_tokens(spec.tokens), cache.chunk_size
     skip = spec.first_token // size
     extras = unpack_extras(spec.extras)
@@ -84,10 +83,10 @@ def retrieve_spec(cache: KVCache, spec: LoadSpec, sink, block_size: int) -> int:
     if skip and good:  # the request used its whole chain: its root must not leave a tier before the chunks read
         cache.chain.order_chain(chain[: skip + good])
     got = (skip + good) * size
-    if spec.tail_nonce and skip + good == len(chain) and got < len(tokens):  # a disaggregated decode's tail
+    if spec.tail_nonce and skip + good == len(chain) and got < spec.end:  # a disaggregated decode's tail
         parent = chain[-1] if chain else None
-        if load_tail(cache, tokens, parent, spec.salt, extras, spec.tail_nonce, sink, block_size):
-            return len(tokens)
+        if load_tail(cache, tokens[got : spec.end], got, parent, spec.salt, extras, spec.tail_nonce, sink):
+            return spec.end
     return got
 
 
@@ -200,7 +199,7 @@ class AsyncLoads:
                     continue  # past its deadline or cancelled while queued: reported already
                 got = 0
                 try:
-                    got = retrieve_spec(self.cache, load.spec, load, self.paged.block_size)
+                    got = retrieve_spec(self.cache, load.spec, load)
                 except Exception as exc:  # a bug or a sink error: what did not arrive is recomputed
                     if load.closed or _interpreter_exiting(exc):  # reported already, or the process is ending
                         log.debug("kvtier: closed load of request %s ended in an error", load.spec.req_id)

@@ -55,8 +55,8 @@ class LoadSpec:
     #: is then the full-attention group's (empty for a model whose every layer slides). Such a load restores the
     #: window snapshot at the end of ``tokens`` and reports a failure per request, not per block.
     window_block_ids: tuple[list[int], ...] = ()
-    #: a disaggregated decode (kvtier.integrations.vllm.pd): ``tokens`` is the whole prompt, and after its full
-    #: chunks the partial last one is read under this nonce
+    #: a disaggregated decode (kvtier.integrations.vllm.pd): after the full chunks of ``tokens``, the whole
+    #: blocks of the partial last chunk up to ``end`` are read under this nonce
     tail_nonce: bytes = b""
 
 

@@ -5,15 +5,16 @@ this one (``kvtier route --prefill ... --decode ...`` is one):
 
 1. The proxy sends the request to a **prefill** instance with ``max_tokens: 1`` and
    ``kv_transfer_params: {"do_remote_decode": true}``. kvtier stores every full chunk of the prompt under its
-   usual keys (a later request with the same prefix, on any instance, hits them) and the partial last chunk
-   under a key of its own, derived from the chain and a nonce drawn for this request (``TAIL_DOMAIN``): no
+   usual keys (a later request with the same prefix, on any instance, hits them) and the whole blocks of the
+   partial last chunk (up to the block of the prompt's last token) under a key of its own, derived from the chain and a nonce drawn for this request (``TAIL_DOMAIN``): no
    other prompt can produce it. The store runs in ``wait_for_save`` of the step that computes the prompt's
    last token, so it is over before vLLM answers. ``request_finished`` then returns the params for the decode
    side: ``{"do_remote_prefill": true, "do_remote_decode": false, "kvtier_pd": {"nonce": HEX, "prompt_tokens":
    N}}``.
 2. The proxy sends the same request to a **decode** instance with those params. kvtier promises vLLM the
-   whole prompt as an asynchronous load (the request waits in ``WAITING_FOR_REMOTE_KVS``), loads the full
-   chunks and then the tail, verified like every load; vLLM recomputes the last prompt token and decodes.
+   prompt's whole blocks before the block of its last token as an asynchronous load (the request waits in
+   ``WAITING_FOR_REMOTE_KVS``), loads the full chunks and then the tail, verified like every load; vLLM computes
+   the prompt's last block (at most a block of tokens, at least one) and decodes.
    Whatever does not arrive verified (the store was down, a chunk evicted or corrupt, the tail expired) is
    reported block by block and vLLM recomputes it: the answer is the same, only slower.
 
@@ -38,6 +39,13 @@ NONCE_BYTES = 16
 #: How long a prompt's partial last chunk is kept for its decode instance (seconds): it serves that one
 #: request, which loads it right after the prefill answered.
 TAIL_TTL_S = 600.0
+
+
+def loadable_tokens(n_prompt: int, block_size: int) -> int:
+    """The prompt tokens a decode instance loads: its whole blocks before the block holding its last token (a
+    partly filled block is never copied, kvtier.integrations.vllm.transfer says why; vLLM computes the last
+    block, at least one token, itself)."""
+    return (n_prompt - 1) // block_size * block_size if n_prompt > 0 else 0
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@
   one that falls short is reported per request (``loads_failed``), and vLLM recomputes that request whole.
 * Disaggregated prefill and decode (pd.py): a prefill's whole prompt is a ``TransferSpec`` stored before the
   step that computes it ends, and ``request_finished`` hands its decode instance the params to load it; a
-  decode's whole prompt is promised as an asynchronous load without a lookup.
+  decode's prompt, up to the block of its last token (whole blocks only, pd.loadable_tokens), is promised as an
+  asynchronous load without a lookup.
 * Keys: a request's tokens plus what else vLLM keys its blocks with (inputs.py: LoRA, cache salt, multimodal
   inputs, prompt embeddings), read once per request. A request with an input kvtier cannot key is neither
   looked up, loaded nor stored; ``uncached`` counts such requests by kind, and each kind is logged once.
@@ -50,7 +51,7 @@ from kvtier.integrations.vllm.metadata import (
     pack_extras,
     pack_tokens,
 )
-from kvtier.integrations.vllm.pd import PDRequests
+from kvtier.integrations.vllm.pd import PDRequests, loadable_tokens
 from kvtier.tiers.control import MAX_TTL_S
 
 if TYPE_CHECKING:
@@ -201,10 +202,11 @@ class SchedulerSide:
         return end - num_computed_tokens, self.load_async
 
     def _remote_prefill(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """A disaggregated decode: the whole prompt, stored by its prefill instance, promised as an asynchronous
+        """A disaggregated decode: the prompt its prefill instance stored, up to the block of its last token
+        (pd.loadable_tokens: whole blocks only; vLLM computes the last block), promised as an asynchronous
         load (what does not arrive verified is recomputed); "ask again" as for any load (``matched_tokens``)."""
         inputs = self._request_inputs(request)
-        end = request.num_prompt_tokens
+        end = loadable_tokens(request.num_prompt_tokens, self.block_size)
         if inputs is None or end <= num_computed_tokens:
             return 0, False
         if self._in_flight:
@@ -264,7 +266,9 @@ class SchedulerSide:
         block_ids = list(tables[self.groups.full]) if self.groups.full is not None else []
         windows = tuple(list(tables[g]) for g in self.groups.windows)
         ticket = self.pd.decodes.pop(request.request_id, None)  # one remote prefill per request
-        read_end = end if ticket else -(-end // self.chunk_size) * self.chunk_size
+        read_end = -(-end // self.chunk_size) * self.chunk_size
+        if ticket:  # the full chunks up to ``end`` and the tail's tokens after the last one (transfer.py)
+            read_end = min(read_end, request.num_prompt_tokens)
         self._load_blocks[request.request_id] = set(block_ids[first // self.block_size : -(-end // self.block_size)])
         tokens = pack_tokens(list(request.all_token_ids[:read_end]))
         timeout = self.load_timeout_s if self.load_async or ticket else None

@@ -1,14 +1,18 @@
 """Worker side of prefill/decode disaggregation (kvtier.integrations.vllm.pd): the prompt's partial last chunk.
 
-A kvtier chunk is always ``chunk_size`` tokens, so the tail of a prompt (``r`` tokens after its last full chunk)
-is stored as one chunk whose first ``r`` token rows are the tail's KV and whose other rows are zeros, with the
-token ids padded by zeros alike; the blob records those ids and every read checks them, as for any chunk. Its
-key, ``tail_key``, hashes a domain of its own, the key of the chunk before it (the namespace's root with the
-tenant salt for a prompt shorter than a chunk), the tail's length and tokens, the request's extra keys and the
-request's nonce: no prompt's full chunks and no other request's tail can have it.
+What travels is whole vLLM blocks only, never a block's first rows. A paged block's bytes are not token rows in
+every backend: vLLM's CPU kernels keep a block's K transposed (``[head_dim, block_size]`` per head), so the
+first ``r`` "rows" of a partly filled block hold a few dimensions of every token, and copying them with zeros
+after them ruins the K of every token in that block. So the decode side is promised the prompt's whole blocks
+before the block of its last token (``pd.loadable_tokens``) and computes that last block itself (at least one
+token, as vLLM needs to sample): every block it loads was copied whole, whatever the backend's layout.
 
-A load writes back only the blocks that hold the tail (the rows after the tail in its last block are positions
-vLLM computes next; they are zeros here, never another request's KV).
+A kvtier chunk is always ``chunk_size`` tokens, so the tail (the whole blocks after the prompt's last full
+chunk, up to ``pd.loadable_tokens``) is stored as one chunk whose first rows are those blocks and whose other
+rows are zeros, with the token ids padded by zeros alike; the blob records those ids and every read checks
+them, as for any chunk. Its key, ``tail_key``, hashes a domain of its own, the key of the chunk before it (the
+namespace's root with the tenant salt for a prompt shorter than a chunk), the tail's length and tokens, the
+request's extra keys and the request's nonce: no prompt's full chunks and no other request's tail can have it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from kvtier.base.keys import ChunkHash, ExtraKeys
 from kvtier.core.cache import KVCache, TensorSource
 from kvtier.integrations.vllm.metadata import TransferSpec, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSource
-from kvtier.integrations.vllm.pd import TAIL_TTL_S
+from kvtier.integrations.vllm.pd import TAIL_TTL_S, loadable_tokens
 
 TAIL_DOMAIN = b"kvtier/vllm-pd-tail\0"
 _U32 = struct.Struct("<I")
@@ -48,25 +52,25 @@ def padded_tokens(tail: np.ndarray, chunk_size: int) -> np.ndarray:
 
 
 def store_transfer(cache: KVCache, paged: PagedKV, spec: TransferSpec) -> int:
-    """Store ``spec``'s prompt (full chunks, then the tail); returns the tokens newly written. Never raises for
-    tier failures (a chunk not stored is a miss the decode instance recomputes)."""
+    """Store ``spec``'s prompt (full chunks, then the tail's whole blocks, module docstring); returns the tokens
+    newly written. Never raises for tier failures (a chunk not stored is a miss the decode instance recomputes)."""
     tokens, extras, size = unpack_tokens(spec.tokens), unpack_extras(spec.extras), cache.chunk_size
     written = cache.store(tokens, PagedSource(paged, spec.block_ids), salt=spec.salt, ttl_s=spec.ttl_s,
                           extras=extras)
     full = len(tokens) - len(tokens) % size
-    if full == len(tokens):
+    end = loadable_tokens(len(tokens), paged.block_size)
+    if end <= full:
         return written
-    bs = paged.block_size
-    rows = paged.gather(spec.block_ids, full, -(-len(tokens) // bs) * bs)
+    rows = paged.gather(spec.block_ids, full, end)
     paged.synchronize_saves()  # on a GPU the gather runs on a side stream
     chunk = torch.zeros(cache.spec.chunk_shape(size), dtype=rows.dtype, device=rows.device)
-    chunk[:, :, : len(tokens) - full] = rows[:, :, : len(tokens) - full]
+    chunk[:, :, : end - full] = rows
     parent = cache.keys(tokens[:full], salt=spec.salt, extras=extras)[-1] if full else None
-    key = tail_key(cache, parent, tokens[full:], spec.salt, extras, spec.nonce)
+    key = tail_key(cache, parent, tokens[full:end], spec.salt, extras, spec.nonce)
     ttl = TAIL_TTL_S if spec.ttl_s is None else min(spec.ttl_s, TAIL_TTL_S)
-    done = cache.store_keyed([key], padded_tokens(tokens[full:], size), TensorSource(chunk), salt=spec.salt,
+    done = cache.store_keyed([key], padded_tokens(tokens[full:end], size), TensorSource(chunk), salt=spec.salt,
                              ttl_s=ttl, extras=extras)
-    return written + (len(tokens) - full if done[0] else 0)
+    return written + (end - full if done[0] else 0)
 
 
 class _TailSink:
@@ -84,13 +88,14 @@ class _TailSink:
             settle()
 
 
-def load_tail(cache: KVCache, tokens: np.ndarray, parent: ChunkHash | None, salt: bytes, extras: ExtraKeys,
-              nonce: bytes, sink, block_size: int) -> bool:
-    """Load the tail of the prompt ``tokens`` into ``sink`` (absolute token positions, whole blocks); whether it
-    arrived verified. Never raises for tier failures; a sink's error (a closed load) propagates."""
+def load_tail(cache: KVCache, tail: np.ndarray, base: int, parent: ChunkHash | None, salt: bytes,
+              extras: ExtraKeys, nonce: bytes, sink) -> bool:
+    """Load the tail ``tail`` (the prompt's tokens from ``base``, the end of its last full chunk; whole blocks)
+    into ``sink`` (absolute token positions); whether it arrived verified. Never raises for tier failures; a
+    sink's error (a closed load) propagates."""
     size = cache.chunk_size
-    full = len(tokens) - len(tokens) % size
-    key = tail_key(cache, parent, tokens[full:], salt, extras, nonce)
-    rows = min(-(-(len(tokens) - full) // block_size) * block_size, size)
-    return cache.retrieve_keyed([key], padded_tokens(tokens[full:], size), _TailSink(sink, full, rows),
+    if not 0 < len(tail) <= size:
+        return False
+    key = tail_key(cache, parent, tail, salt, extras, nonce)
+    return cache.retrieve_keyed([key], padded_tokens(tail, size), _TailSink(sink, base, len(tail)),
                                 salt=salt) == 1

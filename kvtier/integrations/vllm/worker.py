@@ -93,8 +93,7 @@ class WorkerSide:
         self.paged.synchronize()
 
     def _load_one(self, spec: LoadSpec) -> None:
-        sink = PagedSink(self.paged, spec.block_ids, spec.first_token)
-        got = retrieve_spec(self.cache, spec, sink, self.block_size)
+        got = retrieve_spec(self.cache, spec, PagedSink(self.paged, spec.block_ids, spec.first_token))
         loaded = max(min(got, spec.end) - spec.first_token, 0)
         bs = self.block_size
         bad = spec.block_ids[max(got, spec.first_token) // bs : -(-spec.end // bs)] if got < spec.end else []
