@@ -96,3 +96,14 @@ def test_a_prompt_travels_in_whole_blocks_and_its_tail_only_to_its_own_request()
 @pytest.mark.parametrize(("n", "loaded"), [(1, 0), (32, 0), (33, 32), (35, 32), (64, 32), (65, 64), (129, 128)])
 def test_the_decode_side_loads_whole_blocks_before_the_last_tokens_block(n, loaded):
     assert loadable_tokens(n, BS) == loaded
+
+
+def test_a_prompt_of_whole_chunks_loads_into_the_blocks_vllm_allocated_only():
+    """A 128-token prompt (two chunks): vLLM holds blocks for the 96 tokens promised, not for the last chunk's end."""
+    cache = KVCache(paged(False).spec, "m@1", CacheConfig(chunk_size=CHUNK))
+    prompt, source = PROMPT[: 2 * CHUNK], paged(True)
+    store_transfer(cache, source, TransferSpec("p", pack_tokens(prompt), b"", [3, 7, 1, 9], b"n" * 16))
+    end, target, blocks = loadable_tokens(len(prompt), BS), paged(False), [0, 2, 4]
+    spec = LoadSpec("d", pack_tokens(prompt), b"", blocks, 0, end, 30.0, b"", tail_nonce=b"n" * 16)
+    assert retrieve_spec(cache, spec, PagedSink(target, blocks, 0)) >= end == 96
+    assert torch.equal(rows(target, blocks, end), rows(source, [3, 7, 1], end))

@@ -62,6 +62,23 @@ class _Shifted:
             settle()
 
 
+class _Clipped:
+    """Writes only the rows before token ``limit`` (a block boundary) of what it is given."""
+
+    def __init__(self, sink, limit: int) -> None:
+        self.sink, self.limit = sink, limit
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        stop = min(end, self.limit)
+        if stop > start:
+            self.sink.write(start, stop, chunk[:, :, : stop - start])
+
+    def settle(self) -> None:
+        settle = getattr(self.sink, "settle", None)
+        if settle is not None:
+            settle()
+
+
 def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
     """Retrieve ``spec``'s chunks from the one holding ``spec.first_token`` into ``sink`` (absolute token
     positions); returns the end of the verified run from token 0 (the chunks before the first read count as
@@ -71,6 +88,8 @@ def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
     ``spec.end`` after its full chunks (kvtier.integrations.vllm.transfer): the verified end is then ``spec.end``."""
     tokens, size = unpack_tokens(spec.tokens), cache.chunk_size
     skip = spec.first_token // size
+    if spec.tail_nonce:  # vLLM allocated blocks up to ``end`` only, which need not end a chunk
+        sink = _Clipped(sink, spec.end)
     extras = unpack_extras(spec.extras)
     chain = cache.keys(tokens, salt=spec.salt, extras=extras)
     if spec.window_block_ids:
