@@ -45,8 +45,17 @@ def text(seed: int, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+def token_ids(seed: int, n: int) -> list[int]:
+    """A prompt of exactly ``n`` token ids (the chunk boundaries are what these prompts probe)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 20000) for _ in range(n)]
+
+
 LONG = text(1, 700)
-PROMPTS = {"short": text(2, 30), "long": LONG, "prefixed": LONG + " " + text(3, 200),
+#: shorter than a block, than a chunk (a tail only), exactly one chunk (no tail), one chunk and one token
+SIZED = {"tokens-20": token_ids(20, 20), "tokens-35": token_ids(21, 35), "tokens-128": token_ids(22, CHUNK),
+         "tokens-129": token_ids(23, CHUNK + 1)}
+PROMPTS = {"short": text(2, 30), "long": LONG, **SIZED, "prefixed": LONG + " " + text(3, 200),
            **{f"concurrent{i}": text(10 + i, 150 + 60 * i) for i in range(4)},
            "redis-down": text(5, 420), "decode-killed": text(6, 90)}
 
@@ -65,10 +74,10 @@ def answer(url: str, prompt: str, **extra) -> str:
 class Route:
     """``kvtier route --prefill URL --decode URL`` as a process."""
 
-    def __init__(self, prefill: str, decode: str, log) -> None:
+    def __init__(self, prefill: str, decode: str, model: str, log) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "kvtier", "route", "--prefill", prefill, "--decode", decode, "--port",
-               str(self.port), "--health-interval", "0.5"]
+               str(self.port), "--health-interval", "0.5", "--model", model]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
@@ -112,7 +121,7 @@ def fleet(tmp_path_factory):
         reference.stop()  # the cores go back to the fleet under test
         prefill.wait_ready()
         decode.wait_ready()
-        route = Route(prefill.url, decode.url, tmp / "route.log")
+        route = Route(prefill.url, decode.url, model, tmp / "route.log")
         assert wait_for(route.up, timeout=120, interval=0.5), (tmp / "route.log").read_text()[-3000:]
         yield {"expected": expected, "prefill": prefill, "decode": decode, "route": route, "redis": redis}
     finally:
@@ -125,12 +134,15 @@ def fleet(tmp_path_factory):
 
 def test_short_and_long_prompts_answer_as_one_instance(fleet):
     decode, route = fleet["decode"], fleet["route"]
-    for name in ("short", "long"):
+    for name in ("short", "long", *SIZED):
         before = decode.metrics()
         assert answer(route.url, PROMPTS[name]) == fleet["expected"][name], name
         loaded = decode.metrics().get("kvtier_hit_tokens_total{redis}", 0) - before.get(
             "kvtier_hit_tokens_total{redis}", 0)
-        assert loaded > 0, f"{name}: the decode instance loaded nothing from the shared tier"
+        if name == "tokens-20":  # no whole block before the last token's: the decode instance computes it all
+            assert loaded == 0
+        else:
+            assert loaded > 0, f"{name}: the decode instance loaded nothing from the shared tier"
 
 
 def test_a_tail_serves_only_its_own_prompt(fleet):
