@@ -4,6 +4,7 @@
     kvtier route --replica URL ... --policy round-robin --no-sticky        # the baseline
     kvtier route --replica URL ... --model ./my-llama --tier-weight disk=0.7
     kvtier route --replica http://h1:8000,events=tcp://h1:5557,replay=tcp://h1:5558,block-size=32 ...
+    kvtier route --prefill http://h1:8000 --decode http://h2:8000     # prefill/decode disaggregation
 
 Replicas are kvtier serve (whose /kvtier/info and event stream tell the router precisely where prefixes
 are), vLLM (whose KV events, with ``events=``, tell it what sits in vLLM's cache and in the kvtier tiers behind
@@ -29,9 +30,14 @@ from kvtier.web.http_limits import add_http_limit_flags, http_limits
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("route", help="cache-aware router in front of several replicas",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replica", action="append", default=[], required=True, metavar="URL[,OPTIONS]",
+    p.add_argument("--replica", action="append", default=[], metavar="URL[,OPTIONS]",
                    help="base URL of a replica (repeat); a vLLM replica adds its KV events: "
                         "URL,events=tcp://H:P,replay=tcp://H:P,block-size=N[,topic=T][,media=GPU:CPU:...]")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL[,OPTIONS]",
+                   help="prefill/decode disaggregation: a prefill replica (repeat; vLLM with the kvtier connector), "
+                        "chosen by cached prefix and load; needs --decode, excludes --replica")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode replica (repeat), chosen by load")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1,
@@ -118,11 +124,15 @@ def router_config(args: argparse.Namespace):
         raise ConfigError(f"--load-floor must be at least 1, got {routing.load_floor}")
     if args.max_sessions < 1 or args.prompt_cache_entries < 1:
         raise ConfigError("--max-sessions and --prompt-cache-entries must be at least 1")
+    if bool(args.prefill) != bool(args.decode) or bool(args.prefill) == bool(args.replica):
+        raise ConfigError("give --replica URL ..., or --prefill URL ... with --decode URL ... (not both)")
+    for item in args.decode:
+        parse_replica(item)  # a malformed decode URL is named now, not in the serving process
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
     sessions = SessionPlacement(args.sessions or ("rendezvous" if args.workers > 1 else "remembered"))
     return RouterConfig(
-        replicas=tuple(parse_replica(item) for item in args.replica), routing=routing,
+        replicas=tuple(parse_replica(item) for item in args.replica or args.prefill), routing=routing,
         proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts,
                           admin_timeout_s=args.admin_timeout),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue),
@@ -147,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier route: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever a library said
         return 2
     policy = config.routing.routing.value + (f" + {config.sessions.value} sessions" if config.routing.sticky else "")
-    print(f"kvtier route: {len(config.replicas)} replicas, {policy}, {args.workers} worker(s) on "
+    pools = (f"{len(config.replicas)} replicas" if not args.decode else
+             f"{len(config.replicas)} prefill + {len(args.decode)} decode replicas")
+    print(f"kvtier route: {pools}, {policy}, {args.workers} worker(s) on "
           f"http://{args.host}:{args.port}", flush=True)
     try:
         from kvtier.events.keys import default_key_file, load_or_create

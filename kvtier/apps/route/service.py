@@ -93,7 +93,9 @@ def _policy(config: RouterConfig):
 
 
 class Router:
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, metrics: Metrics | None = None, *,
+                 gauges: bool = True) -> None:
+        """``gauges``: register ``replica_gauges`` with ``metrics`` (off for a pool whose owner reports them)."""
         self.config, self.tokenizer = config, tokenizer
         self.metrics = metrics if metrics is not None else Metrics()
         self.replicas = [Replica(entry, config.proxy) for entry in config.replicas]
@@ -108,7 +110,8 @@ class Router:
         self._zmq: zmq.asyncio.Context | None = None
         self.events_key: tuple[bytes, bytes] | None = None  #: (public, secret) Z85: what replicas must allow
         self._tasks: list[asyncio.Task] = []
-        self.metrics.add_gauges(self._gauges)
+        if gauges:
+            self.metrics.add_gauges(self.replica_gauges)
 
     async def start(self) -> None:
         """Probe every replica once (their info and events), then keep probing in the background."""
@@ -268,7 +271,8 @@ class Router:
             return await asyncio.to_thread(self.tokenizer.chat, prompt.messages, limit, prompt.cut)
         return None
 
-    def _gauges(self):
+    def replica_gauges(self):
+        """``(name, labels, value)`` of every replica's gauges and of the admission queue's."""
         for replica in self.replicas:
             labels = {"replica": replica.name}
             yield REPLICA_UP.name, labels, float(replica.up)

@@ -40,10 +40,15 @@ def serve(args: argparse.Namespace, config, tokenizer) -> None:
     import uvicorn
 
     from kvtier.apps.route.app import server_config
+    from kvtier.apps.route.config import parse_replica
+    from kvtier.apps.route.pd import PDRouter
     from kvtier.apps.route.service import Router
 
+    decode = getattr(args, "decode", None)  # --prefill/--decode: prefill/decode disaggregation (pd.py)
+    router = (PDRouter(config, tuple(parse_replica(item) for item in decode), tokenizer) if decode
+              else Router(config, tokenizer))
     sock = listening_socket(args.host, args.port)
-    server = uvicorn.Server(server_config(Router(config, tokenizer), args.host, args.port, args.log_level))
+    server = uvicorn.Server(server_config(router, args.host, args.port, args.log_level))
     freeze_startup_objects()  # the tokenizer and its modules out of the cyclic GC: no 0.4 s collections under load
     server.run(sockets=[sock])
 

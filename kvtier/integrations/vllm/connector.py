@@ -52,8 +52,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered prefix caching for vLLM: loads cached prefixes (asynchronously by default), saves prompt chunks as
-    prefill computes them and the rest when a request finishes. Supports vLLM's hybrid KV cache manager: a
-    full-attention group is cached as KV chunks, sliding-window groups as window snapshots (groups.py)."""
+    prefill computes them and the rest when a request finishes; prefill/decode disaggregation through the same
+    tiers with vLLM's ``kv_transfer_params`` (pd.py). Supports vLLM's hybrid KV cache manager: a full-attention
+    group is cached as KV chunks, sliding-window groups as window snapshots (groups.py)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -161,10 +162,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         # after the forward pass: sliding windows are copied now, before the next step frees their blocks; other
-        # saved blocks stay allocated until get_finished reports them
+        # saved blocks stay allocated until get_finished reports them. A disaggregated prefill's prompt is stored
+        # now: vLLM answers once this step is over, and its decode instance loads the prompt right after
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, KVTierMetadata) and meta.windows:
             self._worker.snapshot_windows(meta.windows)
+        if self._worker is not None and isinstance(meta, KVTierMetadata) and meta.transfers:
+            self._worker.store_transfers(meta.transfers)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
@@ -256,8 +260,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.jobs_done(meta if isinstance(meta, KVTierWorkerMeta) else None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
         assert self._scheduler is not None
-        return self._scheduler.finished(request, block_ids), None
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        params = self._scheduler.pd.finished(request, normal)
+        return self._scheduler.finished(request, block_ids), params
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

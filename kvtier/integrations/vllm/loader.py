@@ -38,6 +38,7 @@ from kvtier.integrations.vllm.metadata import LoadSpec, unpack_extras, unpack_to
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink
 from kvtier.base.threads import WATCHED
 from kvtier.integrations.vllm.threads import name_os_thread
+from kvtier.integrations.vllm.transfer import load_tail
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +62,51 @@ class _Shifted:
             settle()
 
 
+class _Clipped:
+    """Writes only the rows before token ``limit`` (a block boundary) of what it is given."""
+
+    def __init__(self, sink, limit: int) -> None:
+        self.sink, self.limit = sink, limit
+
+    def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        stop = min(end, self.limit)
+        if stop > start:
+            self.sink.write(start, stop, chunk[:, :, : stop - start])
+
+    def settle(self) -> None:
+        settle = getattr(self.sink, "settle", None)
+        if settle is not None:
+            settle()
+
+
 def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
     """Retrieve ``spec``'s chunks from the one holding ``spec.first_token`` into ``sink`` (absolute token
     positions); returns the end of the verified run from token 0 (the chunks before the first read count as
     present: vLLM holds them). Only the chunks read count as hits in kvtier's metrics; the tiers' eviction order
-    learns the whole chain, the chunks not read included (a chain's root must not leave before its tail)."""
+    learns the whole chain, the chunks not read included (a chain's root must not leave before its tail). A spec
+    with a ``tail_nonce`` (a disaggregated decode) reads the whole blocks of the prompt's partial last chunk up to
+    ``spec.end`` after its full chunks (kvtier.integrations.vllm.transfer): the verified end is then ``spec.end``."""
     tokens, size = unpack_tokens(spec.tokens), cache.chunk_size
     skip = spec.first_token // size
-    chain = cache.keys(tokens, salt=spec.salt, extras=unpack_extras(spec.extras))
+    if spec.tail_nonce:  # vLLM allocated blocks up to ``end`` only, which need not end a chunk
+        sink = _Clipped(sink, spec.end)
+    extras = unpack_extras(spec.extras)
+    chain = cache.keys(tokens, salt=spec.salt, extras=extras)
     if spec.window_block_ids:
         return _retrieve_windowed(cache, chain, tokens, skip, sink)
     keys = chain[skip:]
-    if not keys:
-        return skip * size
-    good = cache.retrieve_keyed(keys, tokens[skip * size : (skip + len(keys)) * size], _Shifted(sink, skip * size))
+    good = 0
+    if keys:
+        good = cache.retrieve_keyed(keys, tokens[skip * size : (skip + len(keys)) * size],
+                                    _Shifted(sink, skip * size))
     if skip and good:  # the request used its whole chain: its root must not leave a tier before the chunks read
         cache.chain.order_chain(chain[: skip + good])
-    return (skip + good) * size
+    got = (skip + good) * size
+    if spec.tail_nonce and skip + good == len(chain) and got < spec.end:  # a disaggregated decode's tail
+        parent = chain[-1] if chain else None
+        if load_tail(cache, tokens[got : spec.end], got, parent, spec.salt, extras, spec.tail_nonce, sink):
+            return spec.end
+    return got
 
 
 def _retrieve_windowed(cache: KVCache, chain: list, tokens, skip: int, sink) -> int:

@@ -55,6 +55,9 @@ class LoadSpec:
     #: is then the full-attention group's (empty for a model whose every layer slides). Such a load restores the
     #: window snapshot at the end of ``tokens`` and reports a failure per request, not per block.
     window_block_ids: tuple[list[int], ...] = ()
+    #: a disaggregated decode (kvtier.integrations.vllm.pd): after the full chunks of ``tokens``, the whole
+    #: blocks of the partial last chunk up to ``end`` are read under this nonce
+    tail_nonce: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,21 @@ class SaveSpec:
     extras: bytes = b""
 
 
+@dataclass(frozen=True)
+class TransferSpec:
+    """Store the whole prompt ``tokens`` of a disaggregated prefill from ``block_ids`` before this step ends
+    (``wait_for_save``): its full chunks under their usual keys, the partial last one under ``nonce``
+    (kvtier.integrations.vllm.pd). ``salt``, ``ttl_s`` and ``extras`` as for SaveSpec."""
+
+    req_id: str
+    tokens: bytes
+    salt: bytes
+    block_ids: list[int]
+    nonce: bytes
+    ttl_s: float | None = None
+    extras: bytes = b""
+
+
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
@@ -101,6 +119,8 @@ class KVTierMetadata(KVConnectorMetadata):
     delayed: set[str] = field(default_factory=set)
     #: sliding-window snapshots to take after this step's forward pass
     windows: list[WindowSave] = field(default_factory=list)
+    #: disaggregated prefills whose prompt this step completes: stored before the step ends
+    transfers: list[TransferSpec] = field(default_factory=list)
 
 
 @dataclass

@@ -20,6 +20,10 @@
   policy picks) become a ``WindowSave`` in that step's metadata, copied by the workers right after its forward
   pass (the next step frees blocks that left the window). A load restores the window at its last boundary too;
   one that falls short is reported per request (``loads_failed``), and vLLM recomputes that request whole.
+* Disaggregated prefill and decode (pd.py): a prefill's whole prompt is a ``TransferSpec`` stored before the
+  step that computes it ends, and ``request_finished`` hands its decode instance the params to load it; a
+  decode's prompt, up to the block of its last token (whole blocks only, pd.loadable_tokens), is promised as an
+  asynchronous load without a lookup.
 * Keys: a request's tokens plus what else vLLM keys its blocks with (inputs.py: LoRA, cache salt, multimodal
   inputs, prompt embeddings), read once per request. A request with an input kvtier cannot key is neither
   looked up, loaded nor stored; ``uncached`` counts such requests by kind, and each kind is logged once.
@@ -43,9 +47,11 @@ from kvtier.integrations.vllm.metadata import (
     LoadSpec,
     SaveSpec,
     WindowSave,
+    TransferSpec,
     pack_extras,
     pack_tokens,
 )
+from kvtier.integrations.vllm.pd import PDRequests, loadable_tokens
 from kvtier.tiers.control import MAX_TTL_S
 
 if TYPE_CHECKING:
@@ -116,6 +122,7 @@ class SchedulerSide:
         self._inputs: dict[str, tuple[bytes, ExtraKeys] | None] = {}  # req_id -> (salt, extras); None: uncached
         self.uncached: Counter[str] = Counter()  #: requests not cached, by the kind of input kvtier could not key
         self._uncached_reported: Counter[str] = Counter()
+        self.pd = PDRequests()  #: disaggregated prefills and decodes (kvtier.integrations.vllm.pd)
 
     def close(self) -> None:
         self.lookups.close()
@@ -161,6 +168,10 @@ class SchedulerSide:
     # -- lookups -------------------------------------------------------------------------------------------
     def new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        if self.groups.full is not None and not self.groups.windows:  # P/D moves full-attention KV only
+            self.pd.new_request(request)
+        if request.request_id in self.pd.decodes:
+            return  # its prefill instance stored the prompt: no lookup to ask
         tokens = self._usable(request)
         inputs = self._request_inputs(request) if tokens else None
         if inputs is not None:
@@ -168,6 +179,8 @@ class SchedulerSide:
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests.setdefault(request.request_id, request)
+        if request.request_id in self.pd.decodes and request.request_id not in self._recompute:
+            return self._remote_prefill(request, num_computed_tokens)
         tokens = self._usable(request)
         if not tokens or request.request_id in self._recompute:
             return 0, False
@@ -187,6 +200,24 @@ class SchedulerSide:
             return None, False  # parked now, it would overfill the cache: running requests would preempt others
         self._plans[request.request_id] = (num_computed_tokens, end)
         return end - num_computed_tokens, self.load_async
+
+    def _remote_prefill(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A disaggregated decode: the prompt its prefill instance stored, up to the block of its last token
+        (pd.loadable_tokens: whole blocks only; vLLM computes the last block), promised as an asynchronous
+        load (what does not arrive verified is recomputed); "ask again" as for any load (``matched_tokens``)."""
+        inputs = self._request_inputs(request)
+        end = loadable_tokens(request.num_prompt_tokens, self.block_size)
+        if inputs is None or end <= num_computed_tokens:
+            return 0, False
+        if self._in_flight:
+            keys = self._keys(self._usable(request), inputs)[num_computed_tokens // self.chunk_size :]
+            if any(k in self._in_flight for k in keys):
+                return None, False
+        if not self._room_for(request):
+            return None, False
+        self._hits[request.request_id] = end - end % self.chunk_size
+        self._plans[request.request_id] = (num_computed_tokens, end)
+        return end - num_computed_tokens, True
 
     def _blocks_to_run(self, request: Request) -> int:
         """Blocks the request holds once its prompt and first output token are in vLLM's cache."""
@@ -216,7 +247,7 @@ class SchedulerSide:
             return
         self.lookups.forget(request.request_id)
         first, end = plan[0], plan[0] + num_external_tokens
-        if not self.load_async:
+        if not self.load_async and request.request_id not in self.pd.decodes:
             self._sync_loads[request.request_id] = (request, first, end)
             return
         spec, inputs = self._load_spec(request, tables, first, end)
@@ -234,14 +265,18 @@ class SchedulerSide:
         the request's inputs (never None here: ``matched_tokens`` promises no load to a request it cannot key)."""
         block_ids = list(tables[self.groups.full]) if self.groups.full is not None else []
         windows = tuple(list(tables[g]) for g in self.groups.windows)
+        ticket = self.pd.decodes.pop(request.request_id, None)  # one remote prefill per request
         read_end = -(-end // self.chunk_size) * self.chunk_size
+        if ticket:  # the full chunks up to ``end`` and the tail's tokens after the last one (transfer.py)
+            read_end = min(read_end, request.num_prompt_tokens)
         self._load_blocks[request.request_id] = set(block_ids[first // self.block_size : -(-end // self.block_size)])
         tokens = pack_tokens(list(request.all_token_ids[:read_end]))
-        timeout = self.load_timeout_s if self.load_async else None
+        timeout = self.load_timeout_s if self.load_async or ticket else None
         inputs = self._request_inputs(request)
         assert inputs is not None
         salt, extras = inputs
-        spec = LoadSpec(request.request_id, tokens, salt, block_ids, first, end, timeout, pack_extras(extras), windows)
+        spec = LoadSpec(request.request_id, tokens, salt, block_ids, first, end, timeout, pack_extras(extras), windows,
+                        ticket.nonce if ticket else b"")
         return spec, inputs
 
     # -- each step -----------------------------------------------------------------------------------------
@@ -261,9 +296,11 @@ class SchedulerSide:
             self._parked.pop(req_id, None)  # running: vLLM allocated its blocks
         self._running = len(out.num_scheduled_tokens)
         if self.kv_cache_manager is not None:
-            for req_id in out.num_scheduled_tokens:
+            for req_id, n_scheduled in out.num_scheduled_tokens.items():
                 request = self._requests.get(req_id)
-                if request is not None and req_id not in self._loading:
+                if request is not None and req_id in self.pd.prefills:
+                    self._order_transfer(request, n_scheduled, meta)
+                elif request is not None and req_id not in self._loading:
                     # full prompt chunks computed by earlier steps: this step's forward pass writes none of them
                     limit = min(request.num_computed_tokens, request.num_prompt_tokens)
                     if self.groups.full is not None:
@@ -274,6 +311,21 @@ class SchedulerSide:
         meta.saves, self._saves = self._saves, []
         meta.delayed, self._delayed = self._delayed, set()
         return meta
+
+    def _order_transfer(self, request: Request, n_scheduled: int, meta: KVTierMetadata) -> None:
+        """A disaggregated prefill: its whole prompt stored in the step that computes its last token (and no save
+        job before: they would store the same chunks); nothing more is saved when it finishes."""
+        req_id = request.request_id
+        inputs = self._request_inputs(request)
+        n = request.num_prompt_tokens
+        if req_id in self.pd.stored or inputs is None or request.num_computed_tokens + n_scheduled < n:
+            return
+        self.pd.stored.add(req_id)
+        self._ordered[req_id] = n - n % self.chunk_size
+        salt, extras = inputs
+        meta.transfers.append(TransferSpec(req_id, pack_tokens(list(request.all_token_ids[:n])), salt,
+                                           list(self.kv_cache_manager.get_block_ids(req_id)[self.groups.full]),
+                                           self.pd.prefills[req_id], self._ttl(request), pack_extras(extras)))
 
     def _sync_spec(self, req_id: str, tables: tuple[list[int], ...]) -> LoadSpec:
         request, first, end = self._sync_loads[req_id]

@@ -11,6 +11,8 @@
   running one short before that step's forward pass; a finished request's blocks are freed only after
   ``finished_saves`` returned its id (the scheduler lists such requests in ``KVTierMetadata.delayed``).
   Every job ends (stored, failed or cancelled) in ``done_jobs``, which the scheduler counts per rank.
+* Disaggregated prefills (kvtier.integrations.vllm.pd) store their whole prompt in ``store_transfers``, called
+  from ``wait_for_save`` of the step that computed it, so vLLM answers only once it is stored.
 * A :class:`LookupServer` answers the scheduler's lookups against this rank's cache.
 """
 
@@ -29,10 +31,11 @@ from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.groups import WindowKV
 from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
 from kvtier.integrations.vllm.lookup_socket import LookupLimits, LookupServer
-from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, WindowSave, unpack_extras, unpack_tokens
+from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, TransferSpec, WindowSave, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink, PagedSource
 from kvtier.base.threads import WATCHED
 from kvtier.integrations.vllm.threads import name_os_thread
+from kvtier.integrations.vllm.transfer import store_transfer
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,18 @@ class WorkerSide:
                 with self._cond:
                     self._jobs.append(_Windows(save, snaps))
                     self._cond.notify_all()
+
+    def store_transfers(self, specs: Iterable[TransferSpec]) -> None:
+        """Store disaggregated prefills' prompts now, on the calling thread (``wait_for_save``: the step, and so
+        vLLM's answer, ends after them). A failure is logged and counted: the decode instance recomputes."""
+        for spec in specs:
+            stored = 0
+            try:
+                stored = store_transfer(self.cache, self.paged, spec)
+            except Exception:  # a bug must not fail the engine's step: the decode side recomputes what is missing
+                log.exception("kvtier: storing the prompt of request %s for its decode instance failed", spec.req_id)
+            with self._cond:
+                self._counts.update(stored_tokens=stored)
 
     def preempted(self, req_ids: Iterable[str]) -> None:
         """Before the forward pass of the step that preempted ``req_ids``: drop their queued save jobs and wait
