@@ -25,6 +25,7 @@ import torch
 from blake3 import blake3
 
 from kvtier.base.keys import SPAN_END, ExtraKeys, InputKind, SpanKey
+from kvtier.tiers.control import MAX_TTL_S
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -154,3 +155,26 @@ def unhandled_fields() -> frozenset[str]:
         log.warning("kvtier: this vLLM keys request fields kvtier does not (%s): requests that set them are "
                     "neither loaded nor stored", ", ".join(sorted(unhandled)))
     return frozenset(unhandled)
+
+
+def request_ttl(request: Request) -> float | None:
+    """The retention time a request asks for its stores: ``kv_transfer_params={"kvtier": {"ttl_s": SECONDS}}``
+    (a positive number up to ``MAX_TTL_S``, what every tier can hold), None without one.
+
+    Anything else there (a negative, zero, infinite or non-number ``ttl_s``, a ``kvtier`` value that is not an
+    object, one past ``MAX_TTL_S``) is ignored with a warning, and the request is stored without a retention time:
+    vLLM 0.32 has no connector hook that rejects a request before scheduling, and raising in the scheduler's calls
+    would fail every request in the engine loop, not only this one. ``SchedulerSide.ignored_params`` counts them."""
+    params = getattr(request, "kv_transfer_params", None)
+    ours = params.get("kvtier") if isinstance(params, dict) else None
+    if ours is None:
+        return None
+    if not isinstance(ours, dict):
+        raise ValueError(f"kv_transfer_params.kvtier must be an object such as {{'ttl_s': 30}}, got {ours!r}")
+    ttl = ours.get("ttl_s")
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl <= MAX_TTL_S:
+        raise ValueError(f"kv_transfer_params.kvtier.ttl_s must be a positive number of seconds up to {MAX_TTL_S}, "
+                         f"got {ttl!r}")
+    return float(ttl)

@@ -83,7 +83,7 @@ class SaveSpec:
     vLLM does not reuse the blocks while the job runs: they belong to a running request (a preemption waits for
     the job, ``handle_preemptions``) or to a finished one whose blocks are freed only when the worker reports
     it in ``get_finished`` (``KVTierMetadata.delayed``). ``ttl_s``: the request's retention time (its
-    ``kv_transfer_params``, scheduler.request_ttl), None for none; ``extras`` as for LoadSpec."""
+    ``kv_transfer_params``, inputs.request_ttl), None for none; ``extras`` as for LoadSpec."""
 
     req_id: str
     job: int

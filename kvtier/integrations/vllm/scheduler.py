@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.base.keys import ChunkHash, ExtraKeys, chunk_hashes
 from kvtier.base.state import SnapshotPolicy
 from kvtier.integrations.vllm.groups import SINGLE_GROUP, GroupLayout
-from kvtier.integrations.vllm.inputs import Unkeyable, request_extras, request_salt, unhandled_fields
+from kvtier.integrations.vllm.inputs import Unkeyable, request_extras, request_salt, request_ttl, unhandled_fields
 from kvtier.integrations.vllm.lookups import Lookups
 from kvtier.integrations.vllm.metadata import (
     KVTierMetadata,
@@ -47,12 +47,11 @@ from kvtier.integrations.vllm.metadata import (
     LoadSpec,
     SaveSpec,
     WindowSave,
-    TransferSpec,
     pack_extras,
     pack_tokens,
 )
-from kvtier.integrations.vllm.pd import PDRequests, loadable_tokens
-from kvtier.tiers.control import MAX_TTL_S
+from kvtier.integrations.vllm.pd import PDRequests
+from kvtier.integrations.vllm.pd_scheduler import PDScheduling
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -62,30 +61,7 @@ log = logging.getLogger(__name__)
 EVERY_BOUNDARY = SnapshotPolicy(interval=1, last=False)
 
 
-def request_ttl(request: Request) -> float | None:
-    """The retention time a request asks for its stores: ``kv_transfer_params={"kvtier": {"ttl_s": SECONDS}}``
-    (a positive number up to ``MAX_TTL_S``, what every tier can hold), None without one.
-
-    Anything else there (a negative, zero, infinite or non-number ``ttl_s``, a ``kvtier`` value that is not an
-    object, one past ``MAX_TTL_S``) is ignored with a warning, and the request is stored without a retention time:
-    vLLM 0.32 has no connector hook that rejects a request before scheduling, and raising in the scheduler's calls
-    would fail every request in the engine loop, not only this one. ``SchedulerSide.ignored_params`` counts them."""
-    params = getattr(request, "kv_transfer_params", None)
-    ours = params.get("kvtier") if isinstance(params, dict) else None
-    if ours is None:
-        return None
-    if not isinstance(ours, dict):
-        raise ValueError(f"kv_transfer_params.kvtier must be an object such as {{'ttl_s': 30}}, got {ours!r}")
-    ttl = ours.get("ttl_s")
-    if ttl is None:
-        return None
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl <= MAX_TTL_S:
-        raise ValueError(f"kv_transfer_params.kvtier.ttl_s must be a positive number of seconds up to {MAX_TTL_S}, "
-                         f"got {ttl!r}")
-    return float(ttl)
-
-
-class SchedulerSide:
+class SchedulerSide(PDScheduling):
     def __init__(self, chunk_size: int, block_size: int, lookups: Lookups, *, load_async: bool = True,
                  load_timeout_s: float = 30.0, tp_size: int = 1, groups: GroupLayout = SINGLE_GROUP,
                  snapshots: SnapshotPolicy = EVERY_BOUNDARY) -> None:
@@ -201,24 +177,6 @@ class SchedulerSide:
         self._plans[request.request_id] = (num_computed_tokens, end)
         return end - num_computed_tokens, self.load_async
 
-    def _remote_prefill(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """A disaggregated decode: the prompt its prefill instance stored, up to the block of its last token
-        (pd.loadable_tokens: whole blocks only; vLLM computes the last block), promised as an asynchronous
-        load (what does not arrive verified is recomputed); "ask again" as for any load (``matched_tokens``)."""
-        inputs = self._request_inputs(request)
-        end = loadable_tokens(request.num_prompt_tokens, self.block_size)
-        if inputs is None or end <= num_computed_tokens:
-            return 0, False
-        if self._in_flight:
-            keys = self._keys(self._usable(request), inputs)[num_computed_tokens // self.chunk_size :]
-            if any(k in self._in_flight for k in keys):
-                return None, False
-        if not self._room_for(request):
-            return None, False
-        self._hits[request.request_id] = end - end % self.chunk_size
-        self._plans[request.request_id] = (num_computed_tokens, end)
-        return end - num_computed_tokens, True
-
     def _blocks_to_run(self, request: Request) -> int:
         """Blocks the request holds once its prompt and first output token are in vLLM's cache."""
         return -(-(request.num_tokens + 1) // self.block_size)
@@ -311,21 +269,6 @@ class SchedulerSide:
         meta.saves, self._saves = self._saves, []
         meta.delayed, self._delayed = self._delayed, set()
         return meta
-
-    def _order_transfer(self, request: Request, n_scheduled: int, meta: KVTierMetadata) -> None:
-        """A disaggregated prefill: its whole prompt stored in the step that computes its last token (and no save
-        job before: they would store the same chunks); nothing more is saved when it finishes."""
-        req_id = request.request_id
-        inputs = self._request_inputs(request)
-        n = request.num_prompt_tokens
-        if req_id in self.pd.stored or inputs is None or request.num_computed_tokens + n_scheduled < n:
-            return
-        self.pd.stored.add(req_id)
-        self._ordered[req_id] = n - n % self.chunk_size
-        salt, extras = inputs
-        meta.transfers.append(TransferSpec(req_id, pack_tokens(list(request.all_token_ids[:n])), salt,
-                                           list(self.kv_cache_manager.get_block_ids(req_id)[self.groups.full]),
-                                           self.pd.prefills[req_id], self._ttl(request), pack_extras(extras)))
 
     def _sync_spec(self, req_id: str, tables: tuple[list[int], ...]) -> LoadSpec:
         request, first, end = self._sync_loads[req_id]
