@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -152,7 +153,10 @@ class Bench:
                 server.stop()
                 del servers[label]
         for label, server in servers.items():
-            self.notes.append(f"{model}, {label}: {kv_cache_line(server.log)}")
+            if model == "window":
+                self.notes.append(f"window, {label}: vLLM's cache {cache_blocks(self.size, label != KVTIER_OFF, self.max_len)}"
+                                  f" blocks of {BLOCK} tokens ({'one layer' if label != KVTIER_OFF else 'all 6 layers'}"
+                                  " a block)")
             if server.kvtier is not None:
                 self.bench(server, model, "prefix", 0)
                 time.sleep(2.0)  # the last saves reach the tier
@@ -177,17 +181,12 @@ def stored_bytes(metrics: dict[str, float]) -> dict:
 
 
 def error_line(log: Path) -> str:
-    """The last line of a server's log that names an error (why it did not start)."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return (errors or lines or ["(no output)"])[-1][-400:]
-
-
-def kv_cache_line(log: Path) -> str:
-    """vLLM's own line on the size of its KV cache, from a server's log."""
-    found = [line.split("] ", 1)[-1].strip() for line in log.read_text(errors="replace").splitlines()
-             if "KV cache size" in line or "num_gpu_blocks" in line.lower()]
-    return found[-1] if found else "?"
+    """Why a server did not start: the first ``...Error: ...`` line of its log other than vLLM's generic "Engine
+    core initialization failed" (the root cause its engine process logged), else the last line."""
+    lines = [line.split("] ", 1)[-1].strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"[\w.]*(Error|Exception): ", line)
+              and "Engine core initialization failed" not in line]
+    return (causes or lines or ["(no output)"])[0 if causes else -1][-400:]
 
 
 def main() -> None:
