@@ -154,9 +154,9 @@ class Bench:
                 del servers[label]
         for label, server in servers.items():
             if model == "window":
-                self.notes.append(f"window, {label}: vLLM's cache {cache_blocks(self.size, label != KVTIER_OFF, self.max_len)}"
-                                  f" blocks of {BLOCK} tokens ({'one layer' if label != KVTIER_OFF else 'all 6 layers'}"
-                                  " a block)")
+                blocks = cache_blocks(self.size, label != KVTIER_OFF, self.max_len)
+                layers = "one layer" if label != KVTIER_OFF else "all 6 layers"
+                self.notes.append(f"window, {label}: vLLM's cache {blocks} blocks of {BLOCK} tokens ({layers} a block)")
             if server.kvtier is not None:
                 self.bench(server, model, "prefix", 0)
                 time.sleep(2.0)  # the last saves reach the tier
