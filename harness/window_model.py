@@ -15,7 +15,8 @@ from pathlib import Path
 VOCAB = 512
 
 
-def _tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path) -> None:
+    """The word-level tokenizer (``<pad>``, ``<bos>``, ``<eos>``, then ``w3`` .. ``w511``) saved into ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -34,7 +35,7 @@ def build_tiny_gemma3(path: Path, *, window: int = 96, layers: int = 6, seed: in
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     path.mkdir(parents=True, exist_ok=True)
-    _tokenizer(path)
+    write_tokenizer(path)
     types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
     config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,

@@ -17,36 +17,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.integrations.vllm_model import VOCAB, prompt_ids, run_engine_spec  # noqa: E402
+from harness.hybrid_model import build_tiny_hybrid  # noqa: E402
+from tests.integrations.vllm_model import prompt_ids, run_engine_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 UNCACHED = "which KVTierConnector cannot restore in vLLM yet: it is served uncached"
 HMA_OFF = "Turning off hybrid kv cache manager"
-
-
-def build(path: Path, kind: str) -> Path:
-    """A tiny random-weight Mamba2 or GraniteMoeHybrid with vllm_model's word-level tokenizer."""
-    import torch
-    import transformers
-
-    from tests.integrations.vllm_model import build_tiny_llama
-
-    build_tiny_llama(path)  # the tokenizer and generation config; its Llama weights are replaced below
-    common = dict(vocab_size=VOCAB, hidden_size=128, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    if kind == "mamba2":
-        config = transformers.Mamba2Config(**common, num_hidden_layers=2, num_heads=8, head_dim=32, state_size=16,
-                                           n_groups=1, expand=2, chunk_size=64)
-    else:
-        config = transformers.GraniteMoeHybridConfig(
-            **common, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
-            num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, shared_intermediate_size=256,
-            mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=64,
-            num_local_experts=0, num_experts_per_tok=0, max_position_embeddings=4096)
-    for stale in path.glob("*.safetensors"):
-        stale.unlink()
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def run_engine(workdir: Path, model: Path, name: str, kvtier: bool) -> tuple[subprocess.CompletedProcess, dict]:
@@ -62,7 +38,7 @@ def run_engine(workdir: Path, model: Path, name: str, kvtier: bool) -> tuple[sub
 
 @pytest.mark.parametrize("kind", ["granite-hybrid", "mamba2"])
 def test_ssm_models_are_served_uncached_like_vllm_alone(tmp_path, kind):
-    model = build(tmp_path / kind, kind)
+    model = build_tiny_hybrid(tmp_path / kind, kind)
     _, plain = run_engine(tmp_path, model, f"{kind}-plain", kvtier=False)
     proc, cached = run_engine(tmp_path, model, f"{kind}-kvtier", kvtier=True)
     logs = proc.stdout + proc.stderr

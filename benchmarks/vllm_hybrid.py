@@ -1,0 +1,233 @@
+"""Sliding-window and hybrid (SSM + attention) models on vLLM's real OpenAI server, driven by vLLM's own benchmark
+client: vLLM alone vs vLLM + kvtier with vLLM's hybrid KV cache manager (HMA) on, and vLLM + kvtier with it off
+(how kvtier ran before the connector supported HMA).
+
+Models (random weights, float32, blocks of 32 tokens, eager mode; harness/window_model.py, harness/hybrid_model.py):
+
+* **window**: a Gemma-3-shaped model, 5 sliding-window layers attending 96 tokens back and 1 full-attention layer.
+  vLLM's prefix cache is held to a quarter of what the prefix workload needs in it, counted per arm the way that
+  arm's vLLM allocates (HMA on: the full-attention layer's blocks plus each sliding group's window; HMA off: every
+  layer's blocks for every token), as ``benchmarks/vllm_serve.py`` holds it, or to what vLLM needs to start
+  (one request of the longest prompt) where that is more; prompts are prefilled 256 tokens a step.
+* **hybrid**: a Granite-4.0-H-shaped model (3 Mamba2 layers, 1 attention layer). vLLM's own prefix caching is off
+  in every arm: for Mamba layers it means its boundary-aligned state mode, which fails on vLLM's CPU build
+  (docs/integrations/hybrid.md), so vLLM alone recomputes every prompt; kvtier serves hybrids uncached today.
+  The HMA-off arm is started and its error recorded: vLLM refuses a hybrid SSM model without HMA.
+
+Workloads, each at 4 requests in flight, greedy, fixed output lengths: ``prefix_repetition`` (kvtier measured in
+steady state: one unmeasured pass fills its memory tier, then vLLM's prefix cache is reset) and ``random``
+prompts (never repeated). Reported per run: request throughput, TTFT p50/p99, ITL p99, the share of prompt
+tokens kvtier loaded, vLLM's preemptions; per kvtier arm, the bytes its memory tier holds per cached token,
+against a dense model of the same size (window: the same model with HMA off, which stores every layer's KV for
+every token; hybrid: 4 attention layers' KV, computed). A table, ``results/vllm_hybrid/vllm_hybrid.png`` and
+``.json``, and ``RESULT {json}`` with each ratio against vLLM alone in the same run and its target.
+
+    python benchmarks/vllm_hybrid.py [--quick] [--out results/vllm_hybrid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from _util import result, stop_children_on_signal  # noqa: E402
+from _vllm_hybrid_report import plot, print_table, targets  # noqa: E402
+from _vllm_serve_client import server_counter, summarize, vllm_bench  # noqa: E402
+from vllm_serve import SERVER_ENV, compare  # noqa: E402
+
+from harness.vllm_server import VllmServer  # noqa: E402
+from kvtier.net.ports import free_port  # noqa: E402
+
+BLOCK, CHUNK, WINDOW, WINDOW_LAYERS, FULL_LAYERS = 32, 256, 96, 5, 1
+FULL = dict(prefixes=8, prefix_len=2048, suffix_len=64, output_len=16, prompts=24, random_len=1024,
+            random_prompts=12, concurrency=4)
+QUICK = dict(prefixes=4, prefix_len=512, suffix_len=32, output_len=8, prompts=8, random_len=512, random_prompts=4,
+             concurrency=4)
+HMA_OFF = ("--disable-hybrid-kv-cache-manager",)
+ALONE, KVTIER, KVTIER_OFF = "vLLM alone", "kvtier (HMA on)", "kvtier (HMA off)"
+PREFILL_STEP = 256  # tokens prefilled a step (--max-num-batched-tokens): chunked prefill of the long prompts
+
+
+def cache_blocks(size: dict, hma: bool, max_len: int) -> int:
+    """A quarter of the blocks vLLM's prefix cache needs to hold every prefix of the workload, or the fewest vLLM
+    starts with (one request of ``max_len``), whichever is more. HMA on: one block per layer group (vLLM groups
+    the 5:1 model one layer a group), the full-attention group's blocks for every token and each sliding group's
+    window (plus the block it straddles). HMA off:
+    a block holds every layer, for every token."""
+    blocks = -(-(size["prefix_len"] + size["suffix_len"]) // BLOCK)
+    if not hma:
+        return max(-(-size["prefixes"] * blocks // 4), -(-max_len // BLOCK) + 4)
+    quarter = -(-size["prefixes"] * (blocks * FULL_LAYERS + WINDOW_LAYERS * (WINDOW // BLOCK + 1)) // 4)
+    # vLLM reserves a sliding group its window plus the tokens in flight (up to two prefill steps)
+    one_request = -(-max_len // BLOCK) + WINDOW_LAYERS * (-(-(WINDOW - 1 + 2 * PREFILL_STEP) // BLOCK) + 1)
+    return max(quarter, one_request + 4)
+
+
+class Bench:
+    def __init__(self, size: dict, out: Path, work: Path) -> None:
+        from harness.hybrid_model import build_tiny_hybrid
+        from harness.window_model import build_tiny_gemma3
+
+        self.size, self.out, self.work = size, out, work
+        self.models = {"window": str(build_tiny_gemma3(work / "window", window=WINDOW)),
+                       "hybrid": str(build_tiny_hybrid(work / "hybrid", "granite-hybrid"))}
+        self.log = out / "client.log"
+        self.log.write_text("")
+        self.max_len = max(size["prefix_len"] + size["suffix_len"], size["random_len"]) + 64
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+        self.failed: dict[str, str] = {}  # arm -> the error line of a server that could not start
+        self.warm: dict[str, dict] = {}  # arm -> its kvtier metrics after the warm-up pass
+
+    def server(self, model: str, label: str) -> VllmServer:
+        args = ["--served-model-name", model, "--block-size", str(BLOCK), "--max-model-len", str(self.max_len),
+                "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16"]
+        if label == KVTIER_OFF:
+            args += HMA_OFF
+        if model == "window":
+            blocks = cache_blocks(self.size, label != KVTIER_OFF, self.max_len)
+            args += ["--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(PREFILL_STEP)]
+        else:  # vLLM's prefix caching of Mamba state (its align mode) fails on the CPU build
+            args += ["--no-enable-prefix-caching"]
+        kvtier = None if label == ALONE else {"chunk_size": CHUNK,
+                                              "tiers": [{"kind": "memory", "capacity_bytes": "2GiB"}]}
+        log = self.out / f"server-{model}-{label.split()[0].lower()}{'-hma-off' if label == KVTIER_OFF else ''}.log"
+        return VllmServer(self.models[model], free_port(), log, kvtier=kvtier, args=tuple(args), env=SERVER_ENV)
+
+    def dataset(self, workload: str) -> list[str]:
+        s = self.size
+        if workload == "prefix":
+            return ["--dataset-name", "prefix_repetition", "--num-prompts", str(s["prompts"]),
+                    "--prefix-repetition-prefix-len", str(s["prefix_len"]),
+                    "--prefix-repetition-suffix-len", str(s["suffix_len"]),
+                    "--prefix-repetition-num-prefixes", str(s["prefixes"]),
+                    "--prefix-repetition-output-len", str(s["output_len"])]
+        return ["--dataset-name", "random", "--num-prompts", str(s["random_prompts"]),
+                "--random-input-len", str(s["random_len"]), "--random-output-len", str(s["output_len"]),
+                "--random-range-ratio", "0"]
+
+    def bench(self, server: VllmServer, model: str, workload: str, seed: int) -> dict:
+        return vllm_bench(server.url, model, self.models[model], self.dataset(workload), self.size["concurrency"],
+                          seed, self.log)
+
+    def run(self, server: VllmServer, model: str, label: str, workload: str, seed: int) -> dict:
+        """One measured run after emptying vLLM's prefix cache (kvtier's saves are let finish first)."""
+        server.reset_prefix_cache()
+        if server.kvtier is not None:
+            time.sleep(2.0)
+            server.reset_prefix_cache()
+        hits, preempted = _hits(server), server_counter(server.url, "vllm:num_preemptions_total")
+        load = os.getloadavg()[0]
+        raw = self.bench(server, model, workload, seed)
+        time.sleep(1.0)  # the last step's kvtier counters reach /metrics with its output
+        row = {"model": model, "workload": workload, "label": label, "concurrency": self.size["concurrency"],
+               "seed": seed, **summarize(raw), "loadavg": (load + os.getloadavg()[0]) / 2,
+               "duration_s": raw["duration"], "_texts": raw["generated_texts"]}
+        row["loaded_share"] = (_hits(server) - hits) / row["prompt_tokens"]
+        row["preemptions"] = server_counter(server.url, "vllm:num_preemptions_total") - preempted
+        self.rows.append(row)
+        return row
+
+    def model_rows(self, stack: ExitStack, model: str) -> None:
+        """Start the three arms side by side (an arm that cannot start is recorded), warm the kvtier ones on the
+        prefix workload, then each workload on each arm in turn."""
+        servers = {label: self.server(model, label) for label in (ALONE, KVTIER, KVTIER_OFF)}
+        for server in servers.values():
+            stack.callback(server.stop)
+            server.launch()
+        for label, server in list(servers.items()):
+            try:
+                server.wait_ready()
+            except RuntimeError:
+                self.failed[f"{model}: {label}"] = error_line(server.log)
+                server.stop()
+                del servers[label]
+        for label, server in servers.items():
+            if model == "window":
+                blocks = cache_blocks(self.size, label != KVTIER_OFF, self.max_len)
+                layers = "one layer" if label != KVTIER_OFF else "all 6 layers"
+                self.notes.append(f"window, {label}: vLLM's cache {blocks} blocks of {BLOCK} tokens ({layers} a block)")
+            if server.kvtier is not None:
+                self.bench(server, model, "prefix", 0)
+                time.sleep(2.0)  # the last saves reach the tier
+                self.warm[label] = server.metrics()
+        for workload, seed in (("prefix", 0), ("random", 100)):
+            for label, server in servers.items():
+                print(f"{model}: {workload} on {label}", flush=True)
+                row = self.run(server, model, label, workload, seed)
+                if workload == "prefix" and server.kvtier is not None:
+                    row.update(stored_bytes(self.warm[label]))
+
+
+def _hits(server: VllmServer) -> float:
+    return server_counter(server.url, "vllm:kvtier_hit_tokens_total") if server.kvtier is not None else 0.0
+
+
+def stored_bytes(metrics: dict[str, float]) -> dict:
+    """Bytes the memory tier holds per token it stored (after the warm-up pass; nothing evicted at 2 GiB)."""
+    tokens = metrics.get("kvtier_stored_tokens_total{memory}", 0.0)
+    used = metrics.get("kvtier_tier_used_bytes{memory}", 0.0)
+    return {"stored_tokens": tokens, "stored_bytes": used, "bytes_per_token": used / tokens if tokens else 0.0}
+
+
+def error_line(log: Path) -> str:
+    """Why a server did not start: the first ``...Error: ...`` line of its log other than vLLM's generic "Engine
+    core initialization failed" (the root cause its engine process logged), else the last line."""
+    lines = [line.split("] ", 1)[-1].strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"[\w.]*(Error|Exception): ", line)
+              and "Engine core initialization failed" not in line]
+    return (causes or lines or ["(no output)"])[0 if causes else -1][-400:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few-minute smoke run: shorter prompts, fewer")
+    parser.add_argument("--out", default="results/vllm_hybrid")
+    parser.add_argument("--models", default="window,hybrid", help="comma-separated, of window and hybrid")
+    parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
+    args = parser.parse_args()
+    stop_children_on_signal()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        report(json.loads(Path(args.report).read_text()), out)
+        return
+    size = dict(QUICK if args.quick else FULL)
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-hybrid-") as tmp:
+        bench = Bench(size, out, Path(tmp))
+        for model in args.models.split(","):
+            with ExitStack() as stack:
+                bench.model_rows(stack, model)
+    rows = []
+    for model in args.models.split(","):
+        rows += compare([r for r in bench.rows if r["model"] == model])
+    from harness.hybrid_model import dense_bytes_per_token
+
+    report({"quick": args.quick, "size": size, "rows": rows, "failed": bench.failed, "notes": bench.notes,
+            "dense_hybrid_bytes_per_token": dense_bytes_per_token(), "loadavg_end": os.getloadavg()[0],
+            "date": time.strftime("%Y-%m-%d %H:%M")}, out)
+
+
+def report(run: dict, out: Path) -> None:
+    """The table, the PNG, the JSON and the RESULT line of a run (``--report`` re-renders a saved one)."""
+    ratios, checks = targets(run)
+    print_table(run, ratios)
+    plot(run["rows"], out / "vllm_hybrid.png")
+    (out / "vllm_hybrid.json").write_text(json.dumps({**run, "ratios": ratios, "targets": checks}, indent=1))
+    print(f"plot: {out / 'vllm_hybrid.png'}   raw: {out / 'vllm_hybrid.json'}   client log: {out / 'client.log'}")
+    result({"benchmark": "vllm_hybrid", "quick": run["quick"], **{k: round(v, 3) for k, v in ratios.items()},
+            "targets": checks, "could_not_start": run["failed"], "loadavg_1m_end": round(run["loadavg_end"], 2)})
+
+
+if __name__ == "__main__":
+    main()
