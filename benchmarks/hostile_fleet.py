@@ -196,6 +196,7 @@ class Monitor:
         self.rss: dict[str, list[tuple[float, float]]] = {n: [] for n in fleet.watched()}
         self.sched: dict[str, list[tuple[float, float, float]]] = {n: [] for n in fleet.watched()}
         self.unniced: list[tuple[float, str]] = []  #: (when, process) of attacker-side processes seen not niced
+        self.load: list[tuple[float, float]] = []  #: (when, 1-minute load average): the issue asks for >= 4
         self.threads = [threading.Thread(target=self._probe, args=(n, u), daemon=True) for n, u in fleet.urls().items()]
         self.threads.append(threading.Thread(target=self._sample, daemon=True))
         for t in self.threads:
@@ -222,6 +223,7 @@ class Monitor:
             for name, pid in self.fleet.watched().items():
                 self.rss[name].append((time.perf_counter() - self.t0, rss_mb(pid())))
                 self.sched[name].append((time.perf_counter() - self.t0, *schedstat_ms(pid())))
+            self.load.append((self.now(), os.getloadavg()[0]))
             if turn % 5 == 0:  # every 0.5 s: every process this one started that is not a server is niced
                 bad = unniced(os.getpid(), self.fleet.server_pids(), attacks.ATTACKER_NICE)
                 self.unniced.extend((self.now(), proc) for proc in bad)
@@ -286,7 +288,7 @@ def replay(fleet: Fleet, monitor: Monitor, name: str, attack, big: bool, idle: d
     bad = sorted({proc for t, proc in monitor.unniced if start <= t <= end})
     return {"name": name, "size": out["size"], "note": out["note"], "codes": codes, "procs": procs,
             "answered": answered, "health": health, "rss": rss, "own": own, "pass": answered and health and rss and own,
-            "unniced": bad}
+            "unniced": bad, "load_max": max((v for t, v in monitor.load if start <= t <= end), default=float("nan"))}
 
 
 def idle_health(fleet: Fleet, n: int = 40) -> dict[str, float]:
@@ -376,7 +378,8 @@ def main() -> None:
     for row in rows:
         key = row["name"].split()[0].replace("-", "") + "_" + "_".join(row["name"].split()[1:]).replace(">", "")
         worst = max(row["procs"].values(), key=lambda p: p["health_max_ms"])
-        figures[key] = {"pass": row["pass"], "answered": row["answered"], "health": row["health"], "rss": row["rss"],
+        figures[key] = {"pass": row["pass"], "load_max": round(row["load_max"], 1), "answered": row["answered"],
+                        "health": row["health"], "rss": row["rss"],
                         "own": row["own"], "codes": row["codes"], "health_max_ms": round(worst["health_max_ms"], 1),
                         "worst_probe_ran_waited_window_ms": [round(worst[k]) if worst[k] == worst[k] else None for k in
                                                              ("worst_ran_ms", "worst_waited_ms", "worst_window_ms")],
