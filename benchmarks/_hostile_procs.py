@@ -85,3 +85,20 @@ def unniced(root: int, servers: set[int], nice: int) -> list[str]:
         if low is not None and low < nice:
             out.append(f"{pid} {command(pid)} (nice {low})")
     return out
+
+
+def background_load(n: int) -> list:
+    """``n`` busy processes at nice 19: the 1-minute load average rises by about ``n`` (the issue measures at
+    >= 4), as on a machine shared with batch jobs, while taking almost no CPU from the servers (a nice-19
+    process weighs 15 against a nice-0 one's 1024). The caller kills them."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.nice(19))
+            for _ in range(n)]
+
+
+def stop_load(burners: list) -> None:
+    for burner in burners:
+        burner.kill()
+        burner.wait()

@@ -36,7 +36,7 @@ tenant b's pages survive tenant a's clear; A-1 400s; A-2 no credential echoed; A
 its deadline; A-4 ``kvtier cache`` exits non-zero with one line in bounded time and memory; P-1 the rank server's
 threads bounded and every idle connection closed by it.
 
-    PYTHONPATH=. python benchmarks/hostile_fleet.py [--quick]
+    PYTHONPATH=. python benchmarks/hostile_fleet.py [--quick] [--load 4]
 
 ``--quick`` runs every attack small (a smoke run). Last line: RESULT {json}; a plot of every /health probe goes
 to results/hostile_fleet/health.png.
@@ -65,7 +65,7 @@ import _hostile_attacks as attacks  # noqa: E402
 import _hostile_channel as channel  # noqa: E402
 import _hostile_round3 as round3  # noqa: E402
 import _hostile_servers as servers  # noqa: E402
-from _hostile_procs import lowest_nice, rss_mb, schedstat_ms, unniced  # noqa: E402
+from _hostile_procs import background_load, lowest_nice, rss_mb, schedstat_ms, stop_load, unniced  # noqa: E402
 from _util import result, stop_children_on_signal  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
@@ -345,12 +345,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="every attack small: a smoke run")
     p.add_argument("--only", help="comma-separated attack name prefixes (e.g. R-1,E-3)")
     p.add_argument("--out", default="results/hostile_fleet")
+    p.add_argument("--load", type=int, default=0, help="busy processes at nice 19 beside the run (load average)")
     args = p.parse_args()
     stop_children_on_signal()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     socket.setdefaulttimeout(60)
     chosen = [(n, a) for n, a in ATTACKS if not args.only or any(n.startswith(o) for o in args.only.split(","))]
+    burners = background_load(args.load)
     with tempfile.TemporaryDirectory(prefix="hostile-fleet-") as tmp:
         fleet = Fleet(Path(tmp), big=not args.quick)
         names = {"router": "router", **{r.name: f"rep{i + 1}" for i, r in enumerate(fleet.replicas)},
@@ -370,6 +372,7 @@ def main() -> None:
             monitor.stop()
         finally:
             fleet.close()
+            stop_load(burners)
     print(f"nice: servers {servers_nice}, attackers {attacks.ATTACKER_NICE}")
     print("idle /health median ms: " + ", ".join(f"{names[n]} {v:.1f}" for n, v in idle.items()))
     table(rows, names)

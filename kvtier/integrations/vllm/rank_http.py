@@ -98,7 +98,9 @@ class RankHTTPServer:
 
     def __init__(self, address: tuple[str, int], handler: type[BoundedHandler], *,
                  max_connections: int = MAX_CONNECTIONS, max_workers: int = MAX_WORKERS) -> None:
-        self.socket = socket.create_server(address, backlog=128)
+        # a deep accept queue: with 128, a flood of connections overflowed it and a scrape's SYN was dropped and
+        # resent a second later (a 1 s /metrics probe in the hostile run); the kernel caps it at somaxconn
+        self.socket = socket.create_server(address, backlog=MAX_CONNECTIONS)
         self.socket.setblocking(False)
         self.port = self.socket.getsockname()[1]
         self._handler, self._max_connections = handler, max_connections
