@@ -40,6 +40,21 @@ def vllm_bench(url: str, name: str, tokenizer: str, dataset: list[str], concurre
     return result
 
 
+def dataset_args(workload: str, s: dict) -> list[str]:
+    """vLLM's benchmark client arguments for ``workload``: ``prefix`` (its ``prefix_repetition`` dataset) or
+    anything else (``random``), sized by ``s`` (prompts, prefix_len, suffix_len, prefixes, output_len,
+    random_prompts, random_len)."""
+    if workload == "prefix":
+        return ["--dataset-name", "prefix_repetition", "--num-prompts", str(s["prompts"]),
+                "--prefix-repetition-prefix-len", str(s["prefix_len"]),
+                "--prefix-repetition-suffix-len", str(s["suffix_len"]),
+                "--prefix-repetition-num-prefixes", str(s["prefixes"]),
+                "--prefix-repetition-output-len", str(s["output_len"])]
+    return ["--dataset-name", "random", "--num-prompts", str(s["random_prompts"]),
+            "--random-input-len", str(s["random_len"]), "--random-output-len", str(s["output_len"]),
+            "--random-range-ratio", "0"]
+
+
 def summarize(result: dict) -> dict:
     """Throughput and TTFT / ITL percentiles (seconds) from the client's per-request lists."""
     ttfts = np.array(result["ttfts"], dtype=float)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 from _util import result, stop_children_on_signal  # noqa: E402
 from _vllm_hybrid_report import plot, print_table, targets  # noqa: E402
-from _vllm_serve_client import server_counter, summarize, vllm_bench  # noqa: E402
+from _vllm_serve_client import dataset_args, server_counter, summarize, vllm_bench  # noqa: E402
 from vllm_serve import SERVER_ENV, compare  # noqa: E402
 
 from harness.vllm_server import VllmServer  # noqa: E402
@@ -105,16 +105,7 @@ class Bench:
         return VllmServer(self.models[model], free_port(), log, kvtier=kvtier, args=tuple(args), env=SERVER_ENV)
 
     def dataset(self, workload: str) -> list[str]:
-        s = self.size
-        if workload == "prefix":
-            return ["--dataset-name", "prefix_repetition", "--num-prompts", str(s["prompts"]),
-                    "--prefix-repetition-prefix-len", str(s["prefix_len"]),
-                    "--prefix-repetition-suffix-len", str(s["suffix_len"]),
-                    "--prefix-repetition-num-prefixes", str(s["prefixes"]),
-                    "--prefix-repetition-output-len", str(s["output_len"])]
-        return ["--dataset-name", "random", "--num-prompts", str(s["random_prompts"]),
-                "--random-input-len", str(s["random_len"]), "--random-output-len", str(s["output_len"]),
-                "--random-range-ratio", "0"]
+        return dataset_args(workload, self.size)
 
     def bench(self, server: VllmServer, model: str, workload: str, seed: int) -> dict:
         return vllm_bench(server.url, model, self.models[model], self.dataset(workload), self.size["concurrency"],

@@ -44,7 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 from _util import evict_page_cache, result, stop_children_on_signal  # noqa: E402
-from _vllm_serve_client import cpu_delta, itl_under_load, omp_binding, server_counter, server_cpu, summarize, vllm_bench  # noqa: E402
+from _vllm_serve_client import (  # noqa: E402
+    cpu_delta,
+    dataset_args,
+    itl_under_load,
+    omp_binding,
+    server_counter,
+    server_cpu,
+    summarize,
+    vllm_bench,
+)
 from _vllm_serve_report import plot, print_table, targets  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
@@ -106,16 +115,7 @@ class Bench:
                           env=SERVER_ENV)
 
     def dataset(self, workload: str) -> list[str]:
-        s = self.size
-        if workload == "prefix":
-            return ["--dataset-name", "prefix_repetition", "--num-prompts", str(s["prompts"]),
-                    "--prefix-repetition-prefix-len", str(s["prefix_len"]),
-                    "--prefix-repetition-suffix-len", str(s["suffix_len"]),
-                    "--prefix-repetition-num-prefixes", str(s["prefixes"]),
-                    "--prefix-repetition-output-len", str(s["output_len"])]
-        return ["--dataset-name", "random", "--num-prompts", str(s["random_prompts"]),
-                "--random-input-len", str(s["random_len"]), "--random-output-len", str(s["output_len"]),
-                "--random-range-ratio", "0"]
+        return dataset_args(workload, self.size)
 
     def settle(self, server: VllmServer, disk: Path | None) -> None:
         """After a run: wait for kvtier's saves (they hold vLLM's blocks until copied; the disk tier then writes
