@@ -10,12 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta
+from kvtier.integrations.vllm.pd import PDRequests
 
 
 class UncachedScheduler:
     """SchedulerSide's interface, caching nothing."""
 
     kv_cache_manager: Any = None
+
+    def __init__(self) -> None:
+        self.pd = PDRequests()  #: never holds a request (``new_request`` records none): no P/D for such a model
 
     def new_request(self, request: Any) -> None:
         return
