@@ -25,6 +25,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+DEFAULT_MAX_TOKENS = 4 << 20  #: token ids an IncrementalChat keeps by default
+DEFAULT_MAX_ENTRIES = 65_536  #: message prefixes an IncrementalChat keeps by default
+
 Encode = Callable[[str], Sequence[int]]
 Render = Callable[[list[dict[str, str]], bool], str]
 
@@ -99,8 +102,8 @@ class IncrementalChat:
     first. Thread-safe (routers tokenize on worker threads). ``hits``/``misses``/``encoded_chars`` count what
     the cache saved."""
 
-    def __init__(self, encode: Encode, render: Render, specials: Sequence[str], max_tokens: int = 4 << 20,
-                 max_entries: int = 65_536) -> None:
+    def __init__(self, encode: Encode, render: Render, specials: Sequence[str],
+                 max_tokens: int = DEFAULT_MAX_TOKENS, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self._encode, self._render = encode, render
         self.cuts = SafeCuts(encode, specials)
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()

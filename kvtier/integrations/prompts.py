@@ -30,14 +30,14 @@ import os
 from pathlib import Path
 
 from kvtier.base.errors import ConfigError
-from kvtier.integrations.prompt_cache import IncrementalChat
+from kvtier.integrations.prompt_cache import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_TOKENS, IncrementalChat
 
 
 class PromptTokenizer:
     """A model folder's tokenizer and chat template (default: the packaged SmolLM2-135M-Instruct)."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, cache_entries: int = 65_536,
-                 cache_tokens: int = 4 << 20) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None, cache_entries: int = DEFAULT_MAX_ENTRIES,
+                 cache_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         """``cache_entries``/``cache_tokens``: the bounds of the incremental tokenization's prefix cache (its
         memory: about 4 bytes a token plus ~200 bytes an entry, least recently used dropped first)."""
         from kvtier.integrations.models import ensure_smollm2
@@ -51,7 +51,7 @@ class PromptTokenizer:
             raise ConfigError(f"cannot load a tokenizer from {folder}: {exc}") from None
         self.incremental = self._incremental(cache_entries, cache_tokens)
 
-    def _incremental(self, entries: int = 65_536, tokens: int = 4 << 20) -> IncrementalChat:
+    def _incremental(self, entries: int = DEFAULT_MAX_ENTRIES, tokens: int = DEFAULT_MAX_TOKENS) -> IncrementalChat:
         tokenizer = self._tokenizer
         backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer: the same ids without the wrapper
         if backend is not None and hasattr(backend, "encode"):

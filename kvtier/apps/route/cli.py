@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from kvtier.base.errors import ConfigError
+from kvtier.integrations.prompt_cache import DEFAULT_MAX_ENTRIES
 from kvtier.web.http_limits import add_http_limit_flags, http_limits
 
 
@@ -70,7 +71,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f = p.add_argument_group("limits and failures")
     f.add_argument("--max-sessions", type=int, default=100_000,
                    help="sticky sessions remembered (remembered placement; least recently used forgotten first)")
-    f.add_argument("--prompt-cache-entries", type=int, default=65_536,
+    f.add_argument("--prompt-cache-entries", type=int, default=DEFAULT_MAX_ENTRIES,
                    help="message prefixes whose token ids are kept for incremental tokenization (LRU)")
     f.add_argument("--max-in-flight", type=int, default=256, help="requests proxied at once")
     f.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond that; more get 429")

@@ -18,6 +18,7 @@ import msgspec
 
 from kvtier.base.errors import ConfigError
 from kvtier.integrations.models import SMOLLM2_NAME
+from kvtier.integrations.prompt_cache import DEFAULT_MAX_ENTRIES
 
 PASS_MODEL = "pass --model DIR (the folder of the replicas' tokenizer and chat template)"
 
@@ -47,7 +48,7 @@ def named_model(urls: list[str], timeout_s: float = 5.0) -> str | None:
     return names.pop() if names else None
 
 
-def tokenizer_for(model: str | None, urls: list[str], cache_entries: int = 65_536):
+def tokenizer_for(model: str | None, urls: list[str], cache_entries: int = DEFAULT_MAX_ENTRIES):
     """The PromptTokenizer of ``model`` (``--model``), else of the model the replicas name; ConfigError with one
     line saying what to pass when neither gives one."""
     try:
