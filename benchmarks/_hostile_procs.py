@@ -9,6 +9,8 @@ the benchmark's own priority. ``unniced`` names the processes that break that ru
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 
 def rss_mb(pid: int) -> float:
@@ -90,15 +92,13 @@ def unniced(root: int, servers: set[int], nice: int) -> list[str]:
 def background_load(n: int) -> list:
     """``n`` busy processes at nice 19: the 1-minute load average rises by about ``n`` (the issue measures at
     >= 4), as on a machine shared with batch jobs, while taking almost no CPU from the servers (a nice-19
-    process weighs 15 against a nice-0 one's 1024). The caller kills them."""
-    import subprocess
-    import sys
-
+    process weighs 15 against a nice-0 one's 1024). The caller stops them (``stop_load``)."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.nice(19))
             for _ in range(n)]
 
 
 def stop_load(burners: list) -> None:
+    """Kill and reap the processes of ``background_load``."""
     for burner in burners:
         burner.kill()
         burner.wait()
