@@ -258,7 +258,9 @@ def test_kvtier_sim_replaying_a_bench_run_draws_what_the_router_drew(fleet, tmp_
         (run,) = bench([Target("router", live.url)], "multiround", spec)
         names = tuple(replica.name for replica in live.router.replicas)
     assert [r.status for r in run.results] == [200] * 12
-    assert {r.replica for r in run.results} == set(names)  # every answer named its replica; the draws spread
+    assert {r.replica for r in run.results} <= set(names)  # every answer named its replica
+    # the draws spread (ports, hence names, are random: all 3 replicas drawn is only ~98% likely; 2 or more ~100%)
+    assert len({r.replica for r in run.results}) >= 2
     assert [r.decision for r in sorted(run.results, key=lambda r: r.sent_at)] == list(range(1, 13))  # one at a time
     write_json([run], tmp_path / "run.json", {"workload": "multiround", "spec": dataclasses.asdict(spec)})
     requests = read_bench_json(tmp_path / "run.json", chunk_tokens=16)
