@@ -7,10 +7,11 @@ Models (random weights, float32, blocks of 32 tokens, eager mode; harness/window
 * **window**: a Gemma-3-shaped model, every 6th layer full attention, the others attending 96 tokens back:
   by default ``SMALL`` (hidden size 576, 24 layers, about 140M parameters, near SmolLM2-135M's size), or with
   ``--window-model tiny`` the tests' model (hidden size 128, 6 layers), where vLLM's per-step overhead outweighs
-  a prefill. vLLM groups either into 1 full-attention and 5 sliding-window KV cache groups. vLLM's prefix cache is held to a quarter of what the prefix workload needs in it, counted per arm the way that
-  arm's vLLM allocates (HMA on: the full-attention layer's blocks plus each sliding group's window; HMA off: every
-  layer's blocks for every token), as ``benchmarks/vllm_serve.py`` holds it, or to what vLLM needs to start
-  (one request of the longest prompt) where that is more; prompts are prefilled 256 tokens a step. With
+  a prefill. vLLM groups either into 1 full-attention and 5 sliding-window KV cache groups. vLLM's prefix cache
+  is held to a quarter of what the prefix workload needs in it, counted per arm the way that arm's vLLM
+  allocates (HMA on: the full-attention group's blocks plus each sliding group's window; HMA off: every layer's
+  blocks for every token), as ``benchmarks/vllm_serve.py`` holds it, or to what vLLM needs to start (one
+  request of the longest prompt) where that is more; prompts are prefilled 256 tokens a step. With
   ``--alone-hma-off``, vLLM alone with its hybrid manager off is one more arm: what turning HMA off changes in
   vLLM itself (its cache then holds every random prompt at 4 in flight, the HMA-on arms' one or two).
 * **hybrid**: a Granite-4.0-H-shaped model (3 Mamba2 layers, 1 attention layer). vLLM's own prefix caching is off
