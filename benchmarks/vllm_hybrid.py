@@ -4,11 +4,16 @@ client: vLLM alone vs vLLM + kvtier with vLLM's hybrid KV cache manager (HMA) on
 
 Models (random weights, float32, blocks of 32 tokens, eager mode; harness/window_model.py, harness/hybrid_model.py):
 
-* **window**: a Gemma-3-shaped model, 5 sliding-window layers attending 96 tokens back and 1 full-attention layer.
-  vLLM's prefix cache is held to a quarter of what the prefix workload needs in it, counted per arm the way that
-  arm's vLLM allocates (HMA on: the full-attention layer's blocks plus each sliding group's window; HMA off: every
-  layer's blocks for every token), as ``benchmarks/vllm_serve.py`` holds it, or to what vLLM needs to start
-  (one request of the longest prompt) where that is more; prompts are prefilled 256 tokens a step.
+* **window**: a Gemma-3-shaped model, every 6th layer full attention, the others attending 96 tokens back:
+  by default ``SMALL`` (hidden size 576, 24 layers, about 140M parameters, near SmolLM2-135M's size), or with
+  ``--window-model tiny`` the tests' model (hidden size 128, 6 layers), where vLLM's per-step overhead outweighs
+  a prefill. vLLM groups either into 1 full-attention and 5 sliding-window KV cache groups. vLLM's prefix cache
+  is held to a quarter of what the prefix workload needs in it, counted per arm the way that arm's vLLM
+  allocates (HMA on: the full-attention group's blocks plus each sliding group's window; HMA off: every layer's
+  blocks for every token), as ``benchmarks/vllm_serve.py`` holds it, or to what vLLM needs to start (one
+  request of the longest prompt) where that is more; prompts are prefilled 256 tokens a step. With
+  ``--alone-hma-off``, vLLM alone with its hybrid manager off is one more arm: what turning HMA off changes in
+  vLLM itself (its cache then holds every random prompt at 4 in flight, the HMA-on arms' one or two).
 * **hybrid**: a Granite-4.0-H-shaped model (3 Mamba2 layers, 1 attention layer). vLLM's own prefix caching is off
   in every arm: for Mamba layers it means its boundary-aligned state mode, which fails on vLLM's CPU build
   (docs/integrations/hybrid.md), so vLLM alone recomputes every prompt; kvtier serves hybrids uncached today.
@@ -22,7 +27,8 @@ against a dense model of the same size (window: the same model with HMA off, whi
 every token; hybrid: 4 attention layers' KV, computed). A table, ``results/vllm_hybrid/vllm_hybrid.png`` and
 ``.json``, and ``RESULT {json}`` with each ratio against vLLM alone in the same run and its target.
 
-    python benchmarks/vllm_hybrid.py [--quick] [--out results/vllm_hybrid]
+    python benchmarks/vllm_hybrid.py [--quick | --medium] [--models window] [--window-model small|tiny]
+                                     [--alone-hma-off] [--out results/vllm_hybrid]
 """
 
 from __future__ import annotations
@@ -48,39 +54,48 @@ from vllm_serve import SERVER_ENV, compare  # noqa: E402
 from harness.vllm_server import VllmServer  # noqa: E402
 from kvtier.net.ports import free_port  # noqa: E402
 
-BLOCK, CHUNK, WINDOW, WINDOW_LAYERS, FULL_LAYERS = 32, 256, 96, 5, 1
+BLOCK, CHUNK, WINDOW, WINDOW_GROUPS, FULL_GROUPS = 32, 256, 96, 5, 1
 FULL = dict(prefixes=8, prefix_len=2048, suffix_len=64, output_len=16, prompts=24, random_len=1024,
             random_prompts=12, concurrency=4)
+#: the full run's prompt lengths, one prompt per prefix, 8 random prompts (the SMALL window model's prefill is slow)
+MEDIUM = {**FULL, "prompts": 8, "random_prompts": 8}
 QUICK = dict(prefixes=4, prefix_len=512, suffix_len=32, output_len=8, prompts=8, random_len=512, random_prompts=4,
              concurrency=4)
 HMA_OFF = ("--disable-hybrid-kv-cache-manager",)
 ALONE, KVTIER, KVTIER_OFF = "vLLM alone", "kvtier (HMA on)", "kvtier (HMA off)"
+ALONE_OFF = "vLLM alone (HMA off)"
+OFF_ARMS = (KVTIER_OFF, ALONE_OFF)
 PREFILL_STEP = 256  # tokens prefilled a step (--max-num-batched-tokens): chunked prefill of the long prompts
 
 
 def cache_blocks(size: dict, hma: bool, max_len: int) -> int:
     """A quarter of the blocks vLLM's prefix cache needs to hold every prefix of the workload, or the fewest vLLM
-    starts with (one request of ``max_len``), whichever is more. HMA on: one block per layer group (vLLM groups
-    the 5:1 model one layer a group), the full-attention group's blocks for every token and each sliding group's
+    starts with (one request of ``max_len``), whichever is more. HMA on: a block holds one KV cache group's
+    layers (vLLM makes 1 full-attention and 5 sliding-window groups of the 5:1 model), the full-attention group's blocks for every token and each sliding group's
     window (plus the block it straddles). HMA off:
     a block holds every layer, for every token."""
     blocks = -(-(size["prefix_len"] + size["suffix_len"]) // BLOCK)
     if not hma:
         return max(-(-size["prefixes"] * blocks // 4), -(-max_len // BLOCK) + 4)
-    quarter = -(-size["prefixes"] * (blocks * FULL_LAYERS + WINDOW_LAYERS * (WINDOW // BLOCK + 1)) // 4)
+    quarter = -(-size["prefixes"] * (blocks * FULL_GROUPS + WINDOW_GROUPS * (WINDOW // BLOCK + 1)) // 4)
     # vLLM reserves a sliding group its window plus the tokens in flight (up to two prefill steps)
-    one_request = -(-max_len // BLOCK) + WINDOW_LAYERS * (-(-(WINDOW - 1 + 2 * PREFILL_STEP) // BLOCK) + 1)
+    one_request = -(-max_len // BLOCK) + WINDOW_GROUPS * (-(-(WINDOW - 1 + 2 * PREFILL_STEP) // BLOCK) + 1)
     return max(quarter, one_request + 4)
 
 
 class Bench:
-    def __init__(self, size: dict, out: Path, work: Path) -> None:
+    def __init__(self, size: dict, out: Path, work: Path, models: list[str], window_shape: str = "small",
+                 alone_hma_off: bool = False) -> None:
+        from harness import window_model
         from harness.hybrid_model import build_tiny_hybrid
-        from harness.window_model import build_tiny_gemma3
 
         self.size, self.out, self.work = size, out, work
-        self.models = {"window": str(build_tiny_gemma3(work / "window", window=WINDOW)),
-                       "hybrid": str(build_tiny_hybrid(work / "hybrid", "granite-hybrid"))}
+        shape = window_model.SMALL if window_shape == "small" else window_model.TINY
+        build = {"window": lambda: window_model.build_tiny_gemma3(work / "window", window=WINDOW, shape=shape),
+                 "hybrid": lambda: build_tiny_hybrid(work / "hybrid", "granite-hybrid")}
+        self.models = {model: str(build[model]()) for model in models}
+        self.arms = {"window": (ALONE, KVTIER, KVTIER_OFF) + ((ALONE_OFF,) if alone_hma_off else ()),
+                     "hybrid": (ALONE, KVTIER, KVTIER_OFF)}
         self.log = out / "client.log"
         self.log.write_text("")
         self.max_len = max(size["prefix_len"] + size["suffix_len"], size["random_len"]) + 64
@@ -92,16 +107,16 @@ class Bench:
     def server(self, model: str, label: str) -> VllmServer:
         args = ["--served-model-name", model, "--block-size", str(BLOCK), "--max-model-len", str(self.max_len),
                 "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16"]
-        if label == KVTIER_OFF:
+        if label in OFF_ARMS:
             args += HMA_OFF
         if model == "window":
-            blocks = cache_blocks(self.size, label != KVTIER_OFF, self.max_len)
+            blocks = cache_blocks(self.size, label not in OFF_ARMS, self.max_len)
             args += ["--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(PREFILL_STEP)]
         else:  # vLLM's prefix caching of Mamba state (its align mode) fails on the CPU build
             args += ["--no-enable-prefix-caching"]
-        kvtier = None if label == ALONE else {"chunk_size": CHUNK,
+        kvtier = None if label in (ALONE, ALONE_OFF) else {"chunk_size": CHUNK,
                                               "tiers": [{"kind": "memory", "capacity_bytes": "2GiB"}]}
-        log = self.out / f"server-{model}-{label.split()[0].lower()}{'-hma-off' if label == KVTIER_OFF else ''}.log"
+        log = self.out / f"server-{model}-{label.split()[0].lower()}{'-hma-off' if label in OFF_ARMS else ''}.log"
         return VllmServer(self.models[model], free_port(), log, kvtier=kvtier, args=tuple(args), env=SERVER_ENV)
 
     def dataset(self, workload: str) -> list[str]:
@@ -132,7 +147,7 @@ class Bench:
     def model_rows(self, stack: ExitStack, model: str) -> None:
         """Start the three arms side by side (an arm that cannot start is recorded), warm the kvtier ones on the
         prefix workload, then each workload on each arm in turn."""
-        servers = {label: self.server(model, label) for label in (ALONE, KVTIER, KVTIER_OFF)}
+        servers = {label: self.server(model, label) for label in self.arms[model]}
         for server in servers.values():
             stack.callback(server.stop)
             server.launch()
@@ -145,8 +160,8 @@ class Bench:
                 del servers[label]
         for label, server in servers.items():
             if model == "window":
-                blocks = cache_blocks(self.size, label != KVTIER_OFF, self.max_len)
-                layers = "one layer" if label != KVTIER_OFF else "all 6 layers"
+                blocks = cache_blocks(self.size, label not in OFF_ARMS, self.max_len)
+                layers = "one KV cache group's layers" if label not in OFF_ARMS else "every layer"
                 self.notes.append(f"window, {label}: vLLM's cache {blocks} blocks of {BLOCK} tokens ({layers} a block)")
             if server.kvtier is not None:
                 self.bench(server, model, "prefix", 0)
@@ -182,9 +197,14 @@ def error_line(log: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few-minute smoke run: shorter prompts, fewer")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="a few-minute smoke run: shorter prompts, fewer")
+    sizes.add_argument("--medium", action="store_true", help="the full run's prompt lengths, fewer prompts")
     parser.add_argument("--out", default="results/vllm_hybrid")
     parser.add_argument("--models", default="window,hybrid", help="comma-separated, of window and hybrid")
+    parser.add_argument("--window-model", choices=("small", "tiny"), default="small",
+                        help="the window model's shape: near SmolLM2-135M's size, or the tests' tiny one")
+    parser.add_argument("--alone-hma-off", action="store_true", help="add vLLM alone with HMA off (window model)")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
     stop_children_on_signal()
@@ -193,18 +213,19 @@ def main() -> None:
     if args.report:
         report(json.loads(Path(args.report).read_text()), out)
         return
-    size = dict(QUICK if args.quick else FULL)
+    size = dict(QUICK if args.quick else MEDIUM if args.medium else FULL)
+    models = args.models.split(",")
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-hybrid-") as tmp:
-        bench = Bench(size, out, Path(tmp))
-        for model in args.models.split(","):
+        bench = Bench(size, out, Path(tmp), models, args.window_model, args.alone_hma_off)
+        for model in models:
             with ExitStack() as stack:
                 bench.model_rows(stack, model)
     rows = []
-    for model in args.models.split(","):
+    for model in models:
         rows += compare([r for r in bench.rows if r["model"] == model])
     from harness.hybrid_model import dense_bytes_per_token
 
-    report({"quick": args.quick, "size": size, "rows": rows, "failed": bench.failed, "notes": bench.notes,
+    report({"quick": args.quick, "medium": args.medium, "window_model": args.window_model, "size": size, "rows": rows, "failed": bench.failed, "notes": bench.notes,
             "dense_hybrid_bytes_per_token": dense_bytes_per_token(), "loadavg_end": os.getloadavg()[0],
             "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
