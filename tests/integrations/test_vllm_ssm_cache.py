@@ -37,7 +37,8 @@ def _run(tmp_path, name, spec) -> tuple[dict, str]:
 
 def _prompts() -> list[list[int]]:
     first = prompt_ids(1, 300)
-    return [first, first[:256] + prompt_ids(2, 100)]  # the second shares 4 chunks with the first
+    # the second shares 4 chunks with the first; the third, unrelated, reuses blocks the first held
+    return [first, first[:256] + prompt_ids(2, 100), prompt_ids(3, 300)]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def expected(model, tmp_path_factory) -> list[list[int]]:
 
 def test_hits_from_memory_restore_the_state_and_give_vllm_alone_tokens(tmp_path, model, expected) -> None:
     kvtier = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]}
-    steps = ["gen:cold:0", "reset", "gen:warm:0", "reset", "gen:shared:1", "reset", "corrupt-state:0:4:ssm",
+    steps = ["gen:cold:0", "reset", "gen:other:2", "reset", "gen:warm:0", "reset", "gen:shared:1", "reset", "corrupt-state:0:4:ssm",
              "gen:corrupt:0", "metrics:m"]
     got, logs = _run(tmp_path, "memory", _spec(model, _prompts(), steps, kvtier))
     assert HMA_OFF not in logs and "served uncached" not in logs
@@ -73,6 +74,7 @@ def test_hits_from_memory_restore_the_state_and_give_vllm_alone_tokens(tmp_path,
 
 
 def test_hits_from_disk_after_a_restart(tmp_path, model, expected) -> None:
+    """A fresh engine's state blocks hold nothing of the stored request: only a restored state continues it."""
     kvtier = {"chunk_size": CHUNK, "tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity_bytes":
                                               "64MiB", "fsync": False, "o_direct": False}]}
     first, _ = _run(tmp_path, "store", _spec(model, _prompts(), ["gen:cold:0"], kvtier))
