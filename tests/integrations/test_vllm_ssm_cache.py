@@ -36,9 +36,11 @@ def _run(tmp_path, name, spec) -> tuple[dict, str]:
 
 
 def _prompts() -> list[list[int]]:
-    first = prompt_ids(1, 300)
+    """Prompts ending a few tokens after the boundary they hit at (256): this random model's greedy tokens depend on
+    the Mamba state only for a few tokens (a zero state at 256 changes them at 258 tokens, not at 270)."""
+    first = prompt_ids(1, 258)
     # the second shares 4 chunks with the first; the third, unrelated, reuses blocks the first held
-    return [first, first[:256] + prompt_ids(2, 100), prompt_ids(3, 300)]
+    return [first, first[:256] + prompt_ids(2, 3), prompt_ids(3, 300)]
 
 
 @pytest.fixture(scope="module")
