@@ -52,13 +52,17 @@ def test_group_layouts() -> None:
         group_layout(config(full(), full(), sliding()))
 
 
-def test_models_with_mamba_groups_are_served_uncached_and_other_groups_refused() -> None:
+def test_mamba_groups_are_cached_in_align_mode_only_and_other_groups_refused() -> None:
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
 
-    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,))
+    mamba = MambaSpec(block_size=64, shapes=((4, 8),), dtypes=(torch.float32,))
     hybrid = group_layout(config(full(), mamba, mamba))
-    assert (hybrid.ssm, hybrid.full, hybrid.windows) == ((1, 2), None, ())
-    assert group_layout(config(mamba)).ssm == (0,)
+    assert (hybrid.ssm, hybrid.full, hybrid.windows, hybrid.cached) == ((1, 2), 0, (), False)  # mode "none"
+    align = MambaSpec(block_size=64, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    hybrid = group_layout(config(full(), align, align))
+    assert (hybrid.ssm, hybrid.full, hybrid.states, hybrid.cached, hybrid.ssm_block) == ((1, 2), 0, (1, 2), True, 64)
+    assert not group_layout(config(align)).cached  # no attention layer: pure Mamba2 is served uncached
+    assert not group_layout(config(full(), sliding(), align)).cached
     local = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32,
                                       attention_chunk_size=64)
     with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec"):

@@ -9,6 +9,8 @@ lists), ``max_tokens``, ``kvtier`` (the connector's extra config, or null for pl
 * ``"reset"``        reset vLLM's own prefix cache (retried while finished requests' saves still hold blocks);
 * ``"corrupt:<p>:<c>"`` (in-process engines only) overwrite the token ids stored in chunk ``c`` of prompt
   ``p`` in the worker's memory tier, as a bit flip would, so that chunk no longer verifies;
+* ``"corrupt-state:<p>:<k>:<kind>"`` (in-process engines only) the same to the state snapshot of kind ``kind``
+  (``ssm``, ``conv``, ``window``) stored at boundary ``k`` (in chunks) of prompt ``p``;
 * ``"metrics:<label>"`` (in-process engines only) record the worker's kvtier counters;
 * ``"sleep:<seconds>"`` wait (a load cut short by its deadline may still be reading a slow tier);
 * ``"prom:<label>"``  record the ``vllm:kvtier_*`` series of vLLM's Prometheus registry (needs ``log_stats``);
@@ -65,13 +67,17 @@ def _worker_cache():
     return get_kv_transfer_group()._worker.cache
 
 
-def _corrupt(prompt: list[int], chunk: int) -> None:
+def _corrupt(prompt: list[int], chunk: int, kind: str = "") -> None:
+    from kvtier.base.state import StateKind, state_key
+
     cache = _worker_cache()
-    key = cache.keys(prompt)[chunk]
+    keys = cache.keys(prompt)
+    # the snapshot after ``chunk`` chunks is stored under the key of the chunk that ends there
+    key = state_key(keys[chunk - 1], StateKind(kind)) if kind else keys[chunk]
     tier = cache.tiers[0]
     with tier.get([key]) as (blob,):
         assert blob is not None, "chunk to corrupt is not stored"
-        tokens_at = 40 + 4 * 5  # fixed header, then the 5-dim shape, then the chunk's token ids
+        tokens_at = 40 + 4 * blob[9]  # fixed header, then the shape (ndim at byte 9), then the chunk's token ids
         blob[tokens_at] ^= 0xFF
 
 
@@ -212,6 +218,9 @@ def main(spec_path: str, out_path: str) -> None:
         elif kind == "corrupt":
             p, c = (int(x) for x in arg.split(":"))
             _corrupt(spec["prompts"][p], c)
+        elif kind == "corrupt-state":
+            p, k, state = arg.split(":")
+            _corrupt(spec["prompts"][int(p)], int(k), state)
         elif kind == "evict":
             p, c = (int(x) for x in arg.split(":"))
             faults.evict_on_load(spec["prompts"][p], c)

@@ -23,9 +23,9 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
   still running a quarter of the way to its deadline (starved by other processes) ends the niceness for good,
   where the OS allows lowering it (root, CAP_SYS_NICE).
 * ``lookup_timeout_s``: a request's first lookup not answered this long after the request arrived is a miss.
-* ``state_snapshots``: for models with sliding-window layers (vLLM's hybrid KV cache manager), the chunk
-  boundaries whose windows are stored (kvtier.base.state.SnapshotPolicy); default ``every``: a window costs at
-  most a chunk of those layers, and a prompt can hit only at a boundary with one.
+* ``state_snapshots``: for models with sliding-window or Mamba layers (vLLM's hybrid KV cache manager), the
+  chunk boundaries whose windows or Mamba states are stored (kvtier.base.state.SnapshotPolicy); default
+  ``every``: a window costs at most a chunk of those layers, and a prompt can hit only at a boundary with one.
 * ``event_media``: ``{tier name: medium}``, the medium each tier's events carry in vLLM's KV events (when
   ``--kv-events-config`` enables them) over the defaults (``memory`` -> ``CPU``, ``disk`` -> ``DISK``, a shared
   store -> ``SHARED``, any other tier its name in capitals: kvtier.integrations.vllm.events).

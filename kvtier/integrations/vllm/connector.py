@@ -29,6 +29,7 @@ from kvtier.integrations.vllm.events import KVTierKVEvents, SchedulerEvents, Tie
 from kvtier.integrations.vllm.groups import GroupLayout, group_layout, paged_groups
 from kvtier.integrations.vllm.lookup_socket import LookupClient, socket_path
 from kvtier.integrations.vllm.lookups import Lookups
+from kvtier.integrations.vllm.mamba import check_chunk_size
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.prom import KVTierPromMetrics
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -54,7 +55,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered prefix caching for vLLM: loads cached prefixes (asynchronously by default), saves prompt chunks as
     prefill computes them and the rest when a request finishes; prefill/decode disaggregation through the same
     tiers with vLLM's ``kv_transfer_params`` (pd.py). Supports vLLM's hybrid KV cache manager: a full-attention
-    group is cached as KV chunks, sliding-window groups as window snapshots (groups.py)."""
+    group is cached as KV chunks, sliding-window groups as window snapshots (groups.py), Mamba groups as conv and
+    SSM state snapshots at chunk boundaries (mamba.py)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -62,15 +64,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.groups: GroupLayout = group_layout(kv_cache_config)
-        if not self.groups.ssm:  # a model served uncached moves no chunk
+        if self.groups.cached:  # a model served uncached moves no chunk
             self.config.check_block_size(self.block_size)
+        if self.groups.ssm and self.groups.cached:
+            check_chunk_size(self.config.cache.chunk_size, self.groups.ssm_block)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("KVTierConnector does not support pipeline parallelism yet")
         self.tp_size = parallel.tensor_parallel_size
-        if self.groups.windows and self.config.load_mode != "async":
-            raise ConfigError("KVTierConnector loads models with sliding-window layers asynchronously only (vLLM "
-                              "takes a failed load of several KV cache groups per request): drop load_mode 'sync'")
+        if self.groups.states and self.groups.cached and self.config.load_mode != "async":
+            raise ConfigError("KVTierConnector loads models with sliding-window or SSM layers asynchronously only "
+                              "(vLLM takes a failed load of several KV cache groups per request): drop load_mode "
+                              "'sync'")
         self.engine_id = str(transfer.engine_id)
         model = vllm_config.model_config
         self.model_id = self.config.model_id or f"{model.model}@{model.revision or 'main'}"
@@ -80,10 +85,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._tier_events: TierEvents | None = None  # worker side, rank 0: kvtier's tier events for vLLM's
         self._scheduler_events = SchedulerEvents()  # scheduler side: what the workers sent
         self._metrics_server: AdminServer | None = None  # worker side: /metrics and the admin API
-        if self.groups.ssm:
+        if not self.groups.cached:
             arch = ", ".join(getattr(model, "architectures", None) or [str(model.model)])
-            log.warning("kvtier: %s keeps SSM (Mamba) state, which KVTierConnector cannot restore in vLLM yet: "
-                        "it is served uncached (every request computed as by vLLM alone)", arch)
+            log.warning("kvtier: %s keeps SSM (Mamba) state, which KVTierConnector restores only with vLLM's prefix "
+                        "caching on (mamba_cache_mode 'align'), one full-attention KV cache group and no sliding "
+                        "window: it is served uncached (every request computed as by vLLM alone)", arch)
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = UncachedScheduler()
         elif role == KVConnectorRole.SCHEDULER:
@@ -107,9 +113,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
 
-        if self.groups.ssm:
+        if not self.groups.cached:
             return  # served uncached (see __init__): no cache, no lookups, no transfers
         set_workers_on_host(self.tp_size)  # a rank cannot see its siblings' cores: kvtier's threads stay put
+        if self.groups.ssm:  # a Mamba layer's entry is vLLM's raw pool; the layer holds its (conv, ssm) views
+            layers = self._vllm_config.compilation_config.static_forward_context
+            kv_caches = {**kv_caches, **{n: tuple(layers[n].kv_cache) for g in self.groups.ssm
+                                         for n in self.groups.layers[g]}}
         paged, windows, spec = paged_groups(self.groups, kv_caches, self.block_size,
                                             rows_split=current_platform.is_cpu())
         rank = get_tensor_model_parallel_rank()
@@ -269,7 +279,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's hybrid manager: only the full-attention group's blocks are saved from here (windows were
-        copied as the prompt was computed)."""
+        """vLLM's hybrid manager: only the full-attention group's blocks are saved from here (windows and Mamba
+        states were copied as the prompt was computed)."""
         full = self.groups.full
         return self.request_finished(request, block_ids[full] if full is not None else [])

@@ -30,6 +30,7 @@ import torch
 from kvtier.base.errors import ConfigError
 from kvtier.base.layout import KVSpec
 from kvtier.base.state import ModelStateSpec, StateKind, StateSpec
+from kvtier.integrations.vllm.mamba import MambaState, mamba_block_size
 from kvtier.integrations.vllm.paged import PagedKV
 
 #: vLLM's null block: the first block of its pool (``BlockPool``), standing in for freed out-of-window blocks
@@ -46,15 +47,28 @@ def _layer_order(name: str) -> tuple[int, str]:
 class GroupLayout:
     """Which of vLLM's KV cache groups kvtier caches how. ``full``: the full-attention group's index (None for a
     model whose every layer slides); ``windows``: the sliding-window groups' indices; ``window``: their window
-    in tokens (0 without any); ``layers``: each group's layer names; ``ssm``: the Mamba (SSM state) groups' indices.
-    A model with SSM groups is served but not cached: the connector cannot restore recurrent state in vLLM yet,
-    and attention KV without the state at the same token cannot resume a request."""
+    in tokens (0 without any); ``layers``: each group's layer names; ``ssm``: the Mamba (SSM state) groups' indices,
+    whose conv and SSM state at chunk boundaries is stored as snapshots (mamba.py) when vLLM keeps it per block
+    (``align``: its Mamba prefix-caching mode is ``align``); without it such a model is served uncached."""
 
     full: int | None
     windows: tuple[int, ...]
     window: int
     layers: tuple[tuple[str, ...], ...]
     ssm: tuple[int, ...] = ()
+    align: bool = False
+    ssm_block: int = 0  #: the tokens one state block of the Mamba groups stands for
+
+    @property
+    def states(self) -> tuple[int, ...]:
+        """The groups whose state at a chunk boundary is stored as a snapshot beside the KV chunks."""
+        return self.ssm or self.windows
+
+    @property
+    def cached(self) -> bool:
+        """Whether kvtier caches this model: an SSM hybrid needs vLLM's ``align`` Mamba mode, one full-attention
+        group, and no sliding windows beside it."""
+        return not self.ssm or (self.align and self.full is not None and not self.windows)
 
     @property
     def hybrid(self) -> bool:
@@ -89,9 +103,12 @@ def group_layout(kv_cache_config: Any) -> GroupLayout:
         else:
             raise ConfigError(f"KVTierConnector cannot cache vLLM KV cache group {i} ({name}, layers "
                               f"{', '.join(group.layer_names[:3])}...): it caches full-attention and sliding-window "
-                              "attention layers only (and serves SSM models uncached)")
+                              "attention layers and Mamba (SSM) layers only")
     if ssm:
-        return GroupLayout(None, (), 0, layers, tuple(ssm))
+        align = all(groups[g].kv_cache_spec.mamba_cache_mode == "align" for g in ssm)
+        one = full[0] if len(full) == 1 and not windows else None
+        return GroupLayout(one, tuple(windows), max(sizes, default=0), layers, tuple(ssm), align,
+                           mamba_block_size(kv_cache_config, ssm))
     if len(full) > 1 or len(sizes) > 1:
         raise ConfigError(f"KVTierConnector caches at most one full-attention KV cache group and one sliding window "
                           f"size; this model has {len(full)} full-attention groups and windows {sorted(sizes)}")
@@ -131,6 +148,15 @@ class WindowKV:
             out = torch.cat([pad, out], dim=2)
         return out.contiguous()
 
+    def snapshot_states(self, tables: Sequence[Sequence[int]], boundary: int) -> dict[StateKind, torch.Tensor] | None:
+        """``snapshot`` as a snapshot's kinds (the interface WindowKV shares with mamba.MambaState)."""
+        window = self.snapshot(tables, boundary)
+        return None if window is None else {StateKind.WINDOW: window}
+
+    def restore_states(self, tables: Sequence[Sequence[int]], boundary: int, first_token: int, end: int,
+                       states: Mapping[StateKind, torch.Tensor]) -> None:
+        self.restore(tables, boundary, first_token, end, states[StateKind.WINDOW])
+
     def restore(self, tables: Sequence[Sequence[int]], boundary: int, first_token: int, end: int,
                 snapshot: torch.Tensor) -> None:
         """Write ``snapshot`` (taken at ``boundary``) into the blocks of tokens ``[first_token, end)`` that each
@@ -152,11 +178,12 @@ class WindowKV:
                 run = b + 1
 
 
-def paged_groups(layout: GroupLayout, kv_caches: Mapping[str, torch.Tensor], block_size: int, *,
-                 rows_split: bool) -> tuple[PagedKV, WindowKV | None, KVSpec | ModelStateSpec]:
+def paged_groups(layout: GroupLayout, kv_caches: Mapping[str, Any], block_size: int, *,
+                 rows_split: bool) -> tuple[PagedKV, WindowKV | MambaState | None, KVSpec | ModelStateSpec]:
     """A worker's paged KV by group: the layers read as KV chunks (every layer, in layer order, unless the
     hybrid manager is on: then the full-attention group's, or for a model whose every layer slides any group,
-    which is then only synchronised, never read), the sliding-window groups, and the KVCache's spec."""
+    which is then only synchronised, never read), the groups stored as snapshots (sliding-window or Mamba groups),
+    and the KVCache's spec."""
 
     def paged_of(names) -> PagedKV:
         return PagedKV([kv_caches[n] for n in sorted(names, key=_layer_order)], block_size, rows_split=rows_split)
@@ -164,7 +191,12 @@ def paged_groups(layout: GroupLayout, kv_caches: Mapping[str, torch.Tensor], blo
     if not layout.hybrid:
         paged = paged_of(kv_caches)
         return paged, None, paged.spec
-    windows = WindowKV([paged_of(layout.layers[g]) for g in layout.windows], layout.window, block_size)
     full = paged_of(layout.layers[layout.full]) if layout.full is not None else None
+    if layout.ssm:
+        assert full is not None  # GroupLayout.cached
+        mamba = MambaState.from_caches([layout.layers[g] for g in layout.ssm], kv_caches, layout.ssm_block,
+                                       _layer_order)
+        return full, mamba, ModelStateSpec(full.spec, mamba.state_specs)
+    windows = WindowKV([paged_of(layout.layers[g]) for g in layout.windows], layout.window, block_size)
     spec = ModelStateSpec(full.spec if full is not None else None, (windows.state_spec,))
     return full or windows.pageds[0], windows, spec

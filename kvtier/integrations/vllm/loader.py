@@ -34,6 +34,7 @@ import torch
 from kvtier.base.state import StateKind
 from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.groups import WindowKV
+from kvtier.integrations.vllm.mamba import MambaState
 from kvtier.integrations.vllm.metadata import LoadSpec, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink
 from kvtier.base.threads import WATCHED
@@ -110,9 +111,9 @@ def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
 
 
 def _retrieve_windowed(cache: KVCache, chain: list, tokens, skip: int, sink) -> int:
-    """A load with sliding-window groups: all or nothing at the boundary that ends ``chain``. Its window snapshot
-    first (a miss or a corrupt one: nothing beyond vLLM's own hit is loaded), then the full-attention chunks from
-    ``skip`` on, then the window into its blocks (``sink.write_window``). Returns as ``retrieve_spec`` does."""
+    """A load with sliding-window groups: all or nothing at the boundary that ends ``chain``. Its window (or
+    Mamba state) snapshot first (a miss or a corrupt one: nothing beyond vLLM's own hit is loaded), then the
+    full-attention chunks from ``skip`` on, then the snapshot into its blocks (``sink.write_states``). Returns as ``retrieve_spec`` does."""
     size, boundary = cache.chunk_size, len(chain)
     snapshot = cache.retrieve_snapshot(chain, boundary, tokens)
     if snapshot is None:
@@ -122,7 +123,7 @@ def _retrieve_windowed(cache: KVCache, chain: list, tokens, skip: int, sink) -> 
         good = cache.retrieve_keyed(chain[skip:], tokens[skip * size : boundary * size], _Shifted(sink, skip * size))
     if skip + good < boundary:
         return (skip + good) * size
-    sink.write_window(boundary * size, snapshot[StateKind.WINDOW])
+    sink.write_states(boundary * size, snapshot)
     if skip and cache.spec is not None:
         cache.chain.order_chain(chain)
     return boundary * size
@@ -141,7 +142,7 @@ class _Load:
     closed: bool = False
     reason: str = ""
     written: set[int] = field(default_factory=set)  # start tokens of the chunks written
-    windows: WindowKV | None = None  # the sliding-window groups (loads with window_block_ids)
+    windows: WindowKV | MambaState | None = None  # the snapshot groups (loads with window_block_ids)
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
         with self.lock:
@@ -153,12 +154,12 @@ class _Load:
     def settle(self) -> None:
         self.sink.settle()
 
-    def write_window(self, boundary: int, snapshot: torch.Tensor) -> None:
+    def write_states(self, boundary: int, states: dict[StateKind, torch.Tensor]) -> None:
         with self.lock:
             if self.closed or self.windows is None:
                 raise _Closed(self.spec.req_id)
-            self.windows.restore(self.spec.window_block_ids, boundary, self.spec.first_token, self.spec.end,
-                                 snapshot)
+            self.windows.restore_states(self.spec.window_block_ids, boundary, self.spec.first_token, self.spec.end,
+                                        states)
 
     def close(self, reason: str) -> bool:
         """Stop writes; False if it was closed already (then someone else reports it)."""
@@ -180,7 +181,7 @@ class AsyncLoads:
     """This rank's asynchronous loads: ``submit`` from ``start_load_kv``, ``finished`` from ``get_finished``."""
 
     def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float, *, nice: int = 0,
-                 windows: WindowKV | None = None) -> None:
+                 windows: WindowKV | MambaState | None = None) -> None:
         """``nice``: the loading thread's niceness (Linux, per thread); threads it starts inherit it. The first
         load still running a quarter of the way to its deadline ends the niceness (``_unnice``). ``windows``: the
         sliding-window groups, for loads that restore them."""

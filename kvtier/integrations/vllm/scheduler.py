@@ -141,14 +141,22 @@ class SchedulerSide(PDScheduling):
         tokens = list(request.all_token_ids)
         return tokens[: len(tokens) - len(tokens) % self.chunk_size]
 
+    def _lookup_tokens(self, request: Request) -> list[int]:
+        """The tokens to look up: the request's full chunks; with Mamba groups only those before its last token,
+        since a load must end on a boundary with a stored state and vLLM computes at least one token."""
+        if not self.groups.ssm:
+            return self._usable(request)
+        n = request.num_tokens - 1
+        return list(request.all_token_ids[: n - n % self.chunk_size])
+
     # -- lookups -------------------------------------------------------------------------------------------
     def new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
-        if self.groups.full is not None and not self.groups.windows:  # P/D moves full-attention KV only
+        if self.groups.full is not None and not self.groups.states:  # P/D moves full-attention KV only
             self.pd.new_request(request)
         if request.request_id in self.pd.decodes:
             return  # its prefill instance stored the prompt: no lookup to ask
-        tokens = self._usable(request)
+        tokens = self._lookup_tokens(request)
         inputs = self._request_inputs(request) if tokens else None
         if inputs is not None:
             self.lookups.ask(request.request_id, tokens, *inputs)
@@ -157,7 +165,7 @@ class SchedulerSide(PDScheduling):
         self._requests.setdefault(request.request_id, request)
         if request.request_id in self.pd.decodes and request.request_id not in self._recompute:
             return self._remote_prefill(request, num_computed_tokens)
-        tokens = self._usable(request)
+        tokens = self._lookup_tokens(request)
         if not tokens or request.request_id in self._recompute:
             return 0, False
         inputs = self._request_inputs(request)
@@ -209,7 +217,7 @@ class SchedulerSide(PDScheduling):
             self._sync_loads[request.request_id] = (request, first, end)
             return
         spec, inputs = self._load_spec(request, tables, first, end)
-        held = len(tables[self.groups.full if self.groups.full is not None else self.groups.windows[0]])
+        held = len(tables[self.groups.full if self.groups.full is not None else self.groups.states[0]])
         self._parked[request.request_id] = max(self._blocks_to_run(request) - held, 0) * len(tables)
         keys = self._keys(self._usable(request)[: -(-end // self.chunk_size) * self.chunk_size], inputs)
         keys = keys[first // self.chunk_size :]
@@ -222,7 +230,7 @@ class SchedulerSide(PDScheduling):
         """The load of tokens ``[first, end)`` into the request's blocks (``tables``: per KV cache group), and
         the request's inputs (never None here: ``matched_tokens`` promises no load to a request it cannot key)."""
         block_ids = list(tables[self.groups.full]) if self.groups.full is not None else []
-        windows = tuple(list(tables[g]) for g in self.groups.windows)
+        windows = tuple(list(tables[g]) for g in self.groups.states)
         ticket = self.pd.decodes.pop(request.request_id, None)  # one remote prefill per request
         read_end = -(-end // self.chunk_size) * self.chunk_size
         if ticket:  # the full chunks up to ``end`` and the tail's tokens after the last one (transfer.py)
@@ -264,7 +272,7 @@ class SchedulerSide(PDScheduling):
                     if self.groups.full is not None:
                         self._order_save(request, limit,
                                          lambda r=req_id: self.kv_cache_manager.get_block_ids(r)[self.groups.full])
-                    if self.groups.windows:
+                    if self.groups.states:
                         self._order_windows(meta, request, out.num_scheduled_tokens[req_id])
         meta.saves, self._saves = self._saves, []
         meta.delayed, self._delayed = self._delayed, set()
@@ -276,18 +284,22 @@ class SchedulerSide(PDScheduling):
 
     def _order_windows(self, meta: KVTierMetadata, request: Request, scheduled: int) -> None:
         """The windows before the prompt's chunk boundaries that this step computes and the snapshot policy picks
-        (none that the request's hit restored), to copy after this step's forward pass."""
+        (none that the request's hit restored), to copy after this step's forward pass. Mamba groups hold a
+        state only where a step ends (mamba.py): only a boundary this step ends on is copied."""
         inputs = self._request_inputs(request)
         done, size = request.num_computed_tokens, self.chunk_size
         upto = min(done + scheduled, request.num_prompt_tokens)
+        if self.groups.ssm and upto != done + scheduled:
+            return  # decoding: the state block moves on with every token
+        lowest = upto if self.groups.ssm else done + 1
         hit = self._hits.get(request.request_id, 0) // size
         chosen = [k * size for k in self.snapshots.boundaries(hit, request.num_prompt_tokens, size)
-                  if done < k * size <= upto]
+                  if lowest <= k * size <= upto]
         if not chosen or inputs is None:
             return
         tables = self.kv_cache_manager.get_block_ids(request.request_id)
         meta.windows.append(WindowSave(request.request_id, pack_tokens(list(request.all_token_ids[: chosen[-1]])),
-                                       inputs[0], chosen, tuple(list(tables[g]) for g in self.groups.windows),
+                                       inputs[0], chosen, tuple(list(tables[g]) for g in self.groups.states),
                                        pack_extras(inputs[1])))
 
     def _order_save(self, request: Request, n_tokens: int, block_ids) -> None:

@@ -1,8 +1,9 @@
 """The scheduler side of a model the connector serves without caching: every lookup a miss, nothing loaded or saved.
 
 A model with SSM (Mamba) KV cache groups needs its recurrent state at the load point restored with the attention
-KV, and the connector cannot restore that state inside vLLM yet; attention KV alone cannot resume a request. So
-such a model runs exactly as vLLM alone runs it (its hybrid KV cache manager on), and kvtier stays out of the way.
+KV; the connector restores it (mamba.py) only where vLLM keeps that state per block (its Mamba prefix-caching mode
+``align``) beside one full-attention group and no sliding window (groups.GroupLayout.cached). Any other such model
+runs exactly as vLLM alone runs it (its hybrid KV cache manager on), and kvtier stays out of the way.
 """
 
 from __future__ import annotations

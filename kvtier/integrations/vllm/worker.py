@@ -29,6 +29,7 @@ import torch
 from kvtier.base.state import StateKind
 from kvtier.core.cache import KVCache
 from kvtier.integrations.vllm.groups import WindowKV
+from kvtier.integrations.vllm.mamba import MambaState
 from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
 from kvtier.integrations.vllm.lookup_socket import LookupLimits, LookupServer
 from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, TransferSpec, WindowSave, unpack_extras, unpack_tokens
@@ -65,8 +66,9 @@ class _Windows:
 
 class WorkerSide:
     def __init__(self, paged: PagedKV, cache: KVCache, socket_path: str, max_lookup_tokens: int,
-                 load_timeout_s: float = 30.0, load_nice: int = 0, windows: WindowKV | None = None) -> None:
-        """``windows``: the sliding-window groups (vLLM's hybrid manager), whose windows are stored as snapshots;
+                 load_timeout_s: float = 30.0, load_nice: int = 0, windows: WindowKV | MambaState | None = None) -> None:
+        """``windows``: the sliding-window or Mamba groups (vLLM's hybrid manager), whose windows or states at
+        chunk boundaries are stored as snapshots;
         ``paged`` is then the full-attention group (any group for a model whose every layer slides: its blocks are
         only synchronised, never read)."""
         self.paged, self.cache, self.windows = paged, cache, windows
@@ -132,16 +134,16 @@ class WorkerSide:
             self._cond.notify_all()
 
     def snapshot_windows(self, saves: Iterable[WindowSave]) -> None:
-        """After the forward pass: copy each save's windows out of vLLM's blocks now (the next step may free
-        them) and queue their store. A window vLLM no longer holds whole is skipped."""
+        """After the forward pass: copy each save's windows (or Mamba states) out of vLLM's blocks now (the next
+        step may free them) and queue their store. A window vLLM no longer holds whole is skipped."""
         if self.windows is None:
             return
         for save in saves:
             snaps = {}
             for boundary in save.boundaries:
-                window = self.windows.snapshot(save.block_ids, boundary)
-                if window is not None:
-                    snaps[boundary // self.cache.chunk_size] = {StateKind.WINDOW: window}
+                states = self.windows.snapshot_states(save.block_ids, boundary)
+                if states is not None:
+                    snaps[boundary // self.cache.chunk_size] = states
             if snaps:
                 with self._cond:
                     self._jobs.append(_Windows(save, snaps))
