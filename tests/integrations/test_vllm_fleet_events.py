@@ -66,3 +66,55 @@ def test_the_connectors_forwarded_chunks_index_as_the_prompts_blocks():
     assert index.cached("r", vllm_namespace(block).chunk_hashes(prompt)) == {"CPU": 3 * chunk // block}
     assert index.chunks("r") == {"GPU": 0, "CPU": 12, "DISK": 4}
     assert sink.counts == {"stored": 3}
+
+
+def _chain(tokens, chunk, tier="memory"):
+    from kvtier.core.events import ChunkEvent, ChunkEventKind, EntryKind
+
+    keys = [bytes([i + 1]) * 32 for i in range(len(tokens) // chunk)]
+    return keys, [ChunkEvent(ChunkEventKind.STORED, tier, keys[i], i, keys[i - 1] if i else None,
+                             np.asarray(tokens[i * chunk:(i + 1) * chunk], "<u4").tobytes(), EntryKind.CHUNK)
+                  for i in range(len(keys))]
+
+
+def test_chunks_published_as_vllm_sized_blocks_chain_and_remove_whole():
+    """event_block_size: a 32-token chunk as four 8-token blocks (what vllm-router, which indexes only blocks of
+    its --kv-event-block-size, needs); the chain's parents stay the chunk keys, a removal names every block, and
+    the router's index finds the prompt's blocks as with chunk-sized blocks."""
+    from kvtier.core.events import ChunkEvent, ChunkEventKind
+    from kvtier.integrations.vllm.events import block_keys, to_vllm
+
+    block, chunk = 8, 32
+    prompt = list(range(700, 700 + 2 * chunk + 3))
+    keys, stores = _chain(prompt, chunk)
+    [stored] = to_vllm(stores, chunk, block_size=block)
+    assert stored.block_size == block and len(stored.block_hashes) == 8 and stored.token_ids == prompt[:2 * chunk]
+    assert stored.block_hashes[3] == keys[0] and stored.block_hashes[7] == keys[1]  # the next chunk's parent
+    assert len(set(stored.block_hashes)) == 8 and all(len(h) == 32 for h in stored.block_hashes)
+    [removed] = to_vllm([ChunkEvent(ChunkEventKind.REMOVED, "memory", keys[1])], chunk, block_size=block)
+    assert removed.block_hashes == block_keys(keys[1], 4) == stored.block_hashes[4:]
+    assert to_vllm(stores, chunk)[0].block_hashes == keys  # the default: one block per chunk
+
+    index = FleetIndex(replicas=1)
+    sink = VllmReplicaIndex(index.holdings("r"), block, ("GPU", "CPU", "DISK"))
+    sink.reset()
+    sink.apply(vllm_wire.decode_batch(msgspec.msgpack.encode(vllm.KVEventBatch(ts=0.0, events=[stored]))))
+    assert index.cached("r", vllm_namespace(block).chunk_hashes(prompt)) == {"CPU": 2 * chunk // block}
+    sink.apply(vllm_wire.decode_batch(msgspec.msgpack.encode(vllm.KVEventBatch(ts=1.0, events=[removed]))))
+    assert index.cached("r", vllm_namespace(block).chunk_hashes(prompt)) == {"CPU": chunk // block}
+
+
+def test_every_tier_is_published_as_a_connectors_tier():
+    """The names published, per tier: memory CPU, disk DISK, a shared store SHARED (REMOTE), each with kvtier's
+    ownership. vllm-router 0.1.17 credits a block that carries an ownership as an external tier
+    (--kv-penalty-external) whatever its medium, and a block without one by its medium, an unknown medium (as
+    SHARED) as the device's: with the ownership no kvtier chunk is ever credited as if it sat in vLLM's cache."""
+    from kvtier.integrations.vllm.events import EventMedia, to_vllm
+
+    media = EventMedia(shared=frozenset({"redis"}))
+    published = {}
+    for tier in ("memory", "disk", "redis"):
+        [event] = to_vllm(_chain(list(range(64)), 32, tier)[1], 32, media)
+        published[tier] = (event.medium, event.locality, event.ownership)
+    assert published == {"memory": ("CPU", "LOCAL", "kvtier"), "disk": ("DISK", "LOCAL", "kvtier"),
+                         "redis": ("SHARED", "REMOTE", "kvtier")}

@@ -69,6 +69,14 @@ def test_layout_checks():
             ConnectorConfig.from_extra({"load_nice": bad})
 
 
+
+def test_event_block_size_divides_the_chunk():
+    assert ConnectorConfig.from_extra({"chunk_size": 128}).event_block_size is None
+    assert ConnectorConfig.from_extra({"chunk_size": 128, "event_block_size": 32}).event_block_size == 32
+    for bad in (48, 0, -32, 32.0, True, "32"):
+        with pytest.raises(ConfigError, match="event_block_size"):
+            ConnectorConfig.from_extra({"chunk_size": 128, "event_block_size": bad})
+
 def test_lookup_socket_answers_from_the_workers_cache(tmp_path):
     paged = PagedKV(cpu_layers(), 32, rows_split=True)
     cache = KVCache(paged.spec, "m@1", CacheConfig(chunk_size=64))

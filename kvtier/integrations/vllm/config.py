@@ -29,6 +29,9 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
 * ``event_media``: ``{tier name: medium}``, the medium each tier's events carry in vLLM's KV events (when
   ``--kv-events-config`` enables them) over the defaults (``memory`` -> ``CPU``, ``disk`` -> ``DISK``, a shared
   store -> ``SHARED``, any other tier its name in capitals: kvtier.integrations.vllm.events).
+* ``event_block_size``: the size in tokens of the blocks those events publish (a divisor of ``chunk_size``;
+  default the chunk size): a chunk becomes that many blocks. vllm-router indexes only blocks of its
+  ``--kv-event-block-size``, so behind it set vLLM's ``--block-size`` here.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     lookup_timeout_s: float = 1.0
     event_media: dict[str, str] | None = None
+    event_block_size: int | None = None
     load_nice: int = 19
     #: the chunk boundaries whose sliding windows are stored (models with sliding-window layers): every one,
     #: unless ``state_snapshots`` is given
@@ -81,14 +85,20 @@ class ConnectorConfig:
                 isinstance(k, str) and isinstance(v, str) and 0 < len(v) <= 64 for k, v in media.items())):
             raise ConfigError("kv_connector_extra_config.event_media maps tier names to media names (strings of at "
                               f"most 64 characters), got {media!r}")
+        blocks = values.pop("event_block_size", None)
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0):
+            raise ConfigError(f"kv_connector_extra_config.event_block_size must be a positive integer, got {blocks!r}")
         nice = values.pop("load_nice", 19)
         if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
             raise ConfigError(f"kv_connector_extra_config.load_nice must be an integer from 0 to 19, got {nice!r}")
         timeouts = {key: _seconds(key, values.pop(key)) for key in ("load_timeout_s", "lookup_timeout_s")
                     if key in values}
         cache = CacheConfig.from_dict(values)
+        if blocks is not None and cache.chunk_size % blocks:
+            raise ConfigError(f"kv_connector_extra_config.event_block_size {blocks} must divide chunk_size "
+                              f"{cache.chunk_size}")
         windows = {"window_snapshots": cache.state_snapshots} if "state_snapshots" in values else {}
-        return cls(cache=cache, metrics_port=port, load_mode=mode, event_media=media, load_nice=nice, **timeouts,
+        return cls(cache=cache, metrics_port=port, load_mode=mode, event_media=media, event_block_size=blocks, load_nice=nice, **timeouts,
                    **windows, **own)
 
     def check_block_size(self, block_size: int) -> None:

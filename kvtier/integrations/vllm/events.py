@@ -33,6 +33,7 @@ the same keys, and the ranks' caches change together.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -116,39 +117,57 @@ class KVTierKVEvents(KVConnectorKVEvents):
 _NOT_BLOCKS = (EntryKind.SEGMENT, EntryKind.SNAPSHOT)
 
 
-def to_vllm(events: Sequence[ChunkEvent], chunk_size: int, media: EventMedia = EventMedia()) -> list[KVCacheEvent]:
+def to_vllm(events: Sequence[ChunkEvent], chunk_size: int, media: EventMedia = EventMedia(),
+            block_size: int | None = None) -> list[KVCacheEvent]:
     """vLLM events for a batch of kvtier events, consecutive stores of one chain joined into one, each tier
     under its medium in ``media``.
+
+    ``block_size`` (a divisor of ``chunk_size``; default the chunk size) is the size of the blocks published: a
+    chunk becomes ``chunk_size // block_size`` blocks, the last one keyed by the chunk's key and the others by
+    keys derived from it (:func:`block_keys`), so the next chunk's parent is still its predecessor's key and a
+    removal or move names every block. Consumers that index only blocks of their own size (vllm-router's
+    ``--kv-event-block-size``) need vLLM's block size here.
 
     Segments (blending) and state snapshots are not prefix blocks a router can match a prompt against: their
     stores are left out. Removals and demotions carry no entry kind (a blob does not record it) and pass.
     """
+    block = block_size or chunk_size
     out: list[KVCacheEvent] = []
     for event in events:
         if event.entry in _NOT_BLOCKS:
             continue
         medium, locality = media.medium(event.tier), media.locality(event.tier)
+        hashes = block_keys(bytes(event.key), chunk_size // block)
         if event.kind is ChunkEventKind.REMOVED:
-            out.append(BlockRemoved(block_hashes=[bytes(event.key)], medium=medium, locality=locality,
-                                    ownership=OWNERSHIP))
+            out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality, ownership=OWNERSHIP))
             continue
         tokens = np.frombuffer(event.tokens, "<u4").tolist() if event.tokens is not None else []
-        lora, extra = event_extra_keys(event.extras, (event.position or 0) * chunk_size)
+        start = (event.position or 0) * chunk_size
+        lora, _ = event_extra_keys(event.extras, start)
+        extras = [event_extra_keys(event.extras, start + j * block)[1] for j in range(len(hashes))]
+        extra = None if all(e is None for e in extras) else extras
         last = out[-1] if out else None
         if (isinstance(last, BlockStored) and last.medium == medium and event.parent is not None
-                and last.block_hashes[-1] == event.parent and len(last.token_ids) == chunk_size * len(last.block_hashes)
+                and last.block_hashes[-1] == event.parent and len(last.token_ids) == block * len(last.block_hashes)
                 and len(tokens) == chunk_size and last.lora_name == lora):
-            last.block_hashes.append(bytes(event.key))
+            last.block_hashes.extend(hashes)
             last.token_ids.extend(tokens)
             if extra is not None or last.extra_keys is not None:
-                last.extra_keys = (last.extra_keys or [None] * (len(last.block_hashes) - 1)) + [extra]
+                last.extra_keys = (last.extra_keys or [None] * (len(last.block_hashes) - len(hashes))) + \
+                    (extra or [None] * len(hashes))
             continue
-        out.append(BlockStored(block_hashes=[bytes(event.key)],
+        out.append(BlockStored(block_hashes=hashes,
                                parent_block_hash=bytes(event.parent) if event.parent is not None else None,
-                               token_ids=tokens, block_size=chunk_size, lora_id=None, medium=medium,
-                               lora_name=lora, extra_keys=[extra] if extra is not None else None,
+                               token_ids=tokens, block_size=block, lora_id=None, medium=medium,
+                               lora_name=lora, extra_keys=extra,
                                locality=locality, ownership=OWNERSHIP))
     return out
+
+
+def block_keys(chunk_key: bytes, blocks: int) -> list[bytes]:
+    """The keys of a chunk's ``blocks`` published blocks: the chunk's own key last (the next chunk names it as
+    parent), before it ``sha256(chunk key || index)`` for each earlier block (32 bytes, as the chunk keys)."""
+    return [hashlib.sha256(chunk_key + i.to_bytes(2, "big")).digest() for i in range(blocks - 1)] + [chunk_key]
 
 
 _EVENT_ORDER = (InputKind.LORA, InputKind.MULTIMODAL, InputKind.CACHE_SALT, InputKind.PROMPT_EMBEDS)
@@ -180,9 +199,11 @@ class TierEvents:
     """Worker side: collects a cache's events between steps (they come from the save thread, the disk tier's
     threads and the forward path alike)."""
 
-    def __init__(self, cache: KVCache, media: Mapping[str, str] | None = None) -> None:
-        """``media``: tier name -> medium, over the defaults (ConfigError if two tiers would share one)."""
+    def __init__(self, cache: KVCache, media: Mapping[str, str] | None = None, block_size: int | None = None) -> None:
+        """``media``: tier name -> medium, over the defaults (ConfigError if two tiers would share one);
+        ``block_size``: the published blocks' size (:func:`to_vllm`; default the chunk size)."""
         self._chunk_size = cache.chunk_size
+        self._block_size = block_size
         self._media = EventMedia.of(cache, media)
         self._pending: list[ChunkEvent] = []
         self._lock = threading.Lock()
@@ -198,7 +219,7 @@ class TierEvents:
         """The events since the last call, as vLLM events, or None."""
         with self._lock:
             pending, self._pending = self._pending, []
-        return KVTierKVEvents(to_vllm(pending, self._chunk_size, self._media)) if pending else None
+        return KVTierKVEvents(to_vllm(pending, self._chunk_size, self._media, self._block_size)) if pending else None
 
     def close(self) -> None:
         self._unsubscribe()
