@@ -60,8 +60,8 @@ def expected(model, tmp_path_factory) -> list[list[int]]:
 
 def test_hits_from_memory_restore_the_state_and_give_vllm_alone_tokens(tmp_path, model, expected) -> None:
     kvtier = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]}
-    steps = ["gen:cold:0", "reset", "gen:other:2", "reset", "gen:warm:0", "reset", "gen:shared:1", "reset", "corrupt-state:0:4:ssm",
-             "gen:corrupt:0", "metrics:m"]
+    steps = ["gen:cold:0", "reset", "gen:other:2", "reset", "gen:warm:0", "reset", "gen:shared:1", "reset",
+             "corrupt-state:0:4:ssm", "gen:corrupt:0", "metrics:m"]
     got, logs = _run(tmp_path, "memory", _spec(model, _prompts(), steps, kvtier))
     assert HMA_OFF not in logs and "served uncached" not in logs
     assert got["cold"][0]["tokens"] == expected[0] and got["cold"][0]["cached"] == 0

@@ -56,7 +56,8 @@ def supervise(args: argparse.Namespace, router_config: Callable[[argparse.Namesp
     """Start ``args.workers`` router processes (``args.model`` already resolved; ``router_config`` builds each
     one's RouterConfig from ``args``, a module-level function) and wait for them."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter each: no forked loop, sockets or threads
-    workers = [context.Process(target=_worker, args=(args, router_config), name=f"kvtier-route-{i}") for i in range(args.workers)]
+    workers = [context.Process(target=_worker, args=(args, router_config), name=f"kvtier-route-{i}")
+               for i in range(args.workers)]
     stopping = False
 
     def stop(signum, _frame) -> None:

@@ -98,7 +98,8 @@ class ConnectorConfig:
             raise ConfigError(f"kv_connector_extra_config.event_block_size {blocks} must divide chunk_size "
                               f"{cache.chunk_size}")
         windows = {"window_snapshots": cache.state_snapshots} if "state_snapshots" in values else {}
-        return cls(cache=cache, metrics_port=port, load_mode=mode, event_media=media, event_block_size=blocks, load_nice=nice, **timeouts,
+        return cls(cache=cache, metrics_port=port, load_mode=mode, event_media=media, event_block_size=blocks,
+                   load_nice=nice, **timeouts,
                    **windows, **own)
 
     def check_block_size(self, block_size: int) -> None:

@@ -113,7 +113,8 @@ def retrieve_spec(cache: KVCache, spec: LoadSpec, sink) -> int:
 def _retrieve_windowed(cache: KVCache, chain: list, tokens, skip: int, sink) -> int:
     """A load with sliding-window groups: all or nothing at the boundary that ends ``chain``. Its window (or
     Mamba state) snapshot first (a miss or a corrupt one: nothing beyond vLLM's own hit is loaded), then the
-    full-attention chunks from ``skip`` on, then the snapshot into its blocks (``sink.write_states``). Returns as ``retrieve_spec`` does."""
+    full-attention chunks from ``skip`` on, then the snapshot into its blocks (``sink.write_states``). Returns as
+    ``retrieve_spec`` does."""
     size, boundary = cache.chunk_size, len(chain)
     snapshot = cache.retrieve_snapshot(chain, boundary, tokens)
     if snapshot is None:

@@ -66,7 +66,8 @@ class _Windows:
 
 class WorkerSide:
     def __init__(self, paged: PagedKV, cache: KVCache, socket_path: str, max_lookup_tokens: int,
-                 load_timeout_s: float = 30.0, load_nice: int = 0, windows: WindowKV | MambaState | None = None) -> None:
+                 load_timeout_s: float = 30.0, load_nice: int = 0,
+                 windows: WindowKV | MambaState | None = None) -> None:
         """``windows``: the sliding-window or Mamba groups (vLLM's hybrid manager), whose windows or states at
         chunk boundaries are stored as snapshots;
         ``paged`` is then the full-attention group (any group for a model whose every layer slides: its blocks are
