@@ -62,7 +62,7 @@ def print_table(run: dict, ratios: dict) -> None:
     from rich.table import Table
 
     table = Table(title="vLLM's OpenAI server, vLLM's benchmark client, 4 in flight", title_justify="left")
-    columns = ("model", "workload", "server", "req/s", "TTFT p50", "TTFT p99", "ITL p99", "loaded", "preempt",
+    columns = ("model", "workload", "server", "req/s", "TTFT p50", "TTFT p99", "ITL p99", "loaded", "vLLM hits", "preempt",
                "B/token stored", "vs vLLM req/s", "vs vLLM TTFT p50")
     for name in columns:
         table.add_column(name, justify="left" if name in ("model", "workload", "server") else "right")
@@ -73,10 +73,11 @@ def print_table(run: dict, ratios: dict) -> None:
         stored = f"{row['bytes_per_token']:,.0f}" if "bytes_per_token" in row else ""
         table.add_row(row["model"], row["workload"], row["label"], f"{row['req_s']:.2f}", _ms(row["ttft_p50"]),
                       _ms(row["ttft_p99"]), _ms(row["itl_p99"]), f"{row['loaded_share']:.0%}",
+                      f"{row['device_share']:.0%}" if "device_share" in row else "-",
                       f"{row['preemptions']:.0f}", stored, f"{vs:.2f}x" if vs else "", f"{vt:.2f}x" if vt else "")
     for arm, line in run["failed"].items():
         model, label = arm.split(": ", 1)
-        table.add_row(model, "-", label, "could not start", line[:60] + "...", *[""] * 7)
+        table.add_row(model, "-", label, "could not start", line[:60] + "...", *[""] * 8)
     console = Console(width=170)
     console.print(table)
     for arm, line in run["failed"].items():

@@ -14,15 +14,22 @@ Models (random weights, float32, blocks of 32 tokens, eager mode; harness/window
   request of the longest prompt) where that is more; prompts are prefilled 256 tokens a step. With
   ``--alone-hma-off``, vLLM alone with its hybrid manager off is one more arm: what turning HMA off changes in
   vLLM itself (its cache then holds every random prompt at 4 in flight, the HMA-on arms' one or two).
-* **hybrid**: a Granite-4.0-H-shaped model (3 Mamba2 layers, 1 attention layer). vLLM's own prefix caching is off
-  in every arm: for Mamba layers it means its boundary-aligned state mode, which fails on vLLM's CPU build
-  (docs/integrations/hybrid.md), so vLLM alone recomputes every prompt; kvtier serves hybrids uncached today.
-  The HMA-off arm is started and its error recorded: vLLM refuses a hybrid SSM model without HMA.
+* **hybrid**: a Granite-4.0-H-shaped model (3 Mamba2 layers, 1 attention layer). Every arm prefills one Mamba
+  block (64 tokens; vLLM raises the attention block to it) a step, at most 16 requests at a time
+  (``--max-num-batched-tokens 64 --max-num-seqs 16``): vLLM's CPU build runs its boundary-aligned Mamba prefix
+  caching (``mamba_cache_mode: align``), which kvtier's connector needs for hybrids, only so
+  (docs/integrations/hybrid.md). The kvtier arm runs with vLLM's prefix caching on in that mode and 256-token
+  chunks (4 Mamba blocks); vLLM alone, with the same scheduling, runs with its prefix caching off (Mamba cache mode
+  ``none``), so it recomputes every prompt: what ``vllm_serve.py`` gets by holding vLLM's cache small, which for a
+  hybrid's Mamba blocks would be guesswork. The kvtier arm's own vLLM cache is reset before each run; the
+  ``vLLM hits`` column shows what it still served within a run (only prompts sharing a prefix in the same run:
+  none at ``--medium``, one prompt per prefix). The HMA-off arm is started and its error recorded: vLLM refuses a
+  hybrid SSM model without HMA.
 
 Workloads, each at 4 requests in flight, greedy, fixed output lengths: ``prefix_repetition`` (kvtier measured in
 steady state: one unmeasured pass fills its memory tier, then vLLM's prefix cache is reset) and ``random``
 prompts (never repeated). Reported per run: request throughput, TTFT p50/p99, ITL p99, the share of prompt
-tokens kvtier loaded, vLLM's preemptions; per kvtier arm, the bytes its memory tier holds per cached token,
+tokens kvtier loaded and vLLM's own prefix cache served, vLLM's preemptions; per kvtier arm, the bytes its memory tier holds per cached token,
 against a dense model of the same size (window: the same model with HMA off, which stores every layer's KV for
 every token; hybrid: 4 attention layers' KV, computed). A table, ``results/vllm_hybrid/vllm_hybrid.png`` and
 ``.json``, and ``RESULT {json}`` with each ratio against vLLM alone in the same run and its target.
@@ -66,6 +73,8 @@ ALONE, KVTIER, KVTIER_OFF = "vLLM alone", "kvtier (HMA on)", "kvtier (HMA off)"
 ALONE_OFF = "vLLM alone (HMA off)"
 OFF_ARMS = (KVTIER_OFF, ALONE_OFF)
 PREFILL_STEP = 256  # tokens prefilled a step (--max-num-batched-tokens): chunked prefill of the long prompts
+MAMBA_BLOCK = 64  # the hybrid's Mamba block: vLLM raises its attention block (32) to the Mamba state's page
+HYBRID_SEQS = 16  # at most MAMBA_BLOCK (vLLM's CPU build, align mode); above the 4 in flight
 
 
 def cache_blocks(size: dict, hma: bool, max_len: int) -> int:
@@ -106,14 +115,15 @@ class Bench:
 
     def server(self, model: str, label: str) -> VllmServer:
         args = ["--served-model-name", model, "--block-size", str(BLOCK), "--max-model-len", str(self.max_len),
-                "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16"]
+                "--dtype", "float32", "--enforce-eager", "--seed", "0"]
         if label in OFF_ARMS:
             args += HMA_OFF
         if model == "window":
             blocks = cache_blocks(self.size, label not in OFF_ARMS, self.max_len)
-            args += ["--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(PREFILL_STEP)]
-        else:  # vLLM's prefix caching of Mamba state (its align mode) fails on the CPU build
-            args += ["--no-enable-prefix-caching"]
+            args += ["--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(PREFILL_STEP),
+                     "--max-num-seqs", "16"]
+        else:
+            args += hybrid_args(label)
         kvtier = None if label in (ALONE, ALONE_OFF) else {"chunk_size": CHUNK,
                                               "tiers": [{"kind": "memory", "capacity_bytes": "2GiB"}]}
         log = self.out / f"server-{model}-{label.split()[0].lower()}{'-hma-off' if label in OFF_ARMS else ''}.log"
@@ -133,6 +143,7 @@ class Bench:
             time.sleep(2.0)
             server.reset_prefix_cache()
         hits, preempted = _hits(server), server_counter(server.url, "vllm:num_preemptions_total")
+        own = server_counter(server.url, "vllm:prefix_cache_hits_total")
         load = os.getloadavg()[0]
         raw = self.bench(server, model, workload, seed)
         time.sleep(1.0)  # the last step's kvtier counters reach /metrics with its output
@@ -140,6 +151,7 @@ class Bench:
                "seed": seed, **summarize(raw), "loadavg": (load + os.getloadavg()[0]) / 2,
                "duration_s": raw["duration"], "_texts": raw["generated_texts"]}
         row["loaded_share"] = (_hits(server) - hits) / row["prompt_tokens"]
+        row["device_share"] = (server_counter(server.url, "vllm:prefix_cache_hits_total") - own) / row["prompt_tokens"]
         row["preemptions"] = server_counter(server.url, "vllm:num_preemptions_total") - preempted
         self.rows.append(row)
         return row
@@ -173,6 +185,17 @@ class Bench:
                 row = self.run(server, model, label, workload, seed)
                 if workload == "prefix" and server.kvtier is not None:
                     row.update(stored_bytes(self.warm[label]))
+
+
+def hybrid_args(label: str) -> list[str]:
+    """The hybrid's scheduling, the same in every arm: one Mamba block (64 tokens) prefilled a step, as vLLM's CPU
+    build runs its boundary-aligned Mamba caching only so (docs/integrations/hybrid.md). kvtier needs vLLM's prefix
+    caching on in that mode; vLLM alone runs with it off (``mamba_cache_mode`` ``none``), so it recomputes every
+    prompt, as ``vllm_serve.py``'s vLLM alone does with its cache held small."""
+    args = ["--max-num-batched-tokens", str(MAMBA_BLOCK), "--max-num-seqs", str(HYBRID_SEQS)]
+    if label in (ALONE, ALONE_OFF):
+        return args + ["--no-enable-prefix-caching"]
+    return args + ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
 
 
 def _hits(server: VllmServer) -> float:
