@@ -8,6 +8,7 @@ from pathlib import Path
 
 ALONE, KVTIER, KVTIER_OFF = "vLLM alone", "kvtier (HMA on)", "kvtier (HMA off)"
 ALONE_OFF = "vLLM alone (HMA off)"
+ALONE_ALIGN = "vLLM alone (align)"
 
 
 def _ms(seconds: float | None) -> str:
@@ -30,7 +31,7 @@ def targets(run: dict) -> tuple[dict, dict]:
             return ratios[key]
         return None
 
-    for label, tag in ((KVTIER, "hma_on"), (KVTIER_OFF, "hma_off"), (ALONE_OFF, "alone_hma_off")):
+    for label, tag in ((KVTIER, "hma_on"), (KVTIER_OFF, "hma_off"), (ALONE_OFF, "alone_hma_off"), (ALONE_ALIGN, "alone_align")):
         for workload in ("prefix", "random"):
             ratio(f"window_{tag}_{workload}_req_s_x", "window", label, workload, "req_s")
             ratio(f"window_{tag}_{workload}_ttft_p50_x", "window", label, workload, "ttft_p50", "lower")
@@ -95,7 +96,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
     labels = [f"{r['model']} {r['workload']}\n{r['label']}" for r in rows]
-    palette = {ALONE: "#999", KVTIER: "#37c", KVTIER_OFF: "#c63", ALONE_OFF: "#ccc"}
+    palette = {ALONE: "#999", KVTIER: "#37c", KVTIER_OFF: "#c63", ALONE_OFF: "#ccc", ALONE_ALIGN: "#ccc"}
     colors = [palette.get(r["label"], "#c63") for r in rows]
     axes[0].bar(labels, [r["req_s"] for r in rows], color=colors)
     axes[0].set(ylabel="requests / s", title="request throughput (4 in flight)")

@@ -21,7 +21,8 @@ Models (random weights, float32, blocks of 32 tokens, eager mode; harness/window
   (docs/integrations/hybrid.md). The kvtier arm runs with vLLM's prefix caching on in that mode and 256-token
   chunks (4 Mamba blocks); vLLM alone, with the same scheduling, runs with its prefix caching off (Mamba cache mode
   ``none``), so it recomputes every prompt: what ``vllm_serve.py`` gets by holding vLLM's cache small, which for a
-  hybrid's Mamba blocks would be guesswork. The kvtier arm's own vLLM cache is reset before each run; the
+  hybrid's Mamba blocks would be guesswork. One more arm, vLLM alone with its prefix caching on in align mode
+  (``vLLM alone (align)``), shows what that mode costs vLLM itself. vLLM's own cache is reset before each run; the
   ``vLLM hits`` column shows what it still served within a run (only prompts sharing a prefix in the same run:
   none at ``--medium``, one prompt per prefix). The HMA-off arm is started and its error recorded: vLLM refuses a
   hybrid SSM model without HMA.
@@ -71,6 +72,7 @@ QUICK = dict(prefixes=4, prefix_len=512, suffix_len=32, output_len=8, prompts=8,
 HMA_OFF = ("--disable-hybrid-kv-cache-manager",)
 ALONE, KVTIER, KVTIER_OFF = "vLLM alone", "kvtier (HMA on)", "kvtier (HMA off)"
 ALONE_OFF = "vLLM alone (HMA off)"
+ALONE_ALIGN = "vLLM alone (align)"  # the hybrid with vLLM's own prefix caching on, reset before each run
 OFF_ARMS = (KVTIER_OFF, ALONE_OFF)
 PREFILL_STEP = 256  # tokens prefilled a step (--max-num-batched-tokens): chunked prefill of the long prompts
 MAMBA_BLOCK = 64  # the hybrid's Mamba block: vLLM raises its attention block (32) to the Mamba state's page
@@ -104,7 +106,7 @@ class Bench:
                  "hybrid": lambda: build_tiny_hybrid(work / "hybrid", "granite-hybrid")}
         self.models = {model: str(build[model]()) for model in models}
         self.arms = {"window": (ALONE, KVTIER, KVTIER_OFF) + ((ALONE_OFF,) if alone_hma_off else ()),
-                     "hybrid": (ALONE, KVTIER, KVTIER_OFF)}
+                     "hybrid": (ALONE, ALONE_ALIGN, KVTIER, KVTIER_OFF)}
         self.log = out / "client.log"
         self.log.write_text("")
         self.max_len = max(size["prefix_len"] + size["suffix_len"], size["random_len"]) + 64
@@ -124,9 +126,9 @@ class Bench:
                      "--max-num-seqs", "16"]
         else:
             args += hybrid_args(label)
-        kvtier = None if label in (ALONE, ALONE_OFF) else {"chunk_size": CHUNK,
+        kvtier = None if label in (ALONE, ALONE_OFF, ALONE_ALIGN) else {"chunk_size": CHUNK,
                                               "tiers": [{"kind": "memory", "capacity_bytes": "2GiB"}]}
-        log = self.out / f"server-{model}-{label.split()[0].lower()}{'-hma-off' if label in OFF_ARMS else ''}.log"
+        log = self.out / f"server-{model}-{re.sub(r'[^a-z]+', '-', label.lower()).strip('-')}.log"
         return VllmServer(self.models[model], free_port(), log, kvtier=kvtier, args=tuple(args), env=SERVER_ENV)
 
     def dataset(self, workload: str) -> list[str]:
@@ -157,7 +159,7 @@ class Bench:
         return row
 
     def model_rows(self, stack: ExitStack, model: str) -> None:
-        """Start the three arms side by side (an arm that cannot start is recorded), warm the kvtier ones on the
+        """Start the arms side by side (an arm that cannot start is recorded), warm the kvtier ones on the
         prefix workload, then each workload on each arm in turn."""
         servers = {label: self.server(model, label) for label in self.arms[model]}
         for server in servers.values():
