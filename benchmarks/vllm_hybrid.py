@@ -14,8 +14,11 @@ Models (random weights, float32, blocks of 32 tokens, eager mode; harness/window
   request of the longest prompt) where that is more; prompts are prefilled 256 tokens a step. With
   ``--alone-hma-off``, vLLM alone with its hybrid manager off is one more arm: what turning HMA off changes in
   vLLM itself (its cache then holds every random prompt at 4 in flight, the HMA-on arms' one or two).
-* **hybrid**: a Granite-4.0-H-shaped model (3 Mamba2 layers, 1 attention layer). Every arm prefills one Mamba
-  block (64 tokens; vLLM raises the attention block to it) a step, at most 16 requests at a time
+* **hybrid**: a Granite-4.0-H shape: by default ``SMALL`` (hidden size 576, 24 layers of which 3 attention, Mamba2
+  mixers of 36 heads, about 170M parameters), or with ``--hybrid-model tiny`` the tests' model (hidden size 128, 3
+  Mamba2 layers and 1 attention layer), whose prefill steps cost little more than vLLM's per-step overhead.
+  Every arm prefills one Mamba block (64 tokens; vLLM raises the attention block to it) a step, at most 16
+  requests at a time
   (``--max-num-batched-tokens 64 --max-num-seqs 16``): vLLM's CPU build runs its boundary-aligned Mamba prefix
   caching (``mamba_cache_mode: align``), which kvtier's connector needs for hybrids, only so
   (docs/integrations/hybrid.md). The kvtier arm runs with vLLM's prefix caching on in that mode and 256-token
@@ -32,11 +35,11 @@ steady state: one unmeasured pass fills its memory tier, then vLLM's prefix cach
 prompts (never repeated). Reported per run: request throughput, TTFT p50/p99, ITL p99, the share of prompt
 tokens kvtier loaded and vLLM's own prefix cache served, vLLM's preemptions; per kvtier arm, the bytes its memory tier holds per cached token,
 against a dense model of the same size (window: the same model with HMA off, which stores every layer's KV for
-every token; hybrid: 4 attention layers' KV, computed). A table, ``results/vllm_hybrid/vllm_hybrid.png`` and
+every token; hybrid: every layer's KV as its attention layers', computed). A table, ``results/vllm_hybrid/vllm_hybrid.png`` and
 ``.json``, and ``RESULT {json}`` with each ratio against vLLM alone in the same run and its target.
 
     python benchmarks/vllm_hybrid.py [--quick | --medium] [--models window] [--window-model small|tiny]
-                                     [--alone-hma-off] [--out results/vllm_hybrid]
+                                     [--hybrid-model small|tiny] [--alone-hma-off] [--out results/vllm_hybrid]
 """
 
 from __future__ import annotations
@@ -96,14 +99,14 @@ def cache_blocks(size: dict, hma: bool, max_len: int) -> int:
 
 class Bench:
     def __init__(self, size: dict, out: Path, work: Path, models: list[str], window_shape: str = "small",
-                 alone_hma_off: bool = False) -> None:
-        from harness import window_model
-        from harness.hybrid_model import build_tiny_hybrid
+                 alone_hma_off: bool = False, hybrid_shape: str = "small") -> None:
+        from harness import hybrid_model, window_model
 
         self.size, self.out, self.work = size, out, work
         shape = window_model.SMALL if window_shape == "small" else window_model.TINY
+        self.hybrid_shape = hybrid_model.SMALL if hybrid_shape == "small" else hybrid_model.TINY
         build = {"window": lambda: window_model.build_tiny_gemma3(work / "window", window=WINDOW, shape=shape),
-                 "hybrid": lambda: build_tiny_hybrid(work / "hybrid", "granite-hybrid")}
+                 "hybrid": lambda: hybrid_model.build_tiny_hybrid(work / "hybrid", shape=self.hybrid_shape)}
         self.models = {model: str(build[model]()) for model in models}
         self.arms = {"window": (ALONE, KVTIER, KVTIER_OFF) + ((ALONE_OFF,) if alone_hma_off else ()),
                      "hybrid": (ALONE, ALONE_ALIGN, KVTIER, KVTIER_OFF)}
@@ -229,6 +232,8 @@ def main() -> None:
     parser.add_argument("--models", default="window,hybrid", help="comma-separated, of window and hybrid")
     parser.add_argument("--window-model", choices=("small", "tiny"), default="small",
                         help="the window model's shape: near SmolLM2-135M's size, or the tests' tiny one")
+    parser.add_argument("--hybrid-model", choices=("small", "tiny"), default="small",
+                        help="the hybrid's shape: Granite-4.0-H near SmolLM2-135M's size, or the tests' tiny one")
     parser.add_argument("--alone-hma-off", action="store_true", help="add vLLM alone with HMA off (window model)")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
@@ -241,7 +246,7 @@ def main() -> None:
     size = dict(QUICK if args.quick else MEDIUM if args.medium else FULL)
     models = args.models.split(",")
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-hybrid-") as tmp:
-        bench = Bench(size, out, Path(tmp), models, args.window_model, args.alone_hma_off)
+        bench = Bench(size, out, Path(tmp), models, args.window_model, args.alone_hma_off, args.hybrid_model)
         for model in models:
             with ExitStack() as stack:
                 bench.model_rows(stack, model)
@@ -250,8 +255,9 @@ def main() -> None:
         rows += compare([r for r in bench.rows if r["model"] == model])
     from harness.hybrid_model import dense_bytes_per_token
 
-    report({"quick": args.quick, "medium": args.medium, "window_model": args.window_model, "size": size, "rows": rows, "failed": bench.failed, "notes": bench.notes,
-            "dense_hybrid_bytes_per_token": dense_bytes_per_token(), "loadavg_end": os.getloadavg()[0],
+    report({"quick": args.quick, "medium": args.medium, "window_model": args.window_model,
+            "hybrid_model": args.hybrid_model, "size": size, "rows": rows, "failed": bench.failed, "notes": bench.notes,
+            "dense_hybrid_bytes_per_token": dense_bytes_per_token(shape=bench.hybrid_shape), "loadavg_end": os.getloadavg()[0],
             "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
 
