@@ -8,6 +8,7 @@ from pathlib import Path
 
 ALONE, KVTIER, KVTIER_OFF = "vLLM alone", "kvtier (HMA on)", "kvtier (HMA off)"
 ALONE_OFF = "vLLM alone (HMA off)"
+ALONE_ALIGN = "vLLM alone (align)"
 
 
 def _ms(seconds: float | None) -> str:
@@ -30,7 +31,7 @@ def targets(run: dict) -> tuple[dict, dict]:
             return ratios[key]
         return None
 
-    for label, tag in ((KVTIER, "hma_on"), (KVTIER_OFF, "hma_off"), (ALONE_OFF, "alone_hma_off")):
+    for label, tag in ((KVTIER, "hma_on"), (KVTIER_OFF, "hma_off"), (ALONE_OFF, "alone_hma_off"), (ALONE_ALIGN, "alone_align")):
         for workload in ("prefix", "random"):
             ratio(f"window_{tag}_{workload}_req_s_x", "window", label, workload, "req_s")
             ratio(f"window_{tag}_{workload}_ttft_p50_x", "window", label, workload, "ttft_p50", "lower")
@@ -62,7 +63,7 @@ def print_table(run: dict, ratios: dict) -> None:
     from rich.table import Table
 
     table = Table(title="vLLM's OpenAI server, vLLM's benchmark client, 4 in flight", title_justify="left")
-    columns = ("model", "workload", "server", "req/s", "TTFT p50", "TTFT p99", "ITL p99", "loaded", "preempt",
+    columns = ("model", "workload", "server", "req/s", "TTFT p50", "TTFT p99", "ITL p99", "loaded", "vLLM hits", "preempt",
                "B/token stored", "vs vLLM req/s", "vs vLLM TTFT p50")
     for name in columns:
         table.add_column(name, justify="left" if name in ("model", "workload", "server") else "right")
@@ -73,10 +74,11 @@ def print_table(run: dict, ratios: dict) -> None:
         stored = f"{row['bytes_per_token']:,.0f}" if "bytes_per_token" in row else ""
         table.add_row(row["model"], row["workload"], row["label"], f"{row['req_s']:.2f}", _ms(row["ttft_p50"]),
                       _ms(row["ttft_p99"]), _ms(row["itl_p99"]), f"{row['loaded_share']:.0%}",
+                      f"{row['device_share']:.0%}" if "device_share" in row else "-",
                       f"{row['preemptions']:.0f}", stored, f"{vs:.2f}x" if vs else "", f"{vt:.2f}x" if vt else "")
     for arm, line in run["failed"].items():
         model, label = arm.split(": ", 1)
-        table.add_row(model, "-", label, "could not start", line[:60] + "...", *[""] * 7)
+        table.add_row(model, "-", label, "could not start", line[:60] + "...", *[""] * 8)
     console = Console(width=170)
     console.print(table)
     for arm, line in run["failed"].items():
@@ -94,7 +96,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
     labels = [f"{r['model']} {r['workload']}\n{r['label']}" for r in rows]
-    palette = {ALONE: "#999", KVTIER: "#37c", KVTIER_OFF: "#c63", ALONE_OFF: "#ccc"}
+    palette = {ALONE: "#999", KVTIER: "#37c", KVTIER_OFF: "#c63", ALONE_OFF: "#ccc", ALONE_ALIGN: "#ccc"}
     colors = [palette.get(r["label"], "#c63") for r in rows]
     axes[0].bar(labels, [r["req_s"] for r in rows], color=colors)
     axes[0].set(ylabel="requests / s", title="request throughput (4 in flight)")

@@ -14,21 +14,32 @@ Models (random weights, float32, blocks of 32 tokens, eager mode; harness/window
   request of the longest prompt) where that is more; prompts are prefilled 256 tokens a step. With
   ``--alone-hma-off``, vLLM alone with its hybrid manager off is one more arm: what turning HMA off changes in
   vLLM itself (its cache then holds every random prompt at 4 in flight, the HMA-on arms' one or two).
-* **hybrid**: a Granite-4.0-H-shaped model (3 Mamba2 layers, 1 attention layer). vLLM's own prefix caching is off
-  in every arm: for Mamba layers it means its boundary-aligned state mode, which fails on vLLM's CPU build
-  (docs/integrations/hybrid.md), so vLLM alone recomputes every prompt; kvtier serves hybrids uncached today.
-  The HMA-off arm is started and its error recorded: vLLM refuses a hybrid SSM model without HMA.
+* **hybrid**: a Granite-4.0-H shape: by default ``SMALL`` (hidden size 576, 24 layers of which 3 attention, Mamba2
+  mixers of 36 heads, about 170M parameters), or with ``--hybrid-model tiny`` the tests' model (hidden size 128, 3
+  Mamba2 layers and 1 attention layer), whose prefill steps cost little more than vLLM's per-step overhead.
+  Every arm prefills one Mamba block (64 tokens; vLLM raises the attention block to it) a step, at most 16
+  requests at a time
+  (``--max-num-batched-tokens 64 --max-num-seqs 16``): vLLM's CPU build runs its boundary-aligned Mamba prefix
+  caching (``mamba_cache_mode: align``), which kvtier's connector needs for hybrids, only so
+  (docs/integrations/hybrid.md). The kvtier arm runs with vLLM's prefix caching on in that mode and 256-token
+  chunks (4 Mamba blocks); vLLM alone, with the same scheduling, runs with its prefix caching off (Mamba cache mode
+  ``none``), so it recomputes every prompt: what ``vllm_serve.py`` gets by holding vLLM's cache small, which for a
+  hybrid's Mamba blocks would be guesswork. One more arm, vLLM alone with its prefix caching on in align mode
+  (``vLLM alone (align)``), shows what that mode costs vLLM itself. vLLM's own cache is reset before each run; the
+  ``vLLM hits`` column shows what it still served within a run (only prompts sharing a prefix in the same run:
+  none at ``--medium``, one prompt per prefix). The HMA-off arm is started and its error recorded: vLLM refuses a
+  hybrid SSM model without HMA.
 
 Workloads, each at 4 requests in flight, greedy, fixed output lengths: ``prefix_repetition`` (kvtier measured in
 steady state: one unmeasured pass fills its memory tier, then vLLM's prefix cache is reset) and ``random``
 prompts (never repeated). Reported per run: request throughput, TTFT p50/p99, ITL p99, the share of prompt
-tokens kvtier loaded, vLLM's preemptions; per kvtier arm, the bytes its memory tier holds per cached token,
+tokens kvtier loaded and vLLM's own prefix cache served, vLLM's preemptions; per kvtier arm, the bytes its memory tier holds per cached token,
 against a dense model of the same size (window: the same model with HMA off, which stores every layer's KV for
-every token; hybrid: 4 attention layers' KV, computed). A table, ``results/vllm_hybrid/vllm_hybrid.png`` and
+every token; hybrid: every layer's KV as its attention layers', computed). A table, ``results/vllm_hybrid/vllm_hybrid.png`` and
 ``.json``, and ``RESULT {json}`` with each ratio against vLLM alone in the same run and its target.
 
     python benchmarks/vllm_hybrid.py [--quick | --medium] [--models window] [--window-model small|tiny]
-                                     [--alone-hma-off] [--out results/vllm_hybrid]
+                                     [--hybrid-model small|tiny] [--alone-hma-off] [--out results/vllm_hybrid]
 """
 
 from __future__ import annotations
@@ -64,8 +75,11 @@ QUICK = dict(prefixes=4, prefix_len=512, suffix_len=32, output_len=8, prompts=8,
 HMA_OFF = ("--disable-hybrid-kv-cache-manager",)
 ALONE, KVTIER, KVTIER_OFF = "vLLM alone", "kvtier (HMA on)", "kvtier (HMA off)"
 ALONE_OFF = "vLLM alone (HMA off)"
+ALONE_ALIGN = "vLLM alone (align)"  # the hybrid with vLLM's own prefix caching on, reset before each run
 OFF_ARMS = (KVTIER_OFF, ALONE_OFF)
 PREFILL_STEP = 256  # tokens prefilled a step (--max-num-batched-tokens): chunked prefill of the long prompts
+MAMBA_BLOCK = 64  # the hybrid's Mamba block: vLLM raises its attention block (32) to the Mamba state's page
+HYBRID_SEQS = 16  # at most MAMBA_BLOCK (vLLM's CPU build, align mode); above the 4 in flight
 
 
 def cache_blocks(size: dict, hma: bool, max_len: int) -> int:
@@ -85,17 +99,17 @@ def cache_blocks(size: dict, hma: bool, max_len: int) -> int:
 
 class Bench:
     def __init__(self, size: dict, out: Path, work: Path, models: list[str], window_shape: str = "small",
-                 alone_hma_off: bool = False) -> None:
-        from harness import window_model
-        from harness.hybrid_model import build_tiny_hybrid
+                 alone_hma_off: bool = False, hybrid_shape: str = "small") -> None:
+        from harness import hybrid_model, window_model
 
         self.size, self.out, self.work = size, out, work
         shape = window_model.SMALL if window_shape == "small" else window_model.TINY
+        self.hybrid_shape = hybrid_model.SMALL if hybrid_shape == "small" else hybrid_model.TINY
         build = {"window": lambda: window_model.build_tiny_gemma3(work / "window", window=WINDOW, shape=shape),
-                 "hybrid": lambda: build_tiny_hybrid(work / "hybrid", "granite-hybrid")}
+                 "hybrid": lambda: hybrid_model.build_tiny_hybrid(work / "hybrid", shape=self.hybrid_shape)}
         self.models = {model: str(build[model]()) for model in models}
         self.arms = {"window": (ALONE, KVTIER, KVTIER_OFF) + ((ALONE_OFF,) if alone_hma_off else ()),
-                     "hybrid": (ALONE, KVTIER, KVTIER_OFF)}
+                     "hybrid": (ALONE, ALONE_ALIGN, KVTIER, KVTIER_OFF)}
         self.log = out / "client.log"
         self.log.write_text("")
         self.max_len = max(size["prefix_len"] + size["suffix_len"], size["random_len"]) + 64
@@ -106,17 +120,18 @@ class Bench:
 
     def server(self, model: str, label: str) -> VllmServer:
         args = ["--served-model-name", model, "--block-size", str(BLOCK), "--max-model-len", str(self.max_len),
-                "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16"]
+                "--dtype", "float32", "--enforce-eager", "--seed", "0"]
         if label in OFF_ARMS:
             args += HMA_OFF
         if model == "window":
             blocks = cache_blocks(self.size, label not in OFF_ARMS, self.max_len)
-            args += ["--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(PREFILL_STEP)]
-        else:  # vLLM's prefix caching of Mamba state (its align mode) fails on the CPU build
-            args += ["--no-enable-prefix-caching"]
-        kvtier = None if label in (ALONE, ALONE_OFF) else {"chunk_size": CHUNK,
+            args += ["--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(PREFILL_STEP),
+                     "--max-num-seqs", "16"]
+        else:
+            args += hybrid_args(label)
+        kvtier = None if label in (ALONE, ALONE_OFF, ALONE_ALIGN) else {"chunk_size": CHUNK,
                                               "tiers": [{"kind": "memory", "capacity_bytes": "2GiB"}]}
-        log = self.out / f"server-{model}-{label.split()[0].lower()}{'-hma-off' if label in OFF_ARMS else ''}.log"
+        log = self.out / f"server-{model}-{re.sub(r'[^a-z]+', '-', label.lower()).strip('-')}.log"
         return VllmServer(self.models[model], free_port(), log, kvtier=kvtier, args=tuple(args), env=SERVER_ENV)
 
     def dataset(self, workload: str) -> list[str]:
@@ -133,6 +148,7 @@ class Bench:
             time.sleep(2.0)
             server.reset_prefix_cache()
         hits, preempted = _hits(server), server_counter(server.url, "vllm:num_preemptions_total")
+        own = server_counter(server.url, "vllm:prefix_cache_hits_total")
         load = os.getloadavg()[0]
         raw = self.bench(server, model, workload, seed)
         time.sleep(1.0)  # the last step's kvtier counters reach /metrics with its output
@@ -140,12 +156,13 @@ class Bench:
                "seed": seed, **summarize(raw), "loadavg": (load + os.getloadavg()[0]) / 2,
                "duration_s": raw["duration"], "_texts": raw["generated_texts"]}
         row["loaded_share"] = (_hits(server) - hits) / row["prompt_tokens"]
+        row["device_share"] = (server_counter(server.url, "vllm:prefix_cache_hits_total") - own) / row["prompt_tokens"]
         row["preemptions"] = server_counter(server.url, "vllm:num_preemptions_total") - preempted
         self.rows.append(row)
         return row
 
     def model_rows(self, stack: ExitStack, model: str) -> None:
-        """Start the three arms side by side (an arm that cannot start is recorded), warm the kvtier ones on the
+        """Start the arms side by side (an arm that cannot start is recorded), warm the kvtier ones on the
         prefix workload, then each workload on each arm in turn."""
         servers = {label: self.server(model, label) for label in self.arms[model]}
         for server in servers.values():
@@ -173,6 +190,17 @@ class Bench:
                 row = self.run(server, model, label, workload, seed)
                 if workload == "prefix" and server.kvtier is not None:
                     row.update(stored_bytes(self.warm[label]))
+
+
+def hybrid_args(label: str) -> list[str]:
+    """The hybrid's scheduling, the same in every arm: one Mamba block (64 tokens) prefilled a step, as vLLM's CPU
+    build runs its boundary-aligned Mamba caching only so (docs/integrations/hybrid.md). kvtier needs vLLM's prefix
+    caching on in that mode; vLLM alone runs with it off (``mamba_cache_mode`` ``none``), so it recomputes every
+    prompt, as ``vllm_serve.py``'s vLLM alone does with its cache held small."""
+    args = ["--max-num-batched-tokens", str(MAMBA_BLOCK), "--max-num-seqs", str(HYBRID_SEQS)]
+    if label in (ALONE, ALONE_OFF):
+        return args + ["--no-enable-prefix-caching"]
+    return args + ["--enable-prefix-caching", "--mamba-cache-mode", "align"]
 
 
 def _hits(server: VllmServer) -> float:
@@ -204,6 +232,8 @@ def main() -> None:
     parser.add_argument("--models", default="window,hybrid", help="comma-separated, of window and hybrid")
     parser.add_argument("--window-model", choices=("small", "tiny"), default="small",
                         help="the window model's shape: near SmolLM2-135M's size, or the tests' tiny one")
+    parser.add_argument("--hybrid-model", choices=("small", "tiny"), default="small",
+                        help="the hybrid's shape: Granite-4.0-H near SmolLM2-135M's size, or the tests' tiny one")
     parser.add_argument("--alone-hma-off", action="store_true", help="add vLLM alone with HMA off (window model)")
     parser.add_argument("--report", metavar="JSON", help="print the table, PNG and RESULT of a saved run again")
     args = parser.parse_args()
@@ -216,7 +246,7 @@ def main() -> None:
     size = dict(QUICK if args.quick else MEDIUM if args.medium else FULL)
     models = args.models.split(",")
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-hybrid-") as tmp:
-        bench = Bench(size, out, Path(tmp), models, args.window_model, args.alone_hma_off)
+        bench = Bench(size, out, Path(tmp), models, args.window_model, args.alone_hma_off, args.hybrid_model)
         for model in models:
             with ExitStack() as stack:
                 bench.model_rows(stack, model)
@@ -225,8 +255,9 @@ def main() -> None:
         rows += compare([r for r in bench.rows if r["model"] == model])
     from harness.hybrid_model import dense_bytes_per_token
 
-    report({"quick": args.quick, "medium": args.medium, "window_model": args.window_model, "size": size, "rows": rows, "failed": bench.failed, "notes": bench.notes,
-            "dense_hybrid_bytes_per_token": dense_bytes_per_token(), "loadavg_end": os.getloadavg()[0],
+    report({"quick": args.quick, "medium": args.medium, "window_model": args.window_model,
+            "hybrid_model": args.hybrid_model, "size": size, "rows": rows, "failed": bench.failed, "notes": bench.notes,
+            "dense_hybrid_bytes_per_token": dense_bytes_per_token(shape=bench.hybrid_shape), "loadavg_end": os.getloadavg()[0],
             "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
 
