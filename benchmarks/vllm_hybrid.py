@@ -33,10 +33,10 @@ Models (random weights, float32, blocks of 32 tokens, eager mode; harness/window
 Workloads, each at 4 requests in flight, greedy, fixed output lengths: ``prefix_repetition`` (kvtier measured in
 steady state: one unmeasured pass fills its memory tier, then vLLM's prefix cache is reset) and ``random``
 prompts (never repeated). Reported per run: request throughput, TTFT p50/p99, ITL p99, the share of prompt
-tokens kvtier loaded and vLLM's own prefix cache served, vLLM's preemptions; per kvtier arm, the bytes its memory tier holds per cached token,
-against a dense model of the same size (window: the same model with HMA off, which stores every layer's KV for
-every token; hybrid: every layer's KV as its attention layers', computed). A table, ``results/vllm_hybrid/vllm_hybrid.png`` and
-``.json``, and ``RESULT {json}`` with each ratio against vLLM alone in the same run and its target.
+tokens kvtier loaded and vLLM's own prefix cache served, vLLM's preemptions; per kvtier arm, the bytes its memory
+tier holds per cached token, against a dense model of the same size (window: the same model with HMA off, which
+stores every layer's KV for every token; hybrid: every layer's KV as its attention layers', computed). A table,
+``results/vllm_hybrid/vllm_hybrid.png`` and ``.json``, and ``RESULT {json}`` with each ratio against vLLM alone in the same run and its target.
 
     python benchmarks/vllm_hybrid.py [--quick | --medium] [--models window] [--window-model small|tiny]
                                      [--hybrid-model small|tiny] [--alone-hma-off] [--out results/vllm_hybrid]
@@ -85,9 +85,9 @@ HYBRID_SEQS = 16  # at most MAMBA_BLOCK (vLLM's CPU build, align mode); above th
 def cache_blocks(size: dict, hma: bool, max_len: int) -> int:
     """A quarter of the blocks vLLM's prefix cache needs to hold every prefix of the workload, or the fewest vLLM
     starts with (one request of ``max_len``), whichever is more. HMA on: a block holds one KV cache group's
-    layers (vLLM makes 1 full-attention and 5 sliding-window groups of the 5:1 model), the full-attention group's blocks for every token and each sliding group's
-    window (plus the block it straddles). HMA off:
-    a block holds every layer, for every token."""
+    layers (vLLM makes 1 full-attention and 5 sliding-window groups of the 5:1 model), the full-attention group's
+    blocks for every token and each sliding group's window (plus the block it straddles). HMA off: a block holds
+    every layer, for every token."""
     blocks = -(-(size["prefix_len"] + size["suffix_len"]) // BLOCK)
     if not hma:
         return max(-(-size["prefixes"] * blocks // 4), -(-max_len // BLOCK) + 4)
@@ -257,7 +257,8 @@ def main() -> None:
 
     report({"quick": args.quick, "medium": args.medium, "window_model": args.window_model,
             "hybrid_model": args.hybrid_model, "size": size, "rows": rows, "failed": bench.failed, "notes": bench.notes,
-            "dense_hybrid_bytes_per_token": dense_bytes_per_token(shape=bench.hybrid_shape), "loadavg_end": os.getloadavg()[0],
+            "dense_hybrid_bytes_per_token": dense_bytes_per_token(shape=bench.hybrid_shape),
+            "loadavg_end": os.getloadavg()[0],
             "date": time.strftime("%Y-%m-%d %H:%M")}, out)
 
 
