@@ -36,7 +36,8 @@ prompts (never repeated). Reported per run: request throughput, TTFT p50/p99, IT
 tokens kvtier loaded and vLLM's own prefix cache served, vLLM's preemptions; per kvtier arm, the bytes its memory
 tier holds per cached token, against a dense model of the same size (window: the same model with HMA off, which
 stores every layer's KV for every token; hybrid: every layer's KV as its attention layers', computed). A table,
-``results/vllm_hybrid/vllm_hybrid.png`` and ``.json``, and ``RESULT {json}`` with each ratio against vLLM alone in the same run and its target.
+``results/vllm_hybrid/vllm_hybrid.png`` and ``.json``, and ``RESULT {json}`` with each ratio against vLLM alone
+in the same run and its target.
 
     python benchmarks/vllm_hybrid.py [--quick | --medium] [--models window] [--window-model small|tiny]
                                      [--hybrid-model small|tiny] [--alone-hma-off] [--out results/vllm_hybrid]
