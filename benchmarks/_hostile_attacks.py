@@ -256,9 +256,8 @@ def r4_half_heads(target: str):
         return {"codes": codes, "size": f"{n:,} half-sent heads to the {target} (fd limit {soft:,}), held 14 s",
                 "ok": codes["none"] == 0 if target != "sink" else None,
                 "note": f"{opened:,} connected; CPU s: attacker {attacker_s:.1f}, {target} {used:.1f}"}
-    attack.__doc__ = f"Half-sent request heads held open against the {target} (R-4); the attacker is a process of " \
-                     "its own. Against ``sink`` (a listener that accepts and holds, the control) it measures what " \
-                     "the attacker's own work costs the others on the same cores."
+    attack.__doc__ = f"Half-sent request heads held open against the {target} (R-4), from a process of its own; " \
+                     "against ``sink`` (a do-nothing listener, the control) what the attacker's work costs the rest."
     return attack
 
 

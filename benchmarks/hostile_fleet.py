@@ -25,8 +25,8 @@ Measured for each attack, against the issue's targets:
   within 200 MB of the level before;
 * the attack's own target where it has one (R-4: no connection left unanswered; R-6: the whole answer passed
   on; R-7: answered elsewhere within 5 s of the ejection; E-3: every event of 100,000-event batches applied, and
-  the index within its cap, freed on ejection; E-4: no
-  fake key adopted and the replica followed again on its new ports; B-1: at most 2x a plain prefill).
+  the index within its cap, freed on ejection; E-4: no fake key adopted and the replica followed again on its new
+  ports; B-1: at most 2x a plain prefill).
 
 Issue 48's rows (benchmarks/_hostile_round3.py) add three servers probed and sampled like the others
 (benchmarks/_hostile_servers.py: ``t1``, a ``kvtier serve`` with a Redis tier; ``o1``, one with a disk tier;
