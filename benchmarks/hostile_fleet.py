@@ -4,8 +4,7 @@ Starts a real ``kvtier route`` process in front of two real ``kvtier serve`` rep
 config, as the router's tests build it, with its context raised to 16k so the blending prompt fits; both with
 ``--blend --blend-separator '\\n\\n'``) and a compromised third replica (benchmarks/_hostile_replica.py: real
 HTTP and a real CURVE event stream, hostile content). Every attacker is a real process or socket speaking the
-real wire format over loopback (benchmarks/_hostile_attacks.py and _hostile_channel.py say what each sends and how
-much).
+real wire format over loopback (what each sends: benchmarks/_hostile_attacks.py and _hostile_channel.py).
 
 Measured for each attack, against the issue's targets:
 
@@ -38,8 +37,7 @@ threads bounded and every idle connection closed by it.
 
     PYTHONPATH=. python benchmarks/hostile_fleet.py [--quick] [--load 4]
 
-``--quick`` runs every attack small (a smoke run). Last line: RESULT {json}; a plot of every /health probe goes
-to results/hostile_fleet/health.png.
+``--quick`` runs every attack small (a smoke run). Last line: RESULT {json}; every /health probe: health.png.
 """
 
 from __future__ import annotations
