@@ -37,7 +37,7 @@ threads bounded and every idle connection closed by it.
 
     PYTHONPATH=. python benchmarks/hostile_fleet.py [--quick] [--load 4]
 
-``--quick`` runs every attack small (a smoke run). Last line: RESULT {json}; every /health probe: health.png.
+``--quick`` runs every attack small (a smoke run). Last line: RESULT {json}; every probe plotted in --out/health.png.
 """
 
 from __future__ import annotations
