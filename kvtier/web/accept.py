@@ -28,7 +28,7 @@ from functools import partial
 
 log = logging.getLogger(__name__)
 
-ACCEPTS_PER_TURN = 16  #: connections accepted per event-loop turn (~2-3 ms of setting up at most)
+ACCEPTS_PER_TURN = 64  #: connections accepted per event-loop turn (a few ms of setting up at most)
 LISTEN_BACKLOG = 2048  #: connections the kernel queues for the next turns (beyond: SYNs dropped and resent)
 OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
