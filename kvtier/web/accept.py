@@ -12,9 +12,6 @@ connections a turn), but uvicorn passes one number as both that bound and the ke
 ``connect_accepted_socket`` and served by uvicorn's protocol exactly as uvicorn would; the rest wait in the
 kernel's queue (``LISTEN_BACKLOG`` deep) for the next turns, while requests on connections already open are
 answered in between. Out of descriptors, accepting pauses for a second (as asyncio does) instead of spinning.
-A connection beyond the protocol's cap (``http_limits.guarded_protocol``'s ``connection_cap``) is answered its
-503 and closed right at the accept, before anything is set up for it (a flood's tens of thousands of refusals
-were most of what setting connections up cost).
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 import socket
 from functools import partial
 
@@ -56,8 +52,6 @@ def paced_server(config, sock: socket.socket):
     ``ACCEPTS_PER_TURN`` per loop turn; ``run()`` it without sockets. It closes ``sock`` when it shuts down."""
     import uvicorn
 
-    family, kind, proto = int(sock.family), int(sock.type), sock.proto
-
     class PacedAcceptServer(uvicorn.Server):
         accepts_per_turn = ACCEPTS_PER_TURN
 
@@ -72,11 +66,9 @@ def paced_server(config, sock: socket.socket):
                                                    app_state=self.lifespan.state)
 
         def _accept(self) -> None:
-            protocol = self.config.http_protocol_class
-            cap = getattr(protocol, "connection_cap", None)
             for _ in range(self.accepts_per_turn):
                 try:
-                    fd, _ = sock._accept()  # the bare descriptor: socket.accept() builds enums for every one
+                    conn, _ = sock.accept()
                 except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                     return
                 except OSError as exc:
@@ -86,11 +78,6 @@ def paced_server(config, sock: socket.socket):
                     self._loop.remove_reader(sock.fileno())
                     self._loop.call_later(1.0, self._loop.add_reader, sock.fileno(), self._accept)
                     return
-                if cap is not None and len(self.server_state.connections) + len(self._pending) >= cap:
-                    _refuse(fd, protocol.busy_answer)  # no transport, protocol or task for it: ~10x cheaper
-                    protocol.count_refusal(503, "connections")
-                    continue
-                conn = socket.socket(family, kind, proto, fileno=fd)
                 conn.setblocking(False)
                 task = self._loop.create_task(self._loop.connect_accepted_socket(self._protocol, conn))
                 self._pending.add(task)
@@ -109,14 +96,3 @@ def paced_server(config, sock: socket.socket):
             await super().shutdown(sockets=sockets)
 
     return PacedAcceptServer(config)
-
-
-def _refuse(fd: int, answer: bytes) -> None:
-    """Write ``answer`` to the accepted connection ``fd`` (a few hundred bytes: a fresh socket's buffer takes them
-    at once, or the peer is gone and they are lost) and close it."""
-    try:
-        os.write(fd, answer)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

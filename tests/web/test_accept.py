@@ -88,35 +88,3 @@ def test_a_connection_gone_before_it_is_set_up_costs_nothing_and_serving_goes_on
     srv.should_exit = True
     thread.join(timeout=30)
     assert not thread.is_alive()
-
-
-def test_a_connection_beyond_the_cap_is_answered_503_at_the_accept_and_the_open_ones_are_kept():
-    from kvtier.web.http_limits import HttpLimits, guarded_protocol
-
-    refusals = []
-    sock = accept.listening_socket("127.0.0.1", 0)
-    protocol = guarded_protocol(HttpLimits(max_connections=4), lambda status, reason: refusals.append((status, reason)))
-    config = uvicorn.Config(Starlette(routes=[Route("/health", _health)]), loop="uvloop", log_level="warning",
-                            http=protocol)
-    srv = accept.paced_server(config, sock)
-    thread = _start(srv)
-    port = sock.getsockname()[1]
-    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
-    deadline = time.monotonic() + 30
-    while len(srv.server_state.connections) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(srv.server_state.connections) == 4
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as extra:
-        answer = b""
-        while chunk := extra.recv(4096):
-            answer += chunk
-    assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer
-    assert refusals == [(503, "connections")]
-    assert len(srv.server_state.connections) == 4  # the held ones are still served
-    held[0].sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-    assert held[0].recv(4096).startswith(b"HTTP/1.1 200 OK")
-    for client in held:
-        client.close()
-    srv.should_exit = True
-    thread.join(timeout=30)
-    assert not thread.is_alive()
