@@ -237,8 +237,9 @@ def r4_half_heads(target: str):
         want = 2_000 if target == "replica" else 20_000
         n = min(want if big else 1_000, soft - 512)
         if target == "sink":  # the control: the same attacker against a listener that does nothing
-            sink = subprocess.Popen([sys.executable, __file__, "sink", str(n)], stdout=subprocess.PIPE, text=True)
-            fleet.servers.add(sink.pid)  # it stands in for a server: not niced
+            with fleet.starting:  # named a server (not niced) before the niceness check can see it
+                sink = subprocess.Popen([sys.executable, __file__, "sink", str(n)], stdout=subprocess.PIPE, text=True)
+                fleet.servers.add(sink.pid)
             url, pid = sink.stdout.readline().strip(), sink.pid
         else:
             url, pid = fleet.target_url(target), fleet.router.pid if target == "router" else fleet.replicas[0].proc.pid

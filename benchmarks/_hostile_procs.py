@@ -63,11 +63,17 @@ def lowest_nice(pid: int) -> int | None:
     return min(nices, default=None)
 
 
-def command(pid: int) -> str:
+def cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            args = fh.read().split(b"\0")
+            return fh.read()
     except OSError:
+        return b""
+
+
+def command(pid: int) -> str:
+    args = cmdline(pid).split(b"\0")
+    if args == [b""]:
         return "?"
     shown = [a.decode(errors="replace").rsplit("/", 1)[-1] for a in args[1:4] if a]
     return " ".join(shown)[:60]
@@ -75,12 +81,13 @@ def command(pid: int) -> str:
 
 def unniced(root: int, servers: set[int], nice: int) -> list[str]:
     """The processes under ``root`` (not ``root`` itself, nor ``servers`` and what they start) with a thread below
-    ``nice``, each as ``"PID COMMAND (nice N)"``."""
-    tree, out = children(), []
+    ``nice``, each as ``"PID COMMAND (nice N)"``. A child still running ``root``'s own command is a fork between
+    ``fork`` and ``exec``, before its ``preexec_fn`` niced it: not an attacker yet, and not reported."""
+    tree, out, own = children(), [], cmdline(root)
     todo = list(tree.get(root, []))
     while todo:
         pid = todo.pop()
-        if pid in servers:
+        if pid in servers or cmdline(pid) == own:
             continue
         todo.extend(tree.get(pid, []))
         low = lowest_nice(pid)

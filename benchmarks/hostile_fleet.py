@@ -113,6 +113,7 @@ class Fleet:
         self.huge_bytes = (1 << 30) if big else (64 << 20)
         self.paused: set[str] = set()
         self.servers: set[int] = set()  #: pids of other processes that stand in for servers (not niced)
+        self.starting = threading.Lock()  #: held while such a process is started and added to ``servers``
         self.procs: list[subprocess.Popen] = []
         self.extras = servers.Extras(work, model)
         self.servers |= self.extras.server_pids()
@@ -223,7 +224,8 @@ class Monitor:
                 self.sched[name].append((time.perf_counter() - self.t0, *schedstat_ms(pid())))
             self.load.append((self.now(), os.getloadavg()[0]))
             if turn % 5 == 0:  # every 0.5 s: every process this one started that is not a server is niced
-                bad = unniced(os.getpid(), self.fleet.server_pids(), attacks.ATTACKER_NICE)
+                with self.fleet.starting:
+                    bad = unniced(os.getpid(), self.fleet.server_pids(), attacks.ATTACKER_NICE)
                 self.unniced.extend((self.now(), proc) for proc in bad)
             turn += 1
             time.sleep(0.1)
