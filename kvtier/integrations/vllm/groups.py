@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -115,6 +115,18 @@ def group_layout(kv_cache_config: Any) -> GroupLayout:
     return GroupLayout(full[0] if full else None, tuple(windows), sizes.pop() if sizes else 0, layers)
 
 
+class StateGroups(Protocol):
+    """KV cache groups whose state at a chunk boundary is stored as a snapshot beside the full-attention KV
+    (``WindowKV``: sliding windows; ``mamba.MambaState``: Mamba conv and SSM states)."""
+
+    def snapshot_states(self, tables: Sequence[Sequence[int]], boundary: int) -> dict[StateKind, torch.Tensor] | None:
+        """The state before ``boundary`` in a request's blocks (``tables``: per group), or None if it has none."""
+
+    def restore_states(self, tables: Sequence[Sequence[int]], boundary: int, first_token: int, end: int,
+                       states: Mapping[StateKind, torch.Tensor]) -> None:
+        """Write a snapshot's ``states`` into a request's blocks, as the state at ``boundary``."""
+
+
 class WindowKV:
     """The sliding-window groups' paged KV (one PagedKV per group, in ``GroupLayout.windows`` order): gathers a
     request's window before a boundary into one snapshot and writes one back into its blocks."""
@@ -179,7 +191,7 @@ class WindowKV:
 
 
 def paged_groups(layout: GroupLayout, kv_caches: Mapping[str, Any], block_size: int, *,
-                 rows_split: bool) -> tuple[PagedKV, WindowKV | MambaState | None, KVSpec | ModelStateSpec]:
+                 rows_split: bool) -> tuple[PagedKV, StateGroups | None, KVSpec | ModelStateSpec]:
     """A worker's paged KV by group: the layers read as KV chunks (every layer, in layer order, unless the
     hybrid manager is on: then the full-attention group's, or for a model whose every layer slides any group,
     which is then only synchronised, never read), the groups stored as snapshots (sliding-window or Mamba groups),

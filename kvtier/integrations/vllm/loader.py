@@ -33,8 +33,7 @@ import torch
 
 from kvtier.base.state import StateKind
 from kvtier.core.cache import KVCache
-from kvtier.integrations.vllm.groups import WindowKV
-from kvtier.integrations.vllm.mamba import MambaState
+from kvtier.integrations.vllm.groups import StateGroups
 from kvtier.integrations.vllm.metadata import LoadSpec, unpack_extras, unpack_tokens
 from kvtier.integrations.vllm.paged import PagedKV, PagedSink
 from kvtier.base.threads import WATCHED
@@ -143,7 +142,7 @@ class _Load:
     closed: bool = False
     reason: str = ""
     written: set[int] = field(default_factory=set)  # start tokens of the chunks written
-    windows: WindowKV | MambaState | None = None  # the snapshot groups (loads with window_block_ids)
+    windows: StateGroups | None = None  # the snapshot groups (loads with window_block_ids)
 
     def write(self, start: int, end: int, chunk: torch.Tensor) -> None:
         with self.lock:
@@ -182,7 +181,7 @@ class AsyncLoads:
     """This rank's asynchronous loads: ``submit`` from ``start_load_kv``, ``finished`` from ``get_finished``."""
 
     def __init__(self, paged: PagedKV, cache: KVCache, default_timeout_s: float, *, nice: int = 0,
-                 windows: WindowKV | MambaState | None = None) -> None:
+                 windows: StateGroups | None = None) -> None:
         """``nice``: the loading thread's niceness (Linux, per thread); threads it starts inherit it. The first
         load still running a quarter of the way to its deadline ends the niceness (``_unnice``). ``windows``: the
         sliding-window groups, for loads that restore them."""

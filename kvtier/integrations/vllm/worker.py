@@ -28,8 +28,7 @@ import torch
 
 from kvtier.base.state import StateKind
 from kvtier.core.cache import KVCache
-from kvtier.integrations.vllm.groups import WindowKV
-from kvtier.integrations.vllm.mamba import MambaState
+from kvtier.integrations.vllm.groups import StateGroups
 from kvtier.integrations.vllm.loader import AsyncLoads, retrieve_spec
 from kvtier.integrations.vllm.lookup_socket import LookupLimits, LookupServer
 from kvtier.integrations.vllm.metadata import LoadSpec, SaveSpec, TransferSpec, WindowSave, unpack_extras, unpack_tokens
@@ -67,7 +66,7 @@ class _Windows:
 class WorkerSide:
     def __init__(self, paged: PagedKV, cache: KVCache, socket_path: str, max_lookup_tokens: int,
                  load_timeout_s: float = 30.0, load_nice: int = 0,
-                 windows: WindowKV | MambaState | None = None) -> None:
+                 windows: StateGroups | None = None) -> None:
         """``windows``: the sliding-window or Mamba groups (vLLM's hybrid manager), whose windows or states at
         chunk boundaries are stored as snapshots;
         ``paged`` is then the full-attention group (any group for a model whose every layer slides: its blocks are
