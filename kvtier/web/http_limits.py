@@ -111,6 +111,10 @@ def guarded_protocol(limits: HttpLimits, on_refused: Callable[[int, str], None] 
         loop.call_soon(refuse_expired, loop)  # the rest after the loop has seen to everything else once
 
     class GuardedHttpProtocol(HttpToolsProtocol):
+        #: for a server that accepts connections itself (kvtier.web.accept): refuse them at the cap before any
+        #: transport or protocol is made, with these bytes, counting each with ``count_refusal``
+        connection_cap, busy_answer, count_refusal = cap, busy, staticmethod(on_refused)
+
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self._timer: asyncio.TimerHandle | None = None

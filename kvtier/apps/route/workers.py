@@ -17,28 +17,15 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import signal
-import socket
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
+from kvtier.web.accept import listening_socket, paced_server
 from kvtier.web.startup import favour_event_loop, freeze_startup_objects
-
-
-def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A socket bound to ``host:port`` that other processes may bind too (``SO_REUSEPORT``)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
-    return sock
 
 
 def serve(args: argparse.Namespace, config, tokenizer) -> None:
     """Run one router (this process) on ``args.host:args.port`` until it is stopped."""
-    import uvicorn
-
     from kvtier.apps.route.app import server_config
     from kvtier.apps.route.config import parse_replica
     from kvtier.apps.route.pd import PDRouter
@@ -47,11 +34,11 @@ def serve(args: argparse.Namespace, config, tokenizer) -> None:
     decode = getattr(args, "decode", None)  # --prefill/--decode: prefill/decode disaggregation (pd.py)
     router = (PDRouter(config, tuple(parse_replica(item) for item in decode), tokenizer) if decode
               else Router(config, tokenizer))
-    sock = listening_socket(args.host, args.port)
-    server = uvicorn.Server(server_config(router, args.host, args.port, args.log_level))
+    sock = listening_socket(args.host, args.port, reuse_port=True)  # each worker binds it; the kernel spreads
+    server = paced_server(server_config(router, args.host, args.port, args.log_level), sock)
     freeze_startup_objects()  # the tokenizer and its modules out of the cyclic GC: no 0.4 s collections under load
     favour_event_loop()  # snapshots are prepared in a worker thread: the loop gets the GIL back within 1 ms
-    server.run(sockets=[sock])
+    server.run()
 
 
 def _worker(args: argparse.Namespace, router_config: Callable[[argparse.Namespace], object]) -> None:
