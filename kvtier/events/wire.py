@@ -29,7 +29,7 @@ import msgspec
 
 from kvtier.base.errors import KVTierError
 from kvtier.base.keys import HASH_BYTES, ChunkHash, Namespace
-from kvtier.base.layout import KVSpec, dtype_from_name, dtype_name
+from kvtier.base.layout import KVSpec
 from kvtier.core.events import ChunkEvent, ChunkEventKind, TierHolding
 
 SNAPSHOT_REQUEST = b"snapshot"
@@ -215,7 +215,7 @@ def namespace_json(namespace: Namespace) -> dict:
     """A replica's namespace for ``/kvtier/info`` (the salt is per request and never published)."""
     spec = namespace.spec
     return {"model": namespace.model, "layers": spec.num_layers, "kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim, "dtype": dtype_name(spec.dtype), "chunk_size": namespace.chunk_size,
+            "head_dim": spec.head_dim, "dtype": spec.dtype_key, "chunk_size": namespace.chunk_size,
             "tp_rank": namespace.tp_rank, "tp_size": namespace.tp_size, "adapter": namespace.adapter}
 
 
@@ -235,7 +235,7 @@ def namespace_from_json(value: object) -> Namespace:
     """The Namespace a replica published with ``namespace_json``; WireError if it is not one."""
     try:
         ns = msgspec.convert(value, _NamespaceJson)
-        spec = KVSpec(ns.layers, ns.kv_heads, ns.head_dim, dtype_from_name(ns.dtype))
+        spec = KVSpec(ns.layers, ns.kv_heads, ns.head_dim, ns.dtype)  # by name: a router never loads torch
         return Namespace(ns.model, spec, ns.chunk_size, ns.tp_rank, ns.tp_size, ns.adapter)
     except (msgspec.ValidationError, KVTierError) as exc:
         raise WireError(f"not a namespace: {exc}") from None

@@ -57,6 +57,20 @@ def test_the_router_modules_import_no_torch() -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+def test_a_replicas_published_namespace_is_read_without_torch() -> None:
+    """What a cache-backed replica publishes at ``/kvtier/info`` (its namespace, with the KV dtype by name) is
+    what the router's health probe reads: that read once imported torch into a running router."""
+    code = ("import json, sys; from kvtier.base.keys import Namespace; from kvtier.base.layout import KVSpec; "
+            "from kvtier.events.wire import namespace_from_json, namespace_json; "
+            "ns = Namespace('m@main', KVSpec(30, 3, 64, 'bfloat16'), 256); "
+            "back = namespace_from_json(json.loads(json.dumps(namespace_json(ns)))); "
+            "print(json.dumps([back == ns, back.spec.dtype_key, 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, "bfloat16", False]
+
+
 @pytest.mark.parametrize("chat", CHATS)
 def test_the_lean_tokenizer_gives_autotokenizers_ids(chat: list[dict[str, str]]) -> None:
     from transformers import AutoTokenizer
