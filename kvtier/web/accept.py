@@ -24,6 +24,7 @@ import errno
 import logging
 import os
 import socket
+from collections.abc import Callable
 from functools import partial
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,11 @@ def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.s
     return sock
 
 
-def paced_server(config, sock: socket.socket):
+def paced_server(config, sock: socket.socket, on_started: Callable[[], None] = lambda: None):
     """A ``uvicorn.Server`` for ``config`` serving connections accepted on ``sock`` (``listening_socket``), at most
-    ``ACCEPTS_PER_TURN`` per loop turn; ``run()`` it without sockets. It closes ``sock`` when it shuts down."""
+    ``ACCEPTS_PER_TURN`` per loop turn; ``run()`` it without sockets. It closes ``sock`` when it shuts down.
+    ``on_started`` is called once the app, its protocol modules and its lifespan are loaded, before the first
+    connection is accepted."""
     import uvicorn
 
     family, kind, proto = int(sock.family), int(sock.type), sock.proto
@@ -63,6 +66,7 @@ def paced_server(config, sock: socket.socket):
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=[])  # the lifespan and uvicorn's state; no listening socket of its own
+            on_started()
             self._loop = asyncio.get_running_loop()
             self._pending: set[asyncio.Task] = set()
             self._loop.add_reader(sock.fileno(), self._accept)

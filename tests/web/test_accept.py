@@ -149,7 +149,7 @@ def test_a_connection_accepted_while_another_finishes_its_setup_is_not_refused_b
     deadline = time.monotonic() + 30
     while not srv.server_state.connections and time.monotonic() < deadline:
         time.sleep(0.001)
-    second = socket.create_connection(("127.0.0.1", port), timeout=30)  # completed by the kernel, waiting to be accepted
+    second = socket.create_connection(("127.0.0.1", port), timeout=30)  # completed by the kernel, not yet accepted
     arrived.set()
     deadline = time.monotonic() + 30
     while len(srv.server_state.connections) < 2 and not refusals and time.monotonic() < deadline:
@@ -160,6 +160,34 @@ def test_a_connection_accepted_while_another_finishes_its_setup_is_not_refused_b
     assert second.recv(4096).startswith(b"HTTP/1.1 200 OK")
     first.close()
     second.close()
+    srv.should_exit = True
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_on_started_runs_after_the_lifespan_and_before_the_first_connection_is_accepted():
+    """``kvtier route`` freezes its startup objects there: everything loaded by then, nothing served yet."""
+    from contextlib import asynccontextmanager
+
+    seen = []
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        seen.append("lifespan")
+        yield
+
+    sock = accept.listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    early = socket.create_connection(("127.0.0.1", port), timeout=30)  # waiting in the kernel's queue already
+    early.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    config = uvicorn.Config(Starlette(routes=[Route("/health", _health)], lifespan=lifespan), loop="uvloop",
+                            log_level="warning")
+    srv = accept.paced_server(config, sock,
+                              on_started=lambda: seen.append(("started", len(srv.server_state.connections))))
+    thread = _start(srv)
+    assert early.recv(4096).startswith(b"HTTP/1.1 200 OK")
+    assert seen == ["lifespan", ("started", 0)]
+    early.close()
     srv.should_exit = True
     thread.join(timeout=30)
     assert not thread.is_alive()
