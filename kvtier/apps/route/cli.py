@@ -68,6 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--decode-stream-tokens", type=float, help="cost of one decoding request, in prefill tokens")
     r.add_argument("--record-ttl", type=float, default=600.0,
                    help="seconds the router trusts its own record of replicas that publish no events")
+    r.add_argument("--record-chunk-tokens", type=int, default=256,
+                   help="tokens per key in that record: a shared prefix shorter than this is not seen (default "
+                        "%(default)s; smaller: finer matching for more hashing)")
     f = p.add_argument_group("limits and failures")
     f.add_argument("--max-sessions", type=int, default=100_000,
                    help="sticky sessions remembered (remembered placement; least recently used forgotten first)")
@@ -131,13 +134,16 @@ def router_config(args: argparse.Namespace):
         parse_replica(item)  # a malformed decode URL is named now, not in the serving process
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+    if args.record_chunk_tokens < 1:
+        raise ConfigError(f"--record-chunk-tokens must be at least 1, got {args.record_chunk_tokens}")
     sessions = SessionPlacement(args.sessions or ("rendezvous" if args.workers > 1 else "remembered"))
     return RouterConfig(
         replicas=tuple(parse_replica(item) for item in args.replica or args.prefill), routing=routing,
         proxy=ProxyConfig(read_timeout_s=args.read_timeout, max_attempts=args.max_attempts,
                           admin_timeout_s=args.admin_timeout),
         admission=AdmissionConfig(max_in_flight=args.max_in_flight, max_queue=args.max_queue),
-        health=HealthConfig(interval_s=args.health_interval), index=IndexConfig(recent_ttl_s=args.record_ttl),
+        health=HealthConfig(interval_s=args.health_interval),
+        index=IndexConfig(recent_ttl_s=args.record_ttl, chunk_size=args.record_chunk_tokens),
         tokenizer=Path(args.model) if args.model else None, http=http_limits(args),
         events_key=Path(args.events_key) if args.events_key else None, sessions=sessions)
 
