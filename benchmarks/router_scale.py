@@ -13,7 +13,11 @@ round by round so the load other jobs put on this shared machine falls on each a
   completions; the share of requests sent to a replica holding the longest prefix of blocks among the
   replicas, by an oracle that knows what every replica was sent and models each one's bounded cache (each
   stand-in holds at most ``--replica-blocks`` block prefixes, least recently used dropped, and publishes
-  nothing, so a router's record of what it sent where goes stale as a real replica's cache would);
+  nothing, so a router's record of what it sent where goes stale as a real replica's cache would), with
+  ``--trace-concurrency`` requests in flight (each stand-in answers ``--block-ms`` per block it did not hold
+  later, so placing a turn away from its prefix costs what a prefill would; one request at a time every router
+  scored 1.0: a router sends a prefix back where it sent it, and no other replica holds it), the stand-ins'
+  caches emptied first; kvtier's record chunk is scaled as the trace (``--record-chunk``);
 * RSS after ``--sessions`` distinct sessions (peers: extrapolated linearly to 1 M);
 * kvtier's plateau (``--plateau-cap``): a `kvtier route` with its per-session and per-prompt caps
   (``--max-sessions``, ``--prompt-cache-entries``) set to the cap, flooded with distinct small sessions to
@@ -49,27 +53,32 @@ TRACE = Path("/work/shared/workloads/mooncake_synthetic_trace.jsonl")
 
 
 def arms(args, model: str) -> dict[str, callable]:
+    """Each arm's command for (port, replica urls, trace): ``trace`` is the oracle's run on the scaled trace."""
     peers = Path(args.peers)
     kvtier = [sys.executable, "-m", "kvtier", "route", "--model", model, "--log-level", "warning"]
 
     def k(*extra):
-        return lambda port, urls: [*kvtier, "--port", str(port), *extra, *sum((["--replica", u] for u in urls), [])]
+        # on the scaled-down trace (a 512-token block is ~28 tokens here) the record's chunk is scaled alike:
+        # at full size kvtier's 256-token chunk is half a block, so it sees every shared block
+        def cmd(port, urls, trace=False):
+            scaled = ["--record-chunk-tokens", str(args.record_chunk)] if trace else []
+            return [*kvtier, "--port", str(port), *extra, *scaled, *[a for u in urls for a in ("--replica", u)]]
+        return cmd
 
     out = {"kvtier route": k(), "kvtier route x2": k("--workers", "2")}
     if (peers / "bin/vllm-router").exists():
-        out["vllm-router cache_aware"] = lambda port, urls: [str(peers / "bin/vllm-router"), "--host", "127.0.0.1",
-                                                             "--port", str(port), "--policy", "cache_aware",
-                                                             "--worker-urls", *urls]
+        out["vllm-router cache_aware"] = lambda port, urls, trace=False: [
+            str(peers / "bin/vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+            "--worker-urls", *urls]
     if (peers / "bin/sglang-router").exists():
-        out["sglang-router cache_aware"] = lambda port, urls: [str(peers / "bin/sglang-router"), "launch", "--host",
-                                                               "127.0.0.1", "--port", str(port), "--policy",
-                                                               "cache_aware", "--worker-urls", *urls]
+        out["sglang-router cache_aware"] = lambda port, urls, trace=False: [
+            str(peers / "bin/sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy",
+            "cache_aware", "--worker-urls", *urls]
     return out
 
 
 def measure(name: str, cmd, fleet: StubFleet, args, out: Path, last: bool) -> dict:
-    """One round of one arm: the closed-loop rate; in the last round also the oracle share and the RSS after a
-    flood of sessions (the same router process: one start per arm and round)."""
+    """One round of one arm: the closed-loop rate; in the last round also ``trace_and_flood``."""
     port = free_port()
     with RouterProc(cmd(port, fleet.urls), port, log=out / f"{name.replace(' ', '_')}.log",
                     cpus=args.router_cpus) as router:
@@ -82,10 +91,23 @@ def measure(name: str, cmd, fleet: StubFleet, args, out: Path, last: bool) -> di
         got = {"rate": load.rate, "p99_ms": load.quantile(0.99) * 1e3, "p50_ms": load.quantile(0.5) * 1e3,
                "cpu_ms_per_request": (cpu1 - cpu0) * 1e3 / max(load.ok, 1), "rss_mb": rss / 2**20,
                "errors": load.sent - load.ok}
-        if not last:
-            return got
-        got["oracle_share"] = oracle_share(router.url, TRACE, args.trace, args.block_words, fleet.ports,
-                                           args.replica_blocks or None)
+    if last:
+        got.update(trace_and_flood(name, cmd, fleet, args, out))
+    return got
+
+
+def trace_and_flood(name: str, cmd, fleet: StubFleet, args, out: Path) -> dict:
+    """The oracle shares and the RSS after a flood of sessions, through a router process of their own (kvtier's
+    with its record's chunk scaled to the trace)."""
+    port = free_port()
+    with RouterProc(cmd(port, fleet.urls, trace=True), port, log=out / f"{name.replace(' ', '_')}.trace.log",
+                    cpus=args.router_cpus) as router:
+        router.wait_ready("/health", timeout=300)
+        got = {}
+        shared = oracle_share(router.url, TRACE, args.trace, args.block_words, fleet.ports,
+                              args.replica_blocks or None, concurrency=args.trace_concurrency)
+        got.update({"oracle_share": shared.share, "oracle_judged": shared.judged,
+                    "oracle_busiest_over_mean": shared.busiest_over_mean})
         _, rss0 = tree_cpu_rss(router.pid)
         sent = session_flood(router.url, args.sessions, args.concurrency)
         _, rss1 = tree_cpu_rss(router.pid)
@@ -133,7 +155,8 @@ def table(figures: dict[str, dict]) -> None:
     from rich.table import Table
 
     t = Table(title="routers in front of 4 stand-in replicas")
-    cols = ["rate", "p99_ms", "cpu_ms_per_request", "rss_mb", "oracle_share", "rss_1m_sessions_mb"]
+    cols = ["rate", "p99_ms", "cpu_ms_per_request", "rss_mb", "oracle_share", "oracle_busiest_over_mean",
+            "rss_1m_sessions_mb"]
     t.add_column("router")
     for col in cols:
         t.add_column(col, justify="right")
@@ -173,6 +196,10 @@ def main() -> None:
     p.add_argument("--replica-blocks", type=int, default=500,
                    help="block prefixes each stand-in holds (LRU; 0: unbounded, every router then matches the oracle)")
     p.add_argument("--block-words", type=int, default=24, help="words each 512-token trace block becomes")
+    p.add_argument("--trace-concurrency", type=int, default=8, help="trace requests in flight for the oracle share")
+    p.add_argument("--record-chunk", type=int, default=16, help="kvtier's --record-chunk-tokens on the trace")
+    p.add_argument("--block-ms", type=float, default=2.0,
+                   help="a stand-in's delay per trace block it did not hold (its prefill)")
     p.add_argument("--router-cpus", default="0", help="taskset cores of every router")
     p.add_argument("--other-cpus", default=None, help="taskset cores of the replicas and the client")
     p.add_argument("--peers", default=os.environ.get("KVTIER_ROUTER_PEERS", "/work/venvs/routers"))
@@ -195,7 +222,8 @@ def main() -> None:
     from tqdm import tqdm
 
     steps = [(r, name) for r in range(args.rounds) for name in routers]  # interleaved: each round every arm
-    with StubFleet(args.replicas, cpus=args.other_cpus, blocks=args.replica_blocks or None) as fleet:
+    with StubFleet(args.replicas, cpus=args.other_cpus, blocks=args.replica_blocks or None,
+                   block_ms=args.block_ms) as fleet:
         for r, name in tqdm(steps, desc="router_scale"):
             got = measure(name, routers[name], fleet, args, out, last=r == args.rounds - 1)
             for key, value in got.items():

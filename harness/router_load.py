@@ -34,19 +34,22 @@ _VOCAB = ["cache", "prefix", "router", "replica", "token", "session", "model", "
 class StubFleet:
     """``n`` stand-in OpenAI replicas (harness.stub_replica), each its own process, optionally pinned."""
 
-    def __init__(self, n: int, cpus: str | None = None, model: str | None = None, blocks: int | None = None) -> None:
+    def __init__(self, n: int, cpus: str | None = None, model: str | None = None, blocks: int | None = None,
+                 block_ms: float = 0.0) -> None:
         self.ports = [free_port() for _ in range(n)]
         self.model = model  #: what their /v1/models names (None: 404)
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.procs: list[subprocess.Popen] = []
         self.blocks = blocks  #: each replica's bounded prefix cache (harness.stub_replica --blocks), None: none
         self.cpus = cpus
+        self.block_ms = block_ms  #: with ``blocks``: each answer's delay per block the replica did not hold
 
     def __enter__(self) -> Self:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         for port in self.ports:
             cmd = [sys.executable, "-m", "harness.stub_replica", str(port), *([self.model] if self.model else []),
-                   *(["--blocks", str(self.blocks)] if self.blocks else [])]
+                   *(["--blocks", str(self.blocks)] if self.blocks else []),
+                   *(["--block-ms", str(self.block_ms)] if self.blocks and self.block_ms else [])]
             if self.cpus:
                 cmd = ["taskset", "-c", self.cpus, *cmd]
             self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True))

@@ -7,7 +7,10 @@ trace, and a flood of distinct sessions.
   sent in order as text completions through the router at ``url`` to stand-in replicas (which name the port
   that served them); the share of requests whose replica held the longest prefix of blocks among all replicas,
   by an oracle that knows every replica was sent and models each one's cache (unbounded, or the stand-ins'
-  bounded LRU of block prefixes: ``blocks_cap``), over the requests some replica held anything for.
+  bounded LRU of block prefixes: ``blocks_cap``), over the requests some replica held anything for. With
+  ``concurrency`` > 1 that many requests are in flight at once (each next one sent in trace order as one is
+  answered), so a router must place a session's turn while others load the replicas: the oracle judges each
+  request by its model of the replicas when it was sent (what the answers so far say they served).
 * ``session_flood(url, n, concurrency)``: ``n`` short chat requests, each a new session; how many succeeded.
 """
 
@@ -17,6 +20,8 @@ import asyncio
 import json
 import os
 import random
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 _WORDS = ("alpha beta gamma delta epsilon zeta theta iota kappa lambda sigma omega river stone cloud field light "
@@ -54,17 +59,37 @@ def _block_text(block: int, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words)) + "."
 
 
+@dataclass(frozen=True)
+class TraceShare:
+    """``oracle_share``'s figures: the share, over how many requests it was judged, and the busiest replica's
+    requests over the mean (a router that sends everything to one replica scores a share of 1.0 trivially)."""
+
+    share: float
+    judged: int
+    busiest_over_mean: float
+
+    @staticmethod
+    def of(hits: int, judged: int, served: Counter, ports: list[int]) -> TraceShare:
+        mean = sum(served.values()) / len(ports)
+        return TraceShare(hits / judged if judged else 0.0, judged, max(served.values(), default=0) / (mean or 1))
+
+
 def oracle_share(url: str, trace: Path, n: int, block_words: int, ports: list[int],
-                 blocks_cap: int | None = None) -> float:
+                 blocks_cap: int | None = None, concurrency: int = 1) -> TraceShare:
     """See the module docstring. ``blocks_cap``: each stand-in holds at most that many block prefixes
-    (harness.stub_replica --blocks) and the oracle models every replica's bounded cache alike; a replica's answer
-    (``held_blocks``) must agree with the oracle's model of it (RuntimeError otherwise)."""
+    (harness.stub_replica --blocks) and the oracle models every replica's bounded cache alike; one at a time, a
+    replica's answer (``held_blocks``) must agree with the oracle's model of it (RuntimeError otherwise)."""
     import httpx
 
+    for port in ports:  # every replay starts from cold stand-ins, as the oracle's model does
+        httpx.post(f"http://127.0.0.1:{port}/stub/forget", timeout=30).raise_for_status()
+    if concurrency > 1:
+        return asyncio.run(_concurrent_share(url, trace, n, block_words, ports, blocks_cap, concurrency))
     from harness.stub_replica import PrefixCache, prompt_blocks
 
     model = {port: PrefixCache(blocks_cap or 1 << 62) for port in ports}
     hits = counted = 0
+    served: Counter = Counter()
     with trace.open() as fh, httpx.Client(timeout=120) as client:
         for _, line in zip(range(n), fh):
             prompt = " ".join(_block_text(b, block_words) for b in json.loads(line)["hash_ids"])
@@ -75,13 +100,49 @@ def oracle_share(url: str, trace: Path, n: int, block_words: int, ports: list[in
                 continue
             body = answer.json()
             port = body["served_by"]
+            served[port] += 1
             if max(best.values()) > 0:
                 counted += 1
                 hits += best[port] == max(best.values())
             on_arrival = model[port].serve(keys)
             if blocks_cap and body.get("held_blocks") != on_arrival:
                 raise RuntimeError(f"replica {port} held {body.get('held_blocks')} blocks, the oracle {on_arrival}")
-    return hits / counted if counted else 0.0
+    return TraceShare.of(hits, counted, served, ports)
+
+
+async def _concurrent_share(url: str, trace: Path, n: int, block_words: int, ports: list[int],
+                            blocks_cap: int | None, concurrency: int) -> TraceShare:
+    import httpx
+
+    from harness.stub_replica import PrefixCache, prompt_blocks
+
+    model = {port: PrefixCache(blocks_cap or 1 << 62) for port in ports}
+    with trace.open() as fh:
+        prompts = [" ".join(_block_text(b, block_words) for b in json.loads(line)["hash_ids"])
+                   for _, line in zip(range(n), fh)]
+    queue = iter(prompts)
+    hits = counted = 0
+    served: Counter = Counter()
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal hits, counted
+        for prompt in queue:  # one shared iterator: the trace's order, each request sent once
+            keys = PrefixCache.keys(prompt_blocks(prompt))
+            best = {port: model[port].held(keys) for port in ports}  # the replicas as the answers so far say
+            answer = await client.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4})
+            if answer.status_code != 200:
+                continue
+            port = answer.json()["served_by"]
+            served[port] += 1
+            if max(best.values()) > 0:
+                counted += 1
+                hits += best[port] == max(best.values())
+            model[port].serve(keys)
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return TraceShare.of(hits, counted, served, ports)
 
 
 def session_flood(url: str, n: int, concurrency: int, start: int = 0) -> int:

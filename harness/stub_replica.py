@@ -1,6 +1,6 @@
 """A stand-in OpenAI replica for the router's hostile-input tests, run as its own process on a loopback port.
 
-    python -m harness.stub_replica PORT [MODEL] [--blocks N]
+    python -m harness.stub_replica PORT [MODEL] [--blocks N [--block-ms MS]]
 
 It speaks real HTTP (uvicorn) and answers like an OpenAI server without a model, so the router's tests start
 in a second rather than loading one: ``/health`` 200, ``/kvtier/info`` 404 (a plain OpenAI replica: the router
@@ -13,7 +13,10 @@ that does not say what it serves).
 With ``--blocks N`` it keeps a bounded cache as a real replica would, and publishes nothing about it: a text
 prompt is a run of blocks (sentences ending in ``.``, as harness.router_trace writes them); the replica holds
 the block prefixes of the prompts it served, at most N, least recently used dropped first, and its answer's
-``held_blocks`` says how many leading blocks of the prompt it held when the request arrived.
+``held_blocks`` says how many leading blocks of the prompt it held when the request arrived. With
+``--block-ms MS`` too, the answer comes MS milliseconds per block it did not hold later (a prefill of what is not
+cached), so requests overlap in proportion to what their replica must compute, as on a real one. ``POST
+/stub/forget`` empties the cache.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class PrefixCache:
             out.append(h)
         return out
 
+    def clear(self) -> None:
+        self._held.clear()
+
     def held(self, keys: list[bytes]) -> int:
         """Leading keys held, without touching them."""
         n = 0
@@ -71,11 +77,16 @@ def prompt_blocks(prompt: str) -> list[str]:
     return [part.strip() for part in prompt.split(".") if part.strip()]
 
 
-def create_app(port: int, model: str | None = None, blocks: int | None = None) -> Starlette:
+def create_app(port: int, model: str | None = None, blocks: int | None = None, block_ms: float = 0.0) -> Starlette:
     cache = PrefixCache(blocks) if blocks else None
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def forget(request: Request) -> Response:  # a replay starts from cold caches
+        if cache is not None:
+            cache.clear()
+        return JSONResponse({"forgot": True})
 
     async def info(request: Request) -> Response:
         return PlainTextResponse("not kvtier", status_code=404)
@@ -96,13 +107,18 @@ def create_app(port: int, model: str | None = None, blocks: int | None = None) -
                 prompt = json.loads(body).get("prompt")
             except (ValueError, AttributeError):
                 prompt = None
-            held = cache.serve(PrefixCache.keys(prompt_blocks(prompt))) if isinstance(prompt, str) else None
+            if isinstance(prompt, str):
+                keys = PrefixCache.keys(prompt_blocks(prompt))
+                held = cache.serve(keys)
+                if block_ms:
+                    await asyncio.sleep(block_ms * (len(keys) - held) / 1e3)
         return JSONResponse({"id": "cmpl-stub", "object": "text_completion", "served_by": port, "held_blocks": held,
                              "echo": echo.hex(), "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
                              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
                                        "prompt_tokens_details": {"cached_tokens": 0}}})
 
     return Starlette(routes=[Route("/health", health), Route("/kvtier/info", info), Route("/v1/models", models),
+                             Route("/stub/forget", forget, methods=["POST"]),
                              Route("/v1/completions", generate, methods=["POST"]),
                              Route("/v1/chat/completions", generate, methods=["POST"])])
 
@@ -115,11 +131,12 @@ async def _held():
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    cap = None
-    if "--blocks" in argv:
-        at = argv.index("--blocks")
-        cap = int(argv[at + 1])
-        del argv[at:at + 2]
-    port = int(argv[0])
-    uvicorn.run(create_app(port, argv[1] if len(argv) > 1 else None, cap), host="127.0.0.1", port=port,
-                log_level="warning")
+    options = {"--blocks": None, "--block-ms": 0.0}
+    for flag in options:
+        if flag in argv:
+            at = argv.index(flag)
+            options[flag] = float(argv[at + 1])
+            del argv[at:at + 2]
+    port, cap = int(argv[0]), options["--blocks"]
+    uvicorn.run(create_app(port, argv[1] if len(argv) > 1 else None, cap and int(cap), options["--block-ms"]),
+                host="127.0.0.1", port=port, log_level="warning")
