@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -194,9 +195,17 @@ class SegmentHost:
             self.stop()
             raise RuntimeError(f"segment host did not join the pool: {word} {self.segment}".strip() or "exited")
 
+    def pause(self) -> None:
+        """Freeze it (SIGSTOP): the master still lists its values, and a transfer from it never completes."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """Leave the pool cleanly (its segment, and what it holds, are unmounted at once)."""
         if self.proc.poll() is None:
+            self.resume()  # a frozen host cannot read the closed stdin that tells it to leave
             assert self.proc.stdin is not None
             self.proc.stdin.close()
             try:

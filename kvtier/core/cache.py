@@ -217,14 +217,15 @@ class KVCache:
             return sum(written) * self.chunk_size
 
     def store_keyed(self, keys: Sequence[ChunkHash], token_ids: np.ndarray, source: KVSource, *, salt: bytes = b"",
-                    ttl_s: float | None = None, extras: ExtraKeys = NO_EXTRAS) -> list[bool]:
+                    ttl_s: float | None = None, extras: ExtraKeys = NO_EXTRAS, ttl_required: bool = True) -> list[bool]:
         """``store`` under keys the caller derived itself (an engine's own chained page hashes mapped into this
         namespace), chunk ``i`` being tokens ``[i * chunk_size, (i + 1) * chunk_size)`` of ``source`` and of
         ``token_ids`` (recorded in, and checked on every read of, its blob). True per chunk newly written to at
         least one tier. ``salt``: the tenant the keys were derived for (the entries' owner); ``ttl_s`` as for
-        ``store``; ``extras``: those the keys were derived with (reported with the chunks' stored events). Never
-        raises for tier failures."""
-        tags = Tags(tenant_tag(salt), expires_at(ttl_s, self.clock()))
+        ``store``; ``extras``: those the keys were derived with (reported with the chunks' stored events);
+        ``ttl_required=False``: a tier that cannot expire entries stores them without expiry instead of being
+        skipped (kvtier.tiers.control.Tags). Never raises for tier failures."""
+        tags = Tags(tenant_tag(salt), expires_at(ttl_s, self.clock()), ttl_required)
         device = source_device(source)
         if device.type == "cuda":  # kvtier copies on its own streams: what the caller queued must be done
             torch.cuda.current_stream(device).synchronize()

@@ -57,10 +57,13 @@ class Feature(enum.Enum):
 class Tags:
     """What a store says of its entries besides their bytes: ``tenant``, the owner's ``tenant_tag`` ("" for the
     default tenant, the empty salt); ``expires_at``, when they expire in seconds on the tier's clock
-    (``TierContext.clock``, wall-clock time by default), None for never."""
+    (``TierContext.clock``, wall-clock time by default), None for never. ``ttl_required``: whether a tier that
+    cannot expire entries must skip them (True) or store them without expiry, to go by its own eviction (False:
+    for entries whose expiry only reclaims space, such as a P/D prompt's tail)."""
 
     tenant: str = ""
     expires_at: float | None = None
+    ttl_required: bool = True
 
 
 DEFAULT_TAGS = Tags()
@@ -151,7 +154,11 @@ def _put_tagged(tier: Tier, items: Sequence[tuple[ChunkHash, Payload]], tags: Ta
         return tier.put(items)
     features = tier.supports if isinstance(tier, Controlled) else frozenset()
     if tags.expires_at is not None and Feature.TTL not in features:
-        return [False] * len(items)
+        if tags.ttl_required:
+            return [False] * len(items)
+        tags = Tags(tags.tenant)  # kept until the tier evicts it
+        if tags == DEFAULT_TAGS:
+            return tier.put(items)
     if not features:
         return tier.put(items)
     return tier.put_tagged(items, tags)

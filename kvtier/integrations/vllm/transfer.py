@@ -68,8 +68,10 @@ def store_transfer(cache: KVCache, paged: PagedKV, spec: TransferSpec) -> int:
     parent = cache.keys(tokens[:full], salt=spec.salt, extras=extras)[-1] if full else None
     key = tail_key(cache, parent, tokens[full:end], spec.salt, extras, spec.nonce)
     ttl = TAIL_TTL_S if spec.ttl_s is None else min(spec.ttl_s, TAIL_TTL_S)
+    # a shared tier that cannot expire entries (the Mooncake pool) keeps the tail until its own eviction: without
+    # it there, the decode instance would recompute up to a chunk of every prompt
     done = cache.store_keyed([key], padded_tokens(tokens[full:end], size), TensorSource(chunk), salt=spec.salt,
-                             ttl_s=ttl, extras=extras)
+                             ttl_s=ttl, extras=extras, ttl_required=False)
     return written + (end - full if done[0] else 0)
 
 

@@ -11,7 +11,8 @@
   checked against. That is not done: a pin naming this tier is refused (NotSupported); pins with no tier named
   skip it.
 * **Expiry: not supported.** Mooncake keeps objects until its own eviction removes them (a soft pin's TTL is how
-  long eviction spares an object, not when it goes): a store with a TTL skips this tier.
+  long eviction spares an object, not when it goes): a store with a TTL skips this tier, unless its tags say the
+  expiry is optional (``Tags.ttl_required``, a P/D prompt's tail): kvtier/tiers/control.py then stores it plainly.
 * **Tenants: not supported.** Keys carry no tenant, and the master has no per-owner accounting kvtier could use.
 """
 
