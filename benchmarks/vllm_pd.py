@@ -19,12 +19,13 @@ cores; before each arm vLLM's prefix caches are reset and Redis is emptied. The 
   replica.
 
 Reported per arm and workload: ITL p50/p99 (every decoding stream's inter-token gaps), TTFT p50/p99, request
-throughput, each server's CPU seconds over the workload's wall time (how busy each process kept its core), the **loaded share** (prompt tokens kvtier loaded instead of computing, over the prompt tokens
-sent) and the **reused share** (those and the tokens vLLM's own prefix cache still held). For P/D both count
-the prefill replica only (the decode replica loads every prompt: that is the transfer, not reuse; its loaded
-share is printed apart). The chat target is read on the reused share: the prefix reuse kept, wherever it hit. Ratios against the issue's targets: mixed ITL p99 of P/D at most 0.5x
-the co-located one at no less than 0.8x its throughput; chat loaded share of P/D at least 0.9x the co-located
-one. Last line ``RESULT {json}``.
+throughput, each server's CPU seconds over the workload's wall time (how busy each process kept its core), the
+**loaded share** (prompt tokens kvtier loaded instead of computing, over the prompt tokens sent) and the **reused
+share** (those and the tokens vLLM's own prefix cache still held). For P/D both count the prefill replica only (the
+decode replica loads every prompt: that is the transfer, not reuse; its loaded share is printed apart). The chat
+target is read on the reused share: the prefix reuse kept, wherever it hit. Ratios against the issue's targets:
+mixed ITL p99 of P/D at most 0.5x the co-located one at no less than 0.8x its throughput; chat loaded share of P/D
+at least 0.9x the co-located one. Last line ``RESULT {json}``.
 
     PYTHONPATH=. python benchmarks/vllm_pd.py [--quick | --long] [--out results/vllm_pd]
 """
