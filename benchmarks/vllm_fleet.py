@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from _util import routed_per_replica, stop_children_on_signal  # noqa: E402
+from _util import stop_children_on_signal  # noqa: E402
 from _vllm_fleet import (  # noqa: E402
     CHUNK,
     PRIVATE_ARMS,
@@ -71,6 +71,7 @@ from _vllm_fleet import (  # noqa: E402
     recorded_arms,
     router,
     run_arms,
+    served,
     sim_fleet,
     sim_predict,
     start_replicas,
@@ -82,7 +83,6 @@ from kvtier.apps.bench import report  # noqa: E402
 from kvtier.apps.bench.client import Target  # noqa: E402
 from kvtier.core.config import parse_size  # noqa: E402
 from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec  # noqa: E402
-from harness.fleet import scrape  # noqa: E402
 
 FULL = dict(users=5, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
 QUICK = dict(users=4, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
@@ -108,15 +108,15 @@ def run_phase(arms, replicas, specs, model, out, concurrency):
     with ExitStack() as stack:
         urls = {arm.label: stack.enter_context(router(replicas, arm, model, out)) for arm in arms}
         runs = run_arms([Target(label, url) for label, url in urls.items()], specs, concurrency)
-        served = {label: routed_per_replica(url) for label, url in urls.items()}
-        breaks = {label: scrape(url).get("kvtier_router_sticky_breaks_total", 0.0) for label, url in urls.items()}
+        counts = {label: served(url) for label, url in urls.items()}
+    served_by, breaks = {k: v[0] for k, v in counts.items()}, {k: v[1] for k, v in counts.items()}
     hits: dict[str, float] = {}
     for replica, was in zip(replicas, before):
         for tier, value in replica.hit_tokens().items():
             hits[tier] = hits.get(tier, 0.0) + value - was.get(tier, 0.0)
     for run, spec in zip(runs, specs):  # one bench JSON per arm, which `kvtier sim` replays
         report.write_json([run], out / f"arm-{run.target}.json", {"workload": workload_of(spec), "spec": spec.__dict__})
-    return runs, served, hits, breaks
+    return runs, served_by, hits, breaks
 
 
 def measure(arms, specs, replicas, args, model, out, rows: dict, sim_tiers: list[dict],
@@ -236,6 +236,8 @@ def main() -> None:
     p.add_argument("--shared-store", default="redis,mooncake",
                    help="the shared phase's stores, one after the other: redis (one redis-server) and mooncake (a "
                         "Mooncake pool: mooncake_master and one segment host; its arms are labelled +mooncake)")
+    p.add_argument("--arms", default="", help="the private and trace phases' arms to run, by label without the "
+                   "trace- prefix, comma-separated (default: all; each keeps its own workload seed)")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/vllm_fleet")
     p.add_argument("--png", default="docs/vllm_fleet.png")
@@ -263,14 +265,16 @@ def main() -> None:
                          {"kind": "disk", "chunks": parse_size(args.disk) // chunk_bytes, "write": "back",
                           "admission": "always"}]
             if "private" in phases:
-                specs = [with_seed(base, 100 + i) for i in range(len(PRIVATE_ARMS))]
-                places["private"] = measure(PRIVATE_ARMS, specs, replicas, args, model, out, rows, sim_tiers)
+                arms = chosen(PRIVATE_ARMS, args.arms)
+                specs = [with_seed(base, 100 + PRIVATE_ARMS.index(arm)) for arm in arms]
+                places["private"] = measure(arms, specs, replicas, args, model, out, rows, sim_tiers)
                 save(out, rows, places, killed)
                 load["after_private"] = os.getloadavg()[0]
             if "trace" in phases:
                 trace = TraceSpec(**(QUICK_TRACE if args.quick else FULL_TRACE))
-                specs = [dataclasses.replace(trace, salt=1 + i) for i in range(len(TRACE_ARMS))]
-                places["trace"] = measure(TRACE_ARMS, specs, replicas, args, model, out, rows, sim_tiers)
+                arms = chosen(TRACE_ARMS, args.arms)
+                specs = [dataclasses.replace(trace, salt=1 + TRACE_ARMS.index(arm)) for arm in arms]
+                places["trace"] = measure(arms, specs, replicas, args, model, out, rows, sim_tiers)
                 save(out, rows, places, killed)
                 load["after_trace"] = os.getloadavg()[0]
             if "kill" in phases:
@@ -322,6 +326,11 @@ def main() -> None:
     print("RESULT " + json.dumps(result))
 
 
+def chosen(arms: tuple, labels: str) -> tuple:
+    wanted = {x for x in labels.split(",") if x}
+    return tuple(a for a in arms if not wanted or a.label.removeprefix("trace-") in wanted)
+
+
 def save(out: Path, rows: dict, places: dict, killed: dict, result: dict | None = None) -> None:
     """What the run has measured so far (a later phase that fails leaves the earlier ones on disk)."""
     doc = {"rows": rows, "places": places, "kill": killed, "result": result}
@@ -353,6 +362,10 @@ def result_line(rows, places, killed, load, wall, args) -> dict:
             tier = rows[f"{pre}tier-aware"]["ttft_p50_s"]
             out[f"{pre}ttft_p50_speedup_vs_round_robin"] = round(rows[f"{pre}round-robin"]["ttft_p50_s"] / tier, 2)
             out[f"{pre}ttft_p50_speedup_vs_device_only"] = round(rows[f"{pre}device-only"]["ttft_p50_s"] / tier, 2)
+    for pre in ("", "trace-"):  # vllm-router kv_aware over kvtier's events against kvtier route (target 0.9x)
+        if {f"{pre}vllm-router", f"{pre}tier-aware"} <= set(rows) and rows[f"{pre}tier-aware"]["cached_share"]:
+            out[f"{pre}vllm_router_cached_share_over_tier_aware"] = round(
+                rows[f"{pre}vllm-router"]["cached_share"] / rows[f"{pre}tier-aware"]["cached_share"], 3)
     for store in ("shared", "mooncake"):
         if {f"sticky+{store}", "single"} <= set(rows):
             out[f"sticky_{store}_over_single"] = round(
