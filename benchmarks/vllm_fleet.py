@@ -16,7 +16,11 @@ so load from elsewhere on this shared machine falls on every arm alike:
   does today (device prefix + load; it has no session affinity);
 * **tier-aware**: kvtier route's default (load-bounded prefix affinity, sticky sessions under the session bound)
   with kvtier's ``CPU`` and ``DISK`` media too;
-* **single**: one replica (the first) that sees every request of its arm: the reference for cached share.
+* **single**: one replica (the first) that sees every request of its arm: the reference for cached share;
+* **vllm-router**: the vLLM project's Rust router, ``vllm-router --policy kv_aware`` (harness.vllm_router), fed by
+  the same events: vLLM's own blocks and kvtier's (published in 32-token blocks, ``event_block_size``; credited as
+  an external tier, 0.6), the prompt's tokens from the replicas' render endpoints; its target is a cached share
+  of at least 0.9x tier-aware's (``vllm_router_cached_share_over_tier_aware``).
 
 The workload is shaped so that TTFT measures what the targets are about (docs/benchmarks/fleet.md says why):
 each conversation carries its own long context (``context_words``, about 2k tokens) and a short shared system
@@ -37,7 +41,7 @@ and the store behind it, one redis-server, or a Mooncake pool of a ``mooncake_ma
 knowing the ``SHARED`` medium as one store of the fleet). Writes JSON under --out (``arm-LABEL.json``: each arm's run
 as `kvtier bench` writes it, which ``kvtier sim`` replays), a PNG (``--png``); last line ``RESULT {json}``.
 
-    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,trace,kill,shared]
+    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,trace,kill,shared] [--arms A,B]
         [--shared-store redis,mooncake] [--out results/vllm_fleet]
 """
 
