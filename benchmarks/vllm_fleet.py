@@ -310,9 +310,10 @@ def main() -> None:
     wall = time.monotonic() - started
     for label, r in rows.items():
         sim = "-" if r["sim_cached_share"] is None else f"{r['sim_cached_share']:.3f}"
+        busiest = "-" if r["busiest_over_mean"] is None else f"{r['busiest_over_mean']:.2f}"
         print(f"{label:>20}: TTFT p50 {r['ttft_p50_s']:.3f} s, p99 {r['ttft_p99_s']:.3f} s, "
               f"{r['requests_per_s']:.3f} req/s, cached share {r['cached_share']:.3f} (sim {sim}), busiest/mean "
-              f"{r['busiest_over_mean']:.2f}, requests per replica {r['per_replica']} (sim {r['sim_per_replica']}), "
+              f"{busiest}, requests per replica {r['per_replica']} (sim {r['sim_per_replica']}), "
               f"sticky breaks {r['sticky_breaks']:.0f}, sim placed {r['sim_placed_as_run']} of "
               f"{r['sim_placements_compared']} where the router did")
     print("places:", json.dumps(places))

@@ -28,6 +28,7 @@ PEERS = Path(os.environ.get("KVTIER_ROUTER_PEERS", "/work/venvs/routers"))
 #: the router's debug line for each decision: the worker it chose and the prefix tokens it credited there
 DECISION = re.compile(r'KV prefix decision .*?worker="([^"]+)" input_tokens=(\d+) new_prefill_tokens=(\d+) '
                       r'credited_prefix_tokens=(\d+)')
+SELECTED = re.compile(r'KV request selected attempt=0 worker_url="([^"]+)"')
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -104,12 +105,11 @@ class VllmRouter(ServerProcess):
         return out
 
     def routed(self) -> dict[str, int]:
-        """Requests it sent to each worker (by URL) so far, from its own counter."""
+        """Requests it sent to each worker (by URL) so far: its ``KV request selected`` log lines of first
+        attempts (its Prometheus counters carry no per-worker request count in this mode)."""
         out: dict[str, int] = {}
-        for series, value in self.metrics().items():
-            if series.startswith("vllm_router_processed_requests_total{"):
-                worker = series.partition('worker="')[2].partition('"')[0]
-                out[worker] = out.get(worker, 0) + int(value)
+        for worker in SELECTED.findall(ANSI.sub("", self.log.read_text(errors="replace"))):
+            out[worker] = out.get(worker, 0) + 1
         return out
 
     def decisions(self) -> list[tuple[str, int, int]]:
