@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from _util import router_process
+from _util import routed_per_replica, router_process
 
 from kvtier.apps.bench.client import Target
 from kvtier.apps.bench.progress import BenchProgress
@@ -25,6 +25,7 @@ from kvtier.fleet import workloads as wl
 from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec
 from kvtier.net.ports import free_port
 from harness.fleet import scrape
+from harness.vllm_router import VllmRouter
 from harness.vllm_server import VllmServer
 
 NAME, BLOCK, CHUNK = "smollm2", 32, 128
@@ -44,6 +45,8 @@ class Arm:
     sim_sticky: bool = False
     sim_weights: tuple[tuple[str, float], ...] = ()
     sim_tie_break: str = "home"
+    #: vllm-router --policy kv_aware in front (flags unused), not kvtier route
+    peer: bool = False
 
 
 ROUND_ROBIN = ("--policy", "round-robin", "--no-sticky")
@@ -69,6 +72,9 @@ PRIVATE_ARMS = (
         sim_tie_break="random"),
     Arm("tier-aware", TIER_AWARE, "GPU:CPU:DISK", sim_routing="load-bounded", sim_sticky=True),
     Arm("single", ROUND_ROBIN, replicas=(0,)),
+    #: the vLLM project's router over the same events: vLLM's own blocks credited 1.0, kvtier's (any tier) 0.6
+    Arm("vllm-router", (), peer=True, sim_routing="load-bounded", sim_weights=(("memory", 0.6), ("disk", 0.6)),
+        sim_tie_break="random"),
 )
 #: the same arms driven by conversations of the Mooncake trace
 TRACE_ARMS = tuple(dataclasses.replace(arm, label=f"trace-{arm.label}") for arm in PRIVATE_ARMS)
@@ -76,7 +82,7 @@ TRACE_ARMS = tuple(dataclasses.replace(arm, label=f"trace-{arm.label}") for arm 
 #: as the ``SHARED`` medium where the private arms have kvtier's disk)
 SHARED_ARMS = tuple(dataclasses.replace(arm, label=f"{arm.label}+shared",
                                         media=arm.media and arm.media.replace("DISK", "SHARED"))
-                    for arm in PRIVATE_ARMS if arm.replicas is None)
+                    for arm in PRIVATE_ARMS if arm.replicas is None and not arm.peer)
 
 
 @dataclass(frozen=True)
@@ -98,21 +104,24 @@ class Tiers:
             tiers.append({"kind": "redis", "url": self.redis_url, "timeout_s": 30.0})
         if self.mooncake is not None:  # a shared store too: SHARED
             tiers.append(dict(self.mooncake))
-        return {"chunk_size": CHUNK, "tiers": tiers}
+        # kvtier's chunks published as vLLM-sized blocks: vllm-router indexes no other size (kvtier route any)
+        return {"chunk_size": CHUNK, "event_block_size": BLOCK, "tiers": tiers}
 
 
 class Replica:
     """One ``kvtier vllm serve`` with the connector and vLLM's KV events (PUB + replay); one OpenMP thread. Its log
-    is ``LABEL-PHASE.log`` (each phase starts the replicas again)."""
+    is ``LABEL-PHASE.log`` (each phase starts the replicas again). The events' topic is vLLM's default, empty:
+    vllm-router 0.1.17 reads a ``--kv-event-source`` under the empty topic only (it has no flag for another) and
+    drops every batch that carries one; ``--enable-scale-out`` serves the render endpoints it tokenizes with."""
 
     def __init__(self, model: str, out: Path, label: str, device_blocks: int, tiers: Tiers, phase: str) -> None:
         self.label = label
         self.events, self.replay = free_port(), free_port()
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events}",
-                  "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": f"kv@{label}@{NAME}"}
+                  "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": ""}
         args = ("--served-model-name", NAME, "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN),
                 "--dtype", "float32", "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details",
-                "--max-num-seqs", "4", "--num-gpu-blocks-override", str(device_blocks),
+                "--max-num-seqs", "4", "--num-gpu-blocks-override", str(device_blocks), "--enable-scale-out",
                 "--kv-events-config", json.dumps(events))
         env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
         self.metrics_port = free_port()  # the worker's own metrics (histograms too; vLLM's /metrics has none)
@@ -176,15 +185,38 @@ def start_replicas(replicas: list[Replica]) -> None:
         replica.server.wait_ready()
 
 
+#: the vllm-router processes running now, by URL (their request counts are not at /metrics of that URL)
+PEERS: dict[str, VllmRouter] = {}
+
+
 @contextmanager
 def router(replicas: list[Replica], arm: Arm, model: str, out: Path):
+    """The arm's router in front of ``replicas``: ``kvtier route``, or ``vllm-router`` kv_aware for a peer arm;
+    yields its URL."""
     port = free_port()
+    if arm.peer:
+        workers = [(r.server.url, f"tcp://127.0.0.1:{r.events}", f"tcp://127.0.0.1:{r.replay}") for r in replicas]
+        with VllmRouter(workers, NAME, BLOCK, port, free_port(), out / f"route-{arm.label}.log") as peer:
+            PEERS[peer.url] = peer
+            try:
+                yield peer.url
+            finally:
+                del PEERS[peer.url]
+        return
     cmd = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--log-level", "warning", "--model", model,
            *arm.flags]
     for i in arm.replicas if arm.replicas is not None else range(len(replicas)):
         cmd += ["--replica", replicas[i].entry(arm.media)]
     with router_process(cmd, f"http://127.0.0.1:{port}", out / f"route-{arm.label}.log") as url:
         yield url
+
+
+def served(url: str) -> tuple[dict[str, int], float]:
+    """Requests each replica (host:port) got from the router at ``url`` so far, and its sticky breaks (none for
+    vllm-router, which keeps no sessions by default)."""
+    if url in PEERS:
+        return {k.removeprefix("http://"): v for k, v in PEERS[url].routed().items()}, 0.0
+    return routed_per_replica(url), scrape(url).get("kvtier_router_sticky_breaks_total", 0.0)
 
 
 def workload_of(spec: MultiRoundSpec | TraceSpec) -> str:

@@ -16,7 +16,11 @@ so load from elsewhere on this shared machine falls on every arm alike:
   does today (device prefix + load; it has no session affinity);
 * **tier-aware**: kvtier route's default (load-bounded prefix affinity, sticky sessions under the session bound)
   with kvtier's ``CPU`` and ``DISK`` media too;
-* **single**: one replica (the first) that sees every request of its arm: the reference for cached share.
+* **single**: one replica (the first) that sees every request of its arm: the reference for cached share;
+* **vllm-router**: the vLLM project's Rust router, ``vllm-router --policy kv_aware`` (harness.vllm_router), fed by
+  the same events: vLLM's own blocks and kvtier's (published in 32-token blocks, ``event_block_size``; credited as
+  an external tier, 0.6), the prompt's tokens from the replicas' render endpoints; its target is a cached share
+  of at least 0.9x tier-aware's (``vllm_router_cached_share_over_tier_aware``).
 
 The workload is shaped so that TTFT measures what the targets are about (docs/benchmarks/fleet.md says why):
 each conversation carries its own long context (``context_words``, about 2k tokens) and a short shared system
@@ -37,7 +41,7 @@ and the store behind it, one redis-server, or a Mooncake pool of a ``mooncake_ma
 knowing the ``SHARED`` medium as one store of the fleet). Writes JSON under --out (``arm-LABEL.json``: each arm's run
 as `kvtier bench` writes it, which ``kvtier sim`` replays), a PNG (``--png``); last line ``RESULT {json}``.
 
-    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,trace,kill,shared]
+    PYTHONPATH=. python benchmarks/vllm_fleet.py [--quick] [--phases private,trace,kill,shared] [--arms A,B]
         [--shared-store redis,mooncake] [--out results/vllm_fleet]
 """
 
@@ -57,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from _util import routed_per_replica, stop_children_on_signal  # noqa: E402
+from _util import stop_children_on_signal  # noqa: E402
 from _vllm_fleet import (  # noqa: E402
     CHUNK,
     PRIVATE_ARMS,
@@ -71,6 +75,7 @@ from _vllm_fleet import (  # noqa: E402
     recorded_arms,
     router,
     run_arms,
+    served,
     sim_fleet,
     sim_predict,
     start_replicas,
@@ -82,7 +87,6 @@ from kvtier.apps.bench import report  # noqa: E402
 from kvtier.apps.bench.client import Target  # noqa: E402
 from kvtier.core.config import parse_size  # noqa: E402
 from kvtier.fleet.workloads import MultiRoundSpec, TraceSpec  # noqa: E402
-from harness.fleet import scrape  # noqa: E402
 
 FULL = dict(users=5, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
 QUICK = dict(users=4, rounds=4, system_words=60, context_words=1800, turn_words=20, max_tokens=4)
@@ -108,15 +112,15 @@ def run_phase(arms, replicas, specs, model, out, concurrency):
     with ExitStack() as stack:
         urls = {arm.label: stack.enter_context(router(replicas, arm, model, out)) for arm in arms}
         runs = run_arms([Target(label, url) for label, url in urls.items()], specs, concurrency)
-        served = {label: routed_per_replica(url) for label, url in urls.items()}
-        breaks = {label: scrape(url).get("kvtier_router_sticky_breaks_total", 0.0) for label, url in urls.items()}
+        counts = {label: served(url) for label, url in urls.items()}
+    served_by, breaks = {k: v[0] for k, v in counts.items()}, {k: v[1] for k, v in counts.items()}
     hits: dict[str, float] = {}
     for replica, was in zip(replicas, before):
         for tier, value in replica.hit_tokens().items():
             hits[tier] = hits.get(tier, 0.0) + value - was.get(tier, 0.0)
     for run, spec in zip(runs, specs):  # one bench JSON per arm, which `kvtier sim` replays
         report.write_json([run], out / f"arm-{run.target}.json", {"workload": workload_of(spec), "spec": spec.__dict__})
-    return runs, served, hits, breaks
+    return runs, served_by, hits, breaks
 
 
 def measure(arms, specs, replicas, args, model, out, rows: dict, sim_tiers: list[dict],
@@ -236,6 +240,8 @@ def main() -> None:
     p.add_argument("--shared-store", default="redis,mooncake",
                    help="the shared phase's stores, one after the other: redis (one redis-server) and mooncake (a "
                         "Mooncake pool: mooncake_master and one segment host; its arms are labelled +mooncake)")
+    p.add_argument("--arms", default="", help="the private and trace phases' arms to run, by label without the "
+                   "trace- prefix, comma-separated (default: all; each keeps its own workload seed)")
     p.add_argument("--model", help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="results/vllm_fleet")
     p.add_argument("--png", default="docs/vllm_fleet.png")
@@ -263,14 +269,16 @@ def main() -> None:
                          {"kind": "disk", "chunks": parse_size(args.disk) // chunk_bytes, "write": "back",
                           "admission": "always"}]
             if "private" in phases:
-                specs = [with_seed(base, 100 + i) for i in range(len(PRIVATE_ARMS))]
-                places["private"] = measure(PRIVATE_ARMS, specs, replicas, args, model, out, rows, sim_tiers)
+                arms = chosen(PRIVATE_ARMS, args.arms)
+                specs = [with_seed(base, 100 + PRIVATE_ARMS.index(arm)) for arm in arms]
+                places["private"] = measure(arms, specs, replicas, args, model, out, rows, sim_tiers)
                 save(out, rows, places, killed)
                 load["after_private"] = os.getloadavg()[0]
             if "trace" in phases:
                 trace = TraceSpec(**(QUICK_TRACE if args.quick else FULL_TRACE))
-                specs = [dataclasses.replace(trace, salt=1 + i) for i in range(len(TRACE_ARMS))]
-                places["trace"] = measure(TRACE_ARMS, specs, replicas, args, model, out, rows, sim_tiers)
+                arms = chosen(TRACE_ARMS, args.arms)
+                specs = [dataclasses.replace(trace, salt=1 + TRACE_ARMS.index(arm)) for arm in arms]
+                places["trace"] = measure(arms, specs, replicas, args, model, out, rows, sim_tiers)
                 save(out, rows, places, killed)
                 load["after_trace"] = os.getloadavg()[0]
             if "kill" in phases:
@@ -302,9 +310,10 @@ def main() -> None:
     wall = time.monotonic() - started
     for label, r in rows.items():
         sim = "-" if r["sim_cached_share"] is None else f"{r['sim_cached_share']:.3f}"
+        busiest = "-" if r["busiest_over_mean"] is None else f"{r['busiest_over_mean']:.2f}"
         print(f"{label:>20}: TTFT p50 {r['ttft_p50_s']:.3f} s, p99 {r['ttft_p99_s']:.3f} s, "
               f"{r['requests_per_s']:.3f} req/s, cached share {r['cached_share']:.3f} (sim {sim}), busiest/mean "
-              f"{r['busiest_over_mean']:.2f}, requests per replica {r['per_replica']} (sim {r['sim_per_replica']}), "
+              f"{busiest}, requests per replica {r['per_replica']} (sim {r['sim_per_replica']}), "
               f"sticky breaks {r['sticky_breaks']:.0f}, sim placed {r['sim_placed_as_run']} of "
               f"{r['sim_placements_compared']} where the router did")
     print("places:", json.dumps(places))
@@ -320,6 +329,11 @@ def main() -> None:
         plot(rows, Path(args.png), f"3 vLLM CPU replicas behind kvtier route, {base.users} x {base.rounds} per arm "
                                    f"(load average {load['before']:.1f}-{max(load.values()):.1f})")
     print("RESULT " + json.dumps(result))
+
+
+def chosen(arms: tuple, labels: str) -> tuple:
+    wanted = {x for x in labels.split(",") if x}
+    return tuple(a for a in arms if not wanted or a.label.removeprefix("trace-") in wanted)
 
 
 def save(out: Path, rows: dict, places: dict, killed: dict, result: dict | None = None) -> None:
@@ -353,6 +367,10 @@ def result_line(rows, places, killed, load, wall, args) -> dict:
             tier = rows[f"{pre}tier-aware"]["ttft_p50_s"]
             out[f"{pre}ttft_p50_speedup_vs_round_robin"] = round(rows[f"{pre}round-robin"]["ttft_p50_s"] / tier, 2)
             out[f"{pre}ttft_p50_speedup_vs_device_only"] = round(rows[f"{pre}device-only"]["ttft_p50_s"] / tier, 2)
+    for pre in ("", "trace-"):  # vllm-router kv_aware over kvtier's events against kvtier route (target 0.9x)
+        if {f"{pre}vllm-router", f"{pre}tier-aware"} <= set(rows) and rows[f"{pre}tier-aware"]["cached_share"]:
+            out[f"{pre}vllm_router_cached_share_over_tier_aware"] = round(
+                rows[f"{pre}vllm-router"]["cached_share"] / rows[f"{pre}tier-aware"]["cached_share"], 3)
     for store in ("shared", "mooncake"):
         if {f"sticky+{store}", "single"} <= set(rows):
             out[f"sticky_{store}_over_single"] = round(
