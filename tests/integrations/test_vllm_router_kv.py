@@ -20,6 +20,7 @@ import importlib.util
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -127,6 +128,7 @@ def test_a_prefix_only_kvtier_holds_is_routed_to_its_replica(fleet):
         # kvtier's blocks have gone out on the replica's stream (the router subscribes to the same socket)
         assert wait_for(lambda r=home: r.kvtier_batches > 0, timeout=300), "kvtier's blocks never reached the stream"
         home.server.reset_prefix_cache()  # the document leaves vLLM's device cache; kvtier's memory tier keeps it
+        time.sleep(1.0)  # the router polls its subscription every 10 ms: what the test's subscriber saw is applied
         home.kvtier_batches = 0
         question = chat(doc, "Name one word in it.")
 
