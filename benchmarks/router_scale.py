@@ -47,6 +47,7 @@ from _util import result, stop_children_on_signal  # noqa: E402
 
 from harness.router_load import ChatWorkload, RouterProc, StubFleet, closed_loop  # noqa: E402
 from harness.router_trace import oracle_share, session_flood, tree_cpu_rss  # noqa: E402
+from harness.vllm_router import PEERS  # noqa: E402
 from kvtier.net.ports import free_port  # noqa: E402
 
 TRACE = Path("/work/shared/workloads/mooncake_synthetic_trace.jsonl")
@@ -202,7 +203,7 @@ def main() -> None:
                    help="a stand-in's delay per trace block it did not hold (its prefill)")
     p.add_argument("--router-cpus", default="0", help="taskset cores of every router")
     p.add_argument("--other-cpus", default=None, help="taskset cores of the replicas and the client")
-    p.add_argument("--peers", default=os.environ.get("KVTIER_ROUTER_PEERS", "/work/venvs/routers"))
+    p.add_argument("--peers", default=str(PEERS), help="venv of the peer routers (scripts/router-peers-venv.sh)")
     p.add_argument("--model", help="tokenizer folder for kvtier route (default: the packaged SmolLM2)")
     p.add_argument("--out", default="results/router_scale")
     args = p.parse_args()

@@ -7,8 +7,10 @@ vLLM serves only with ``--enable-scale-out`` (403 otherwise, and the router then
 indexes only blocks of ``--kv-event-block-size`` tokens, so kvtier's connector publishes its chunks in blocks
 of that size (``event_block_size``).
 
-The binary comes from a venv of its own (scripts/router-peers-venv.sh); ``KVTIER_ROUTER_PEERS`` names it
-(default /work/venvs/routers). Used by benchmarks/vllm_fleet.py and tests/integrations/test_vllm_router_kv.py.
+The binary comes from a venv of its own, made by scripts/router-peers-venv.sh (which ``scripts/setup.sh test``
+runs): ``KVTIER_ROUTER_PEERS`` names it, else the script's default (/work/venvs/routers where /work/venvs
+exists, else .venv-routers in the checkout). Used by benchmarks/vllm_fleet.py, benchmarks/router_scale.py and
+tests/integrations/test_vllm_router_kv.py.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Self
 
 from harness.process import ServerProcess
 
-PEERS = Path(os.environ.get("KVTIER_ROUTER_PEERS", "/work/venvs/routers"))
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = Path(os.environ.get("KVTIER_ROUTER_PEERS") or (
+    "/work/venvs/routers" if Path("/work/venvs").is_dir() else ROOT / ".venv-routers"))
 #: the router's debug line for each decision: the worker it chose and the prefix tokens it credited there
 DECISION = re.compile(r'KV prefix decision .*?worker="([^"]+)" input_tokens=(\d+) new_prefill_tokens=(\d+) '
                       r'credited_prefix_tokens=(\d+)')

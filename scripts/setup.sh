@@ -40,6 +40,9 @@ if [ "$what" = test ]; then
   fi
   pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   pip install -q -e ".[dev]"
+  # vllm-router and sglang-router in a venv of their own (their pins must not move ours): the kv_aware fleet's
+  # test runs vllm-router in front of real vLLM replicas; the router benchmarks measure both.
+  bash scripts/router-peers-venv.sh >/dev/null
 else
   pip install -q -e ".[demo]"
 fi
