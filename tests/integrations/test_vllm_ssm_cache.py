@@ -2,7 +2,8 @@
 cache manager on and its Mamba prefix-caching mode ``align``: a repeated prompt and one sharing a long prefix
 load from kvtier (vLLM's own prefix cache reset, so the hit is kvtier's) the attention KV and the conv and SSM
 state at the same chunk boundary, and give vLLM alone's tokens; from memory, from disk after a restart, and with a
-corrupt stored state (a miss: recomputed, same tokens).
+corrupt stored state (a miss: recomputed, same tokens); four requests loading at once, and a corrupt attention
+chunk.
 
 vLLM's CPU build runs ``align`` only with ``max_num_batched_tokens`` equal to the Mamba block size
 (docs/integrations/hybrid.md); vLLM raises the attention block size to that of the Mamba state's page (64 here).
@@ -84,3 +85,21 @@ def test_hits_from_disk_after_a_restart(tmp_path, model, expected) -> None:
     got, _ = _run(tmp_path, "restart", _spec(model, _prompts(), ["gen:warm:0", "reset", "gen:shared:1"], kvtier))
     assert got["warm"][0] == {"tokens": expected[0], "cached": 4 * CHUNK}
     assert got["shared"][0] == {"tokens": expected[1], "cached": 4 * CHUNK}
+
+
+IN_FLIGHT = [prompt_ids(20 + i, 258) for i in range(4)]  # four prompts, each ending 2 tokens past its boundary
+
+
+def test_four_in_flight_and_a_corrupt_chunk_give_vllm_alone_tokens(tmp_path, model) -> None:
+    """Four requests loading their state and KV at once; then a corrupt attention chunk (not the state): that
+    request's load fails whole and vLLM recomputes it, the other three still load."""
+    plain, _ = _run(tmp_path, "plain4", _spec(model, IN_FLIGHT, ["gen:cold"], None))
+    expected = [r["tokens"] for r in plain["cold"]]
+    kvtier = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "64MiB"}]}
+    steps = ["gen:cold", "reset", "gen:warm", "reset", "corrupt:0:1", "gen:corrupt"]
+    got, logs = _run(tmp_path, "kvtier4", _spec(model, IN_FLIGHT, steps, kvtier))
+    for step in ("cold", "warm", "corrupt"):
+        assert [r["tokens"] for r in got[step]] == expected, step
+    assert [r["cached"] for r in got["warm"]] == [4 * CHUNK] * 4
+    assert [r["cached"] for r in got["corrupt"]] == [0] + [4 * CHUNK] * 3
+    assert "did not arrive verified" in logs
