@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 
 def rss_mb(pid: int) -> float:
@@ -109,3 +110,13 @@ def stop_load(burners: list) -> None:
     for burner in burners:
         burner.kill()
         burner.wait()
+
+
+def await_load(n: int, timeout_s: float = 180.0) -> float:
+    """Wait until the 1-minute load average reaches ``n`` (it climbs over about a minute once
+    ``background_load`` runs), at most ``timeout_s``; the load average then. So the first rows are measured at
+    the load asked for, not while it rises."""
+    deadline = time.monotonic() + timeout_s
+    while os.getloadavg()[0] < n and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return os.getloadavg()[0]

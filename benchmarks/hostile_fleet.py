@@ -63,7 +63,7 @@ import _hostile_attacks as attacks  # noqa: E402
 import _hostile_channel as channel  # noqa: E402
 import _hostile_round3 as round3  # noqa: E402
 import _hostile_servers as servers  # noqa: E402
-from _hostile_procs import background_load, lowest_nice, rss_mb, schedstat_ms, stop_load, unniced  # noqa: E402
+from _hostile_procs import await_load, background_load, lowest_nice, rss_mb, schedstat_ms, stop_load, unniced
 from _util import result, stop_children_on_signal  # noqa: E402
 
 from kvtier.net.ports import free_port  # noqa: E402
@@ -363,8 +363,8 @@ def main() -> None:
                 attacks.post(fleet.url, "/v1/completions", json=body, headers={"x-session-id": f"warm{i}"})
             idle = idle_health(fleet)
             servers_nice = {names[n]: lowest_nice(get()) for n, get in fleet.watched().items()}
-            monitor = Monitor(fleet)
-            rows = []
+            print(f"load average {await_load(args.load):.1f} (--load {args.load})", flush=True)
+            monitor, rows = Monitor(fleet), []
             for name, attack in chosen:
                 print(f"-- {name} ...", flush=True)
                 rows.append(replay(fleet, monitor, name, attack, not args.quick, idle))
