@@ -18,6 +18,8 @@ import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -98,6 +100,32 @@ class Route:
             self.proc.kill()
 
 
+@contextmanager
+def pd_servers(model: str, tmp: Path, kvtier: dict, prompts: dict[str, str], prefill_env: dict | None = None):
+    """A plain vLLM's greedy answers to ``prompts``, then a prefill and a decode instance with ``kvtier`` behind
+    ``kvtier route --prefill --decode``: yields (expected answers, prefill, decode, route); all stopped after."""
+    reference = VllmServer(model, free_port(), tmp / "reference.log", args=ARGS)
+    prefill = VllmServer(model, free_port(), tmp / "prefill.log", kvtier=kvtier, args=ARGS, env=prefill_env)
+    decode = VllmServer(model, free_port(), tmp / "decode.log", kvtier=kvtier, args=ARGS)
+    route = None
+    try:
+        for server in (reference, prefill, decode):
+            server.launch()
+        reference.wait_ready()
+        expected = {name: answer(reference.url, prompt) for name, prompt in prompts.items()}
+        reference.stop()  # the cores go back to the fleet under test
+        prefill.wait_ready()
+        decode.wait_ready()
+        route = Route(prefill.url, decode.url, model, tmp / "route.log")
+        assert wait_for(route.up, timeout=120, interval=0.5), (tmp / "route.log").read_text()[-3000:]
+        yield expected, prefill, decode, route
+    finally:
+        if route is not None:
+            route.stop()
+        for server in (reference, prefill, decode):
+            server.stop()
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     from kvtier.integrations.models import ensure_smollm2
@@ -108,27 +136,11 @@ def fleet(tmp_path_factory):
     # float32 chunks of this model are 5.9 MB: a loaded 2-core machine needs more than the default 0.5 s per get
     tier = {"kind": "redis", "url": redis.url, "timeout_s": 20}
     kvtier = {"chunk_size": CHUNK, "tiers": [{"kind": "memory", "capacity_bytes": "128MiB"}, tier]}
-    reference = VllmServer(model, free_port(), tmp / "reference.log", args=ARGS)
-    prefill = VllmServer(model, free_port(), tmp / "prefill.log", kvtier=kvtier, args=ARGS,
-                         env={"VLLM_SERVER_DEV_MODE": "1"})
-    decode = VllmServer(model, free_port(), tmp / "decode.log", kvtier=kvtier, args=ARGS)
-    route = None
     try:
-        for server in (reference, prefill, decode):
-            server.launch()
-        reference.wait_ready()
-        expected = {name: answer(reference.url, prompt) for name, prompt in PROMPTS.items()}
-        reference.stop()  # the cores go back to the fleet under test
-        prefill.wait_ready()
-        decode.wait_ready()
-        route = Route(prefill.url, decode.url, model, tmp / "route.log")
-        assert wait_for(route.up, timeout=120, interval=0.5), (tmp / "route.log").read_text()[-3000:]
-        yield {"expected": expected, "prefill": prefill, "decode": decode, "route": route, "redis": redis}
+        with pd_servers(model, tmp, kvtier, PROMPTS, prefill_env={"VLLM_SERVER_DEV_MODE": "1"}) as servers:
+            expected, prefill, decode, route = servers
+            yield {"expected": expected, "prefill": prefill, "decode": decode, "route": route, "redis": redis}
     finally:
-        if route is not None:
-            route.stop()
-        for server in (reference, prefill, decode):
-            server.stop()
         redis.stop()
 
 

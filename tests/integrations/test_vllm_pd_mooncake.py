@@ -21,11 +21,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.net.ports import free_port  # noqa: E402
 from harness.mooncake_master import MooncakeMaster, SegmentHost  # noqa: E402
-from harness.process import wait_for  # noqa: E402
 from harness.vllm_server import VllmServer  # noqa: E402
-from tests.integrations.test_vllm_pd import ARGS, CHUNK, Route, answer, complete, text  # noqa: E402
+from tests.integrations.test_vllm_pd import CHUNK, answer, complete, pd_servers, text  # noqa: E402
 from tests.tiers.mooncake.conftest import require_mooncake  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
@@ -64,27 +62,9 @@ def fleet(tmp_path_factory):
         tier = {"kind": "mooncake", "master_address": master.master_address, "metadata_server": master.metadata_url,
                 "metrics_url": master.metrics_url, "segment_bytes": 0, "buffer_bytes": BUFFER, "timeout_s": 20.0}
         kvtier = {"chunk_size": CHUNK, "tiers": [tier]}
-        reference = VllmServer(model, free_port(), tmp / "reference.log", args=ARGS)
-        prefill = VllmServer(model, free_port(), tmp / "prefill.log", kvtier=kvtier, args=ARGS)
-        decode = VllmServer(model, free_port(), tmp / "decode.log", kvtier=kvtier, args=ARGS)
-        route = None
-        try:
-            for server in (reference, prefill, decode):
-                server.launch()
-            reference.wait_ready()
-            expected = {name: answer(reference.url, prompt) for name, prompt in PROMPTS.items()}
-            reference.stop()  # the cores go back to the fleet under test
-            prefill.wait_ready()
-            decode.wait_ready()
-            route = Route(prefill.url, decode.url, model, tmp / "route.log")
-            assert wait_for(route.up, timeout=120, interval=0.5), (tmp / "route.log").read_text()[-3000:]
+        with pd_servers(model, tmp, kvtier, PROMPTS) as (expected, prefill, decode, route):
             yield {"expected": expected, "prefill": prefill, "decode": decode, "route": route, "master": master,
                    "member": member, "bytes_per_token": bytes_per_token(model)}
-        finally:
-            if route is not None:
-                route.stop()
-            for server in (reference, prefill, decode):
-                server.stop()
 
 
 def test_short_long_and_beyond_the_buffer_answer_as_one_instance(fleet):
