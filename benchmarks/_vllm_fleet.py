@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -185,38 +186,33 @@ def start_replicas(replicas: list[Replica]) -> None:
         replica.server.wait_ready()
 
 
-#: the vllm-router processes running now, by URL (their request counts are not at /metrics of that URL)
-PEERS: dict[str, VllmRouter] = {}
+@dataclass(frozen=True)
+class Routed:
+    """A running router: its URL, and ``served()``: the requests each replica (host:port) got from it so far and
+    its sticky breaks. kvtier route reports both at its /metrics; vllm-router keeps no sessions and exports no
+    per-worker count, so its own selection log is read."""
+
+    url: str
+    served: Callable[[], tuple[dict[str, int], float]]
 
 
 @contextmanager
 def router(replicas: list[Replica], arm: Arm, model: str, out: Path):
     """The arm's router in front of ``replicas``: ``kvtier route``, or ``vllm-router`` kv_aware for a peer arm;
-    yields its URL."""
+    yields a ``Routed``."""
     port = free_port()
     if arm.peer:
         workers = [(r.server.url, f"tcp://127.0.0.1:{r.events}", f"tcp://127.0.0.1:{r.replay}") for r in replicas]
         with VllmRouter(workers, NAME, BLOCK, port, free_port(), out / f"route-{arm.label}.log") as peer:
-            PEERS[peer.url] = peer
-            try:
-                yield peer.url
-            finally:
-                del PEERS[peer.url]
+            yield Routed(peer.url, lambda: ({k.removeprefix("http://"): v for k, v in peer.routed().items()}, 0.0))
         return
     cmd = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--log-level", "warning", "--model", model,
            *arm.flags]
     for i in arm.replicas if arm.replicas is not None else range(len(replicas)):
         cmd += ["--replica", replicas[i].entry(arm.media)]
     with router_process(cmd, f"http://127.0.0.1:{port}", out / f"route-{arm.label}.log") as url:
-        yield url
-
-
-def served(url: str) -> tuple[dict[str, int], float]:
-    """Requests each replica (host:port) got from the router at ``url`` so far, and its sticky breaks (none for
-    vllm-router, which keeps no sessions by default)."""
-    if url in PEERS:
-        return {k.removeprefix("http://"): v for k, v in PEERS[url].routed().items()}, 0.0
-    return routed_per_replica(url), scrape(url).get("kvtier_router_sticky_breaks_total", 0.0)
+        yield Routed(url, lambda: (routed_per_replica(url),
+                                   scrape(url).get("kvtier_router_sticky_breaks_total", 0.0)))
 
 
 def workload_of(spec: MultiRoundSpec | TraceSpec) -> str:
@@ -294,7 +290,8 @@ def kill_phase(replicas: list[Replica], arm: Arm, spec: MultiRoundSpec, follow: 
     """``arm``'s workload with ``replicas[victim]`` SIGKILLed a third of the way in and started again; then,
     once the router has it back in rotation, ``follow`` (new sessions) through the same router. Returns the
     failures, what was in flight on the victim, and the router's event counters for it before and after."""
-    with router(replicas, arm, model, out) as url:
+    with router(replicas, arm, model, out) as routed:
+        url = routed.url
         killer = Killer(replicas[victim], url, after=max(1, wl.count("multiround", spec) // 3))
         [run] = run_arms([Target(arm.label, url)], [spec], concurrency, on_done=killer)
         if not killer.restarted.wait(timeout=900):

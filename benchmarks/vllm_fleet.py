@@ -75,7 +75,6 @@ from _vllm_fleet import (  # noqa: E402
     recorded_arms,
     router,
     run_arms,
-    served,
     sim_fleet,
     sim_predict,
     start_replicas,
@@ -110,9 +109,9 @@ def run_phase(arms, replicas, specs, model, out, concurrency):
     """The arms side by side; per arm its RunResult, requests per replica, and kvtier's hits by tier (all arms)."""
     before = [r.hit_tokens() for r in replicas]
     with ExitStack() as stack:
-        urls = {arm.label: stack.enter_context(router(replicas, arm, model, out)) for arm in arms}
-        runs = run_arms([Target(label, url) for label, url in urls.items()], specs, concurrency)
-        counts = {label: served(url) for label, url in urls.items()}
+        routers = {arm.label: stack.enter_context(router(replicas, arm, model, out)) for arm in arms}
+        runs = run_arms([Target(label, r.url) for label, r in routers.items()], specs, concurrency)
+        counts = {label: r.served() for label, r in routers.items()}
     served_by, breaks = {k: v[0] for k, v in counts.items()}, {k: v[1] for k, v in counts.items()}
     hits: dict[str, float] = {}
     for replica, was in zip(replicas, before):
