@@ -83,66 +83,45 @@ def oracle_share(url: str, trace: Path, n: int, block_words: int, ports: list[in
 
     for port in ports:  # every replay starts from cold stand-ins, as the oracle's model does
         httpx.post(f"http://127.0.0.1:{port}/stub/forget", timeout=30).raise_for_status()
-    if concurrency > 1:
-        return asyncio.run(_concurrent_share(url, trace, n, block_words, ports, blocks_cap, concurrency))
-    from harness.stub_replica import PrefixCache, prompt_blocks
-
-    model = {port: PrefixCache(blocks_cap or 1 << 62) for port in ports}
-    hits = counted = 0
-    served: Counter = Counter()
-    with trace.open() as fh, httpx.Client(timeout=120) as client:
-        for _, line in zip(range(n), fh):
-            prompt = " ".join(_block_text(b, block_words) for b in json.loads(line)["hash_ids"])
-            keys = PrefixCache.keys(prompt_blocks(prompt))
-            best = {port: model[port].held(keys) for port in ports}
-            answer = client.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4})
-            if answer.status_code != 200:
-                continue
-            body = answer.json()
-            port = body["served_by"]
-            served[port] += 1
-            if max(best.values()) > 0:
-                counted += 1
-                hits += best[port] == max(best.values())
-            on_arrival = model[port].serve(keys)
-            if blocks_cap and body.get("held_blocks") != on_arrival:
-                raise RuntimeError(f"replica {port} held {body.get('held_blocks')} blocks, the oracle {on_arrival}")
-    return TraceShare.of(hits, counted, served, ports)
+    with trace.open() as fh:
+        prompts = [" ".join(_block_text(b, block_words) for b in json.loads(line)["hash_ids"])
+                   for _, line in zip(range(n), fh)]
+    return asyncio.run(_replay(url, prompts, ports, blocks_cap, concurrency))
 
 
-async def _concurrent_share(url: str, trace: Path, n: int, block_words: int, ports: list[int],
-                            blocks_cap: int | None, concurrency: int) -> TraceShare:
+async def _replay(url: str, prompts: list[str], ports: list[int], blocks_cap: int | None,
+                  concurrency: int) -> TraceShare:
     import httpx
 
     from harness.stub_replica import PrefixCache, prompt_blocks
 
     model = {port: PrefixCache(blocks_cap or 1 << 62) for port in ports}
-    with trace.open() as fh:
-        prompts = [" ".join(_block_text(b, block_words) for b in json.loads(line)["hash_ids"])
-                   for _, line in zip(range(n), fh)]
     queue = iter(prompts)
-    hits = counted = 0
+    hits = judged = 0
     served: Counter = Counter()
 
     async def worker(client: httpx.AsyncClient) -> None:
-        nonlocal hits, counted
+        nonlocal hits, judged
         for prompt in queue:  # one shared iterator: the trace's order, each request sent once
             keys = PrefixCache.keys(prompt_blocks(prompt))
             best = {port: model[port].held(keys) for port in ports}  # the replicas as the answers so far say
             answer = await client.post(url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4})
             if answer.status_code != 200:
                 continue
-            port = answer.json()["served_by"]
+            body = answer.json()
+            port = body["served_by"]
             served[port] += 1
             if max(best.values()) > 0:
-                counted += 1
+                judged += 1
                 hits += best[port] == max(best.values())
-            model[port].serve(keys)
+            on_arrival = model[port].serve(keys)
+            if concurrency == 1 and blocks_cap and body.get("held_blocks") != on_arrival:
+                raise RuntimeError(f"replica {port} held {body.get('held_blocks')} blocks, the oracle {on_arrival}")
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    return TraceShare.of(hits, counted, served, ports)
+    return TraceShare.of(hits, judged, served, ports)
 
 
 def session_flood(url: str, n: int, concurrency: int, start: int = 0) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import sys
 from collections import OrderedDict
 
 import uvicorn
@@ -130,13 +129,13 @@ async def _held():
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    options = {"--blocks": None, "--block-ms": 0.0}
-    for flag in options:
-        if flag in argv:
-            at = argv.index(flag)
-            options[flag] = float(argv[at + 1])
-            del argv[at:at + 2]
-    port, cap = int(argv[0]), options["--blocks"]
-    uvicorn.run(create_app(port, argv[1] if len(argv) > 1 else None, cap and int(cap), options["--block-ms"]),
-                host="127.0.0.1", port=port, log_level="warning")
+    import argparse
+
+    p = argparse.ArgumentParser(description="a stand-in OpenAI replica (see the module docstring)")
+    p.add_argument("port", type=int)
+    p.add_argument("model", nargs="?")
+    p.add_argument("--blocks", type=int, help="keep a bounded cache of this many block prefixes")
+    p.add_argument("--block-ms", type=float, default=0.0, help="answer this much later per block not held")
+    args = p.parse_args()
+    uvicorn.run(create_app(args.port, args.model, args.blocks, args.block_ms), host="127.0.0.1", port=args.port,
+                log_level="warning")
