@@ -19,7 +19,10 @@ Redis tier on the same machine alongside.
 The pool's memory is a second process's (harness/mooncake_master.SegmentHost), and neither the tier nor the raw
 client contributes any: every byte of both crosses the transfer engine over TCP, as between replicas. Ratios
 are kvtier throughput / raw throughput (the target is >= 0.8) from the best of interleaved repetitions on both
-sides (interference only adds time); medians are printed too. A bar chart goes to results/mooncake_tier.png.
+sides (interference only adds time); medians are printed too. So is each call's CPU time in this process (median,
+all threads: the Mooncake client's transfer threads run here), and its ratios (``*_cpu_vs_raw``: raw CPU /
+kvtier CPU): where the cores are shared with other work, the CPU a transfer costs is what decides its speed, and
+unlike wall-clock time it hardly depends on the load. A bar chart goes to results/mooncake_tier.png.
 Fleet hit ratio, through ``kvtier sim`` (kvtier.apps.sim.pooling), in the same run: 4 replicas replay the Mooncake
 synthetic trace (``$KVTIER_WORKLOADS`` or ``../shared/workloads/``) with 1,000 and 10,000 chunks of memory in
 all, kept private (a quarter each), pooled (one shared tier every replica sees, as a Mooncake pool), or mixed
@@ -37,6 +40,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -195,14 +199,19 @@ def run_mooncake(args, master, prefix: Prefix) -> dict:
         out.zero_()
         kv_retrieve_wide()
         assert torch.equal(out, prefix.kv)
-        times = interleaved(runs, args.reps)
+        cpu: dict[str, list[float]] = {}
+        times = interleaved(runs, args.reps, cpu)
     finally:
         raw.close()
         wide.close()
         cache.close()
     gbps = {k: prefix.total / best(v) / 1e9 for k, v in times.items()}
-    report(runs, times, gbps)
+    report(runs, times, gbps, cpu)
     return {
+        "retrieve_cpu_vs_raw": median(cpu["raw_get"]) / median(cpu["kv_retrieve"]),
+        "store_cpu_vs_raw": median(cpu["raw_put"]) / median(cpu["kv_store"]),
+        "tier_get_cpu_vs_raw": median(cpu["raw_get"]) / median(cpu["tier_get"]),
+        "tier_put_cpu_vs_raw": median(cpu["raw_put"]) / median(cpu["tier_put"]),
         "retrieve_vs_raw": gbps["kv_retrieve"] / gbps["raw_get"],
         "store_vs_raw": gbps["kv_store"] / gbps["raw_put"],
         "retrieve_vs_raw_each": gbps["kv_retrieve"] / gbps["raw_get_each"],
@@ -305,22 +314,36 @@ def plot_fleet(points, ideal: float, path: Path) -> None:
     print(f"plot: {path}")
 
 
-def interleaved(runs, reps: int) -> dict[str, list[float]]:
+def interleaved(runs, reps: int, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Every run once per round, rounds repeated (every other one in reverse order), so all of them see the
-    same machine load and none always runs right after the same neighbour."""
+    same machine load and none always runs right after the same neighbour. With ``cpu``, each call's CPU
+    seconds in this process (all its threads: the Mooncake client's transfer threads run here) go there too."""
     from tqdm import tqdm
 
     times: dict[str, list[float]] = {key: [] for _, key, _, _ in runs}
     for rep in tqdm(range(reps), desc="rounds", leave=False):
         for _label, key, fn, setup in (runs if rep % 2 == 0 else runs[::-1]):
+            if cpu is not None:
+                fn = _cpu_counted(fn, cpu.setdefault(key, []))
             times[key] += timed(fn, 1, setup=setup)
     return times
 
 
-def report(runs, times: dict[str, list[float]], gbps: dict[str, float]) -> None:
-    print(f"{'operation':<28}{'best ms':>10}{'median ms':>11}{'GB/s':>8}")
+def _cpu_counted(fn, into: list[float]):
+    def call() -> None:
+        start = time.process_time()
+        fn()
+        into.append(time.process_time() - start)
+    return call
+
+
+def report(runs, times: dict[str, list[float]], gbps: dict[str, float],
+           cpu: dict[str, list[float]] | None = None) -> None:
+    cpu = cpu or {}
+    print(f"{'operation':<28}{'best ms':>10}{'median ms':>11}{'GB/s':>8}{'CPU ms':>9}")
     for label, key, _, _ in runs:
-        print(f"{label:<28}{best(times[key]) * 1e3:>10.1f}{median(times[key]) * 1e3:>11.1f}{gbps[key]:>8.2f}")
+        used = f"{median(cpu[key]) * 1e3:>9.1f}" if key in cpu else ""
+        print(f"{label:<28}{best(times[key]) * 1e3:>10.1f}{median(times[key]) * 1e3:>11.1f}{gbps[key]:>8.2f}{used}")
 
 
 def plot(figures: dict, path: Path) -> None:

@@ -42,6 +42,10 @@ class Payload(Protocol):
     #     Write into ``out`` what is cheap now and return the ``(destination, source)`` tensor copies still
     #     to do; once they are done ``out`` holds what ``write_into`` writes. Lets a tier that writes many
     #     payloads do all their bulk copies in one call (``write_payloads``).
+    #
+    # Optional: def write_visiting(self, out: memoryview, visit) -> bool
+    #     ``write_into``, handing ``visit`` the payload's bytes in order as they are written, so a blob's seal
+    #     hashes them in the same pass (raw); False, nothing written, where it cannot.
 
 
 class BytesPayload:

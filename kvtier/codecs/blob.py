@@ -39,6 +39,7 @@ from kvtier.base.layout import DTYPE_CODES, DTYPES_BY_CODE
 from kvtier.codecs import Codec, Payload, codec_by_id
 from kvtier.codecs.base import decode_into
 from kvtier.native import gpu
+from kvtier.native.bulkcopy import copy_visiting
 
 MAGIC = b"KVTB"
 VERSION = 1
@@ -52,6 +53,7 @@ _FIXED = struct.Struct("<4sHHBBBBIQ16s")
 _CHECKSUM_AT = 24
 _CHECKSUM_END = 40
 assert _FIXED.size == _CHECKSUM_END
+CHECKSUM_MISMATCH = "checksum mismatch (corrupt, or stored under another key)"
 
 
 def header_length(ndim: int, n_tokens: int) -> int:
@@ -91,6 +93,15 @@ def _checksum(key: bytes, blob: memoryview) -> bytes:
     return h.digest()
 
 
+def _header_hash(key: bytes, blob: memoryview, header_len: int) -> xxhash.xxh3_128:
+    """The checksum's hash over all but the payload: fed the payload's bytes in order, its digest is
+    ``_checksum(key, blob)`` (a streaming hash does not depend on where its input is cut)."""
+    h = xxhash.xxh3_128(key)
+    h.update(blob[:_CHECKSUM_AT])
+    h.update(blob[_CHECKSUM_END:header_len])
+    return h
+
+
 class BlobPayload:
     """A whole blob as a Payload: header, then the codec payload, sealed in place once written."""
 
@@ -117,9 +128,17 @@ class BlobPayload:
         return self._header_len + self._payload.nbytes
 
     def write_into(self, out: memoryview) -> None:
+        """The blob into ``out``. Sealing a payload that can hash its bytes as it writes them
+        (``write_visiting``: raw's copy) reads them once, not a second time out of ``out``."""
         hl = self._header_len
         plen = self._payload.nbytes
         self._write_header(out)
+        write_visiting = getattr(self._payload, "write_visiting", None) if self._seal else None
+        if write_visiting is not None:
+            h = _header_hash(self._key, out, hl)
+            if write_visiting(out[hl : hl + plen], h.update):
+                out[_CHECKSUM_AT:_CHECKSUM_END] = h.digest()
+                return
         self._payload.write_into(out[hl : hl + plen])
         if self._seal:
             out[_CHECKSUM_AT:_CHECKSUM_END] = _checksum(self._key, out[: hl + plen])
@@ -178,6 +197,15 @@ def parse_blob(
     With ``verify`` the blob must be sealed and its checksum must match. Raises BlobError on any mismatch.
     """
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    header, checksum = _parse(view, tokens, sealed_only=verify)
+    if verify and _checksum(key, view) != checksum:
+        raise BlobError(CHECKSUM_MISMATCH)
+    return header, view[header.header_len :]
+
+
+def _parse(view: memoryview, tokens: np.ndarray | None, *, sealed_only: bool) -> tuple[BlobHeader, bytes]:
+    """``view``'s header, checked (tokens too when given; with ``sealed_only`` it must be sealed), and the
+    checksum it records, not yet checked. BlobError on any mismatch."""
     if view.nbytes < _FIXED.size:
         raise BlobError(f"blob truncated: {view.nbytes} bytes")
     magic, version, codec_id, dtype_code, ndim, flags, _reserved, n_tokens, plen, checksum = _FIXED.unpack_from(view)
@@ -204,14 +232,10 @@ def parse_blob(
         if len(tokens) != n_tokens or bytes(view[at : at + 4 * n_tokens]) != tokens.tobytes():
             raise BlobError("blob holds other tokens")
     sealed = bool(flags & FLAG_SEALED)
-    if verify:
-        if not sealed:
-            raise BlobError("blob is not sealed")
-        if _checksum(key, view) != checksum:
-            raise BlobError("checksum mismatch (corrupt, or stored under another key)")
+    if sealed_only and not sealed:
+        raise BlobError("blob is not sealed")
     codec_by_id(codec_id)  # an unknown codec is a miss, not a crash later
-    header = BlobHeader(codec_id, dtype, tuple(shape), n_tokens, plen, sealed)
-    return header, view[hl:]
+    return BlobHeader(codec_id, dtype, tuple(shape), n_tokens, plen, sealed), checksum
 
 
 def decode_blob(
@@ -223,6 +247,7 @@ def decode_blob(
     verify: bool = True,
     out: torch.Tensor | None = None,
     expect: tuple[tuple[int, ...], torch.dtype] | None = None,
+    write_early: bool = False,
 ) -> torch.Tensor:
     """Parse, check and decode a blob into its canonical tensor (possibly a view of ``data``).
 
@@ -232,16 +257,42 @@ def decode_blob(
 
     With ``out`` (a CPU tensor of the chunk's shape, any strides) the chunk is decoded into it and ``out`` is
     returned. ``out`` is written only after the header, tokens and checksum have passed; a payload the codec
-    then rejects (BlobError) may leave part of a chunk there. ``expect``, when given, is the only ``(shape,
-    dtype)`` accepted: a blob that decodes to anything else is a BlobError before a byte is decoded.
+    then rejects (BlobError) may leave part of a chunk there. With ``write_early`` as well, a payload that is
+    only copied (raw) is checksummed while it is copied into ``out`` (each piece hashed just before it is
+    copied, so its bytes are read from memory once): the chunk is still returned only once its checksum
+    matched, but a blob that fails it (BlobError) leaves its bytes in ``out``. ``expect``, when given, is the
+    only ``(shape, dtype)`` accepted: a blob that decodes to anything else is a BlobError before a byte is
+    decoded.
     """
-    header, payload = parse_blob(data, key, tokens, verify=verify)
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    header, checksum = _parse(view, tokens, sealed_only=verify)
     if expect is not None and (header.shape, header.dtype) != (tuple(expect[0]), expect[1]):
         raise BlobError(f"blob holds {header.shape} {header.dtype}, expected {tuple(expect[0])} {expect[1]}")
     found = codec_by_id(header.codec_id)
     if codec is not None and header.codec_id != codec.codec_id:
         raise BlobError(f"blob was written with codec {found.name!r}, expected {codec.name!r}")
+    payload = view[header.header_len :]
+    if verify and out is not None and write_early and _copy_verifying(found, key, view, header, checksum, out):
+        return out
+    if verify and _checksum(key, view) != checksum:
+        raise BlobError(CHECKSUM_MISMATCH)
     if out is None:
         return found.decode(payload, header.shape, header.dtype)
     decode_into(found, payload, header.shape, header.dtype, out)
     return out
+
+
+def _copy_verifying(codec: Codec, key: ChunkHash, view: memoryview, header: BlobHeader, checksum: bytes,
+                    out: torch.Tensor) -> bool:
+    """For a codec whose payload is the chunk's bytes (raw): copy it into ``out`` while hashing it, then check
+    the checksum (BlobError on a mismatch, ``out`` written). False, nothing written or hashed, for other codecs
+    and where the copy cannot hash as it goes (``bulkcopy.copy_visiting``): the caller verifies, then decodes."""
+    if not getattr(codec, "copies_only", False) or tuple(out.shape) != header.shape or out.device.type != "cpu":
+        return False
+    chunk = codec.decode(view[header.header_len :], header.shape, header.dtype)  # a view of the payload
+    h = _header_hash(key, view, header.header_len)
+    if not copy_visiting(out, chunk, h.update):
+        return False
+    if h.digest() != checksum:
+        raise BlobError(CHECKSUM_MISMATCH)
+    return True

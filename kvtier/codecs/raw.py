@@ -6,11 +6,14 @@ straight into the tier's memory (``kvtier.native.gpu``), with no host copy in be
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvtier.base.errors import CodecError
 from kvtier.base.layout import tensor_view
 from kvtier.codecs.base import copy_tensors
+from kvtier.native.bulkcopy import copy_visiting
 
 
 class _TensorPayload:
@@ -25,6 +28,15 @@ class _TensorPayload:
 
     def write_into(self, out: memoryview) -> None:
         copy_tensors(self.deferred_copies(out))
+
+    def write_visiting(self, out: memoryview, visit: Callable[[memoryview], object]) -> bool:
+        """``write_into``, calling ``visit`` on the chunk's bytes in order, each piece just before it is copied
+        (a seal hashes them in the same pass: ``bulkcopy.copy_visiting``); False, nothing written or visited,
+        where that cannot be done (a chunk on a GPU, no streaming-copy kernel)."""
+        chunk = self._chunk
+        if chunk.numel() == 0 or chunk.device.type != "cpu":
+            return False
+        return copy_visiting(tensor_view(out, chunk.dtype, tuple(chunk.shape)), chunk, visit)
 
     def deferred_copies(self, out: memoryview) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The one copy this payload is: the chunk into ``out`` (see ``Payload``)."""

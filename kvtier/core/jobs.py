@@ -78,7 +78,9 @@ class Promoter(Protocol):
 
 @runtime_checkable
 class LendingSink(Protocol):
-    """Optional KVSink capability (kvtier.core.cache): CPU memory to decode chunks straight into."""
+    """Optional KVSink capability (kvtier.core.cache): CPU memory to decode chunks straight into. It may be left
+    holding the bytes of a chunk that failed verification (a raw chunk is checksummed while it is copied there):
+    only the chunks the load reports as arrived are valid."""
 
     def destination(self, start: int, end: int) -> torch.Tensor | None: ...
 

@@ -14,7 +14,9 @@ flight, so the next windows are being read from a slow tier while the cores deco
 parallel (the codecs release the GIL). Correctness does not depend on the overlap:
 
 * a chunk reaches the sink only after ``decode_blob`` verified it (tokens, shape and dtype always, checksum where
-  sealed);
+  sealed); a raw chunk decoded into memory the sink lends is checksummed while it is copied there (one read of
+  its bytes, not two), so that memory may hold the bytes of a chunk that then failed, which never counts as
+  arrived (the sink's memory past the returned prefix is not valid: ``KVCache.retrieve``);
 * pins are released by the task's own ``with tier.get(...)`` block, on every path, errors included;
 * a chunk that fails ends the prefix there: windows wholly after the first failure are not read (the
   chunks of a window already read are all still verified, so corrupt ones are found and reported), and the
@@ -192,15 +194,18 @@ class Pipeline:
             state.failed(Failure(tier, "get", exc))
 
     def _verified(self, state: _LoadState, t: int, i: int, blob: memoryview | None,
-                  out: torch.Tensor | None) -> torch.Tensor | None:
-        """Chunk ``i`` decoded out of ``blob`` (into ``out`` where given) once it verified; None for a miss."""
+                  out: torch.Tensor | None, lent: bool = False) -> torch.Tensor | None:
+        """Chunk ``i`` decoded out of ``blob`` (into ``out`` where given) once it verified; None for a miss.
+        ``lent``: ``out`` is the sink's own memory, which may then hold a raw chunk that failed its checksum
+        (verified while it is copied: ``decode_blob``'s ``write_early``)."""
         if blob is None:
             state.fail(i)
             return None
         tier, size = state.job.tiers[t], self.chunk_size
         try:
             return decode_blob(blob, state.job.keys[i], state.job.token_ids[i * size : (i + 1) * size],
-                               codec=tier.codec, verify=tier.verifies, out=out, expect=self._chunk)
+                               codec=tier.codec, verify=tier.verifies, out=out, expect=self._chunk,
+                               write_early=lent)
         except BlobError as exc:
             state.fail(i)
             state.found_corrupt(Corrupt(t, state.job.keys[i], exc))
@@ -229,7 +234,7 @@ class Pipeline:
                 continue
             dest = state.destination(i * size, (i + 1) * size)
             scratch = self._buffer(state.job.tiers[t]) if dest is None else None
-            chunk = self._verified(state, t, i, blob, dest if dest is not None else scratch)
+            chunk = self._verified(state, t, i, blob, dest if dest is not None else scratch, lent=dest is not None)
             if chunk is None:
                 continue
             state.arrived(i, chunk, written=dest is not None)

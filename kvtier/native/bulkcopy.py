@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -43,6 +43,9 @@ BYTES_PER_THREAD = 8 << 20
 PIECE_BYTES = 4 << 20
 #: memory bandwidth is saturated by a few cores; more threads only contend
 MAX_THREADS = 8
+#: ``copy_visiting``'s pieces: small enough that a piece just visited is still in the core's cache (L2) when
+#: it is copied, large enough that the call per piece is noise
+VISIT_PIECE_BYTES = 512 << 10
 
 # copy_runs(dst_addrs, src_addrs, lengths, count): for each run, the bytes up to the first 64-byte aligned
 # destination address with llvm.memcpy, then 256-byte blocks (unaligned loads, aligned streaming stores),
@@ -163,15 +166,16 @@ def _runs(dest: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray
     return d_at, s_at, run_bytes
 
 
-def _pieces(dst: np.ndarray, src: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The runs cut into pieces of at most PIECE_BYTES, so threads can share them out evenly."""
-    counts = (lens + PIECE_BYTES - 1) // PIECE_BYTES
+def _pieces(dst: np.ndarray, src: np.ndarray, lens: np.ndarray,
+            piece: int = PIECE_BYTES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs cut, in order, into pieces of at most ``piece`` bytes, so threads can share them out evenly."""
+    counts = (lens + piece - 1) // piece
     if int(counts.max()) == 1:
         return dst, src, lens
     index = np.repeat(np.arange(len(lens)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
-    offset = (np.arange(len(index), dtype=np.int64) - first) * PIECE_BYTES
-    return dst[index] + offset, src[index] + offset, np.minimum(lens[index] - offset, PIECE_BYTES)
+    offset = (np.arange(len(index), dtype=np.int64) - first) * piece
+    return dst[index] + offset, src[index] + offset, np.minimum(lens[index] - offset, piece)
 
 
 def _worker_pool() -> ThreadPoolExecutor:
@@ -234,4 +238,29 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, min_bytes:
     del parts  # the address arrays lived until every call returned
     for dest, _ in pairs:
         increment_version(dest)
+    return True
+
+
+def copy_visiting(dest: torch.Tensor, src: torch.Tensor, visit: Callable[[memoryview], object]) -> bool:
+    """``dest.copy_(src)`` with streaming stores in this thread, calling ``visit`` on each piece of ``src``'s
+    bytes (a read-only memoryview, valid during the call) just before that piece is copied, and True. The
+    pieces are visited in row-major order, so together they are exactly ``src``'s bytes as a contiguous copy
+    holds them. A checksum of what is copied then costs one read of the bytes, not two: ``visit`` reads a piece
+    from memory and the copy reads it from the cache (``VISIT_PIECE_BYTES``). All or nothing, as
+    ``copy_pairs``: False, nothing visited or copied, where the kernel is unavailable or the pair does not fit
+    it (module docstring; no size threshold here)."""
+    fn = kernel()
+    if fn is None or dest.numel() == 0:
+        return False
+    found = _runs(dest, src)
+    if found is None:
+        return False
+    d_at, s_at, run = found
+    dst, srcs, lens = _pieces(d_at, s_at, np.full(len(d_at), run, np.int64), VISIT_PIECE_BYTES)
+    dst, srcs, lens = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, srcs, lens))
+    base_d, base_s, base_n = dst.ctypes.data, srcs.ctypes.data, lens.ctypes.data
+    for k, (at, n) in enumerate(zip(srcs.tolist(), lens.tolist())):
+        visit(memoryview((ctypes.c_char * n).from_address(at)).cast("B").toreadonly())
+        fn(base_d + 8 * k, base_s + 8 * k, base_n + 8 * k, 1)  # one piece, while it is in the cache
+    increment_version(dest)
     return True

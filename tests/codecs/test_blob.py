@@ -5,7 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.base.errors import BlobError
+from kvtier.codecs import blob as blob_module
 from kvtier.codecs import get_codec
+from kvtier.codecs import raw as raw_codec
 from kvtier.codecs.blob import MAGIC, blob_bytes, decode_blob, encode_blob, parse_blob
 
 KEY = bytes(range(32))
@@ -138,3 +140,59 @@ def test_payloads_written_together_hold_what_each_writes_alone(codec: str, seal:
     assert all(len(d) == (1 if codec == "raw" and not seal else 0) for d in deferred)
     write_payloads([(memoryview(o), b) for o, b in zip(outs, blobs)])
     assert outs == [blob_bytes(b) for b in blobs]
+
+
+# -- sealing and verifying in the copy's one pass (runs long enough for the streaming kernel) ---------------------
+def long_runs(seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """A chunk cut out of a longer prompt's KV (strided), each run 32 KiB: copied with ``copy_visiting``."""
+    kv = torch.randn((2, 2, 192, 4, 64), generator=torch.Generator().manual_seed(seed)).to(torch.float16)
+    return kv[:, :, 64:128], np.arange(64, dtype="<u4")
+
+
+def test_a_seal_hashed_while_copying_is_the_seal_of_the_copied_bytes(monkeypatch) -> None:
+    chunk, ids = long_runs()
+    visits = []
+    real = raw_codec.copy_visiting
+    monkeypatch.setattr(raw_codec, "copy_visiting", lambda *a: visits.append(1) or real(*a))
+    fused = bytes(blob_bytes(encode_blob(KEY, ids, RAW, chunk)))
+    assert visits, "the raw chunk was not sealed in the copy's pass"
+    monkeypatch.setattr(raw_codec, "copy_visiting", lambda *a: False)  # the two-pass seal: copy, then hash
+    assert fused == bytes(blob_bytes(encode_blob(KEY, ids, RAW, chunk)))
+    assert torch.equal(decode_blob(fused, KEY, ids, codec=RAW), chunk)
+
+
+def test_verifying_while_copying_rejects_a_flipped_bit_anywhere(monkeypatch) -> None:
+    """write_early checks the checksum while it copies into ``out``: the blob as stored decodes exactly, and a
+    bit flipped in the header, the token ids or anywhere in the payload (every piece's edges included) is a
+    BlobError, never a returned chunk."""
+    chunk, ids = long_runs(seed=3)
+    data = bytes(blob_bytes(encode_blob(KEY, ids, RAW, chunk)))
+    header, _ = parse_blob(data, KEY, ids)
+    visits = []
+    real = blob_module.copy_visiting
+    monkeypatch.setattr(blob_module, "copy_visiting", lambda *a: visits.append(1) or real(*a))
+    out = torch.zeros(2, 2, 256, 4, 64, dtype=torch.float16)
+    dest = out[:, :, 128:192]
+    assert decode_blob(data, KEY, ids, codec=RAW, out=dest, write_early=True) is dest
+    assert visits and torch.equal(dest, chunk) and not out[:, :, :128].any() and not out[:, :, 192:].any()
+    hl, run = header.header_len, 64 * 4 * 64 * 2
+    payload = {0, 1, len(data) - hl - 1, *range(run - 1, len(data) - hl, run), *range(run, len(data) - hl, run)}
+    rng = np.random.default_rng(0)
+    payload |= set(rng.integers(0, len(data) - hl, 64).tolist())
+    for at in [*range(hl), *(hl + p for p in sorted(payload))]:
+        flipped = bytearray(data)
+        flipped[at] ^= 0x04
+        with pytest.raises(BlobError):
+            decode_blob(bytes(flipped), KEY, ids, codec=RAW, out=dest, write_early=True)
+    with pytest.raises(BlobError):  # the right bytes under another key
+        decode_blob(data, OTHER_KEY, ids, codec=RAW, out=dest, write_early=True)
+
+
+def test_without_write_early_a_failed_checksum_leaves_out_untouched() -> None:
+    chunk, ids = long_runs()
+    flipped = bytearray(blob_bytes(encode_blob(KEY, ids, RAW, chunk)))
+    flipped[-1] ^= 1
+    out = torch.zeros_like(chunk)
+    with pytest.raises(BlobError):
+        decode_blob(bytes(flipped), KEY, ids, codec=RAW, out=out)
+    assert not out.any()

@@ -87,6 +87,38 @@ def test_random_strided_copies_match_torch_or_write_nothing(case) -> None:
         assert inner_run < bulkcopy.MIN_RUN_BYTES, "a plain strided copy with long runs was declined"
 
 
+@given(_copy_case())
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_copies_visiting_each_piece_see_the_source_in_order_or_nothing(case) -> None:
+    """copy_visiting copies as torch does and hands its visitor exactly the source's bytes in row-major order (a
+    checksum of them is the checksum of a contiguous copy); or declines having visited and written nothing."""
+    dtype, shape, (d_base, d_slices, d_off), (s_base, s_slices, s_off), _threads = case
+    dest, whole = _strided(d_base, dtype, d_off, d_slices, fill=False)
+    reference, reference_whole = _strided(d_base, dtype, d_off, d_slices, fill=False)
+    src, _ = _strided(s_base, dtype, s_off, s_slices, fill=True)
+    reference.copy_(src)
+    before = whole.clone()
+    seen: list[bytes] = []
+    if bulkcopy.copy_visiting(dest, src, lambda piece: seen.append(bytes(piece))):
+        assert torch.equal(whole, reference_whole), "the streamed copy differs from torch's"
+        assert b"".join(seen) == _bytes(src).numpy().tobytes(), "the visitor saw other bytes or another order"
+        assert max(len(p) for p in seen) <= bulkcopy.VISIT_PIECE_BYTES
+    else:
+        assert not seen and torch.equal(whole, before), "a declined copy visited or wrote something"
+        assert dest.shape[-1] * dtype.itemsize < bulkcopy.MIN_RUN_BYTES, "a copy with long runs was declined"
+
+
+def test_a_visited_copy_of_long_runs_is_cut_into_pieces_that_cover_them() -> None:
+    kv = torch.randint(0, 256, (4, 2, 4096, 8, 128), dtype=torch.uint8)  # a chunk's runs: 1 MiB each
+    out = torch.zeros(4, 2, 1024, 8, 128, dtype=torch.uint8)
+    chunk = torch.zeros(4, 2, 3 * 1024, 8, 128, dtype=torch.uint8)[:, :, 1024:2048]  # strided destination
+    seen: list[int] = []
+    assert bulkcopy.copy_visiting(out, kv[:, :, 1024:2048], lambda piece: seen.append(len(piece)))
+    assert bulkcopy.copy_visiting(chunk, out, lambda piece: None)
+    assert torch.equal(out, kv[:, :, 1024:2048]) and torch.equal(chunk, out)
+    assert seen == [bulkcopy.VISIT_PIECE_BYTES] * (8 * (1 << 20) // bulkcopy.VISIT_PIECE_BYTES)
+
+
 def test_declines_what_it_cannot_copy_and_writes_nothing() -> None:
     big = torch.randn(8 << 20)  # 32 MiB of float32
     dest = torch.zeros_like(big)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier import CacheConfig, ConfigError
+from kvtier import CacheConfig, ConfigError, KVCache, KVSpec
 from kvtier.codecs import BytesPayload, get_codec
+from kvtier.codecs import blob as blob_module
 from kvtier.codecs.blob import blob_bytes, encode_blob
 from kvtier.tiers import MooncakeTierConfig
 from kvtier.tiers.mooncake.client import advertised_hostname
@@ -20,7 +21,7 @@ from kvtier.tiers.mooncake.config import TransferProtocol, segment_size
 from harness.process import wait_for
 from harness.mooncake_master import master_binary
 from tests.tiers.mooncake.conftest import require_mooncake
-from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, make_tier, prompt
+from tests.tiers.mooncake.helpers import CHUNK, MiB, make_cache, make_tier, prompt, tier_config
 
 
 @pytest.fixture
@@ -83,6 +84,36 @@ def test_planted_truncated_or_foreign_values_are_misses(master):
             out, n = cache.retrieve(tokens)
             assert n == len(tokens) and torch.equal(out, kv), kind
         assert cache.metrics.total("kvtier_corrupt_chunks_total") == len(KINDS)
+
+
+def test_a_bit_flipped_in_the_pool_is_caught_while_the_chunk_is_copied_out(master, monkeypatch):
+    """Chunks whose runs are long enough for the streaming copy are sealed while they are copied into the transfer
+    buffer and verified while they are copied out of it (one pass over their bytes each way): a bit flipped in the
+    payload of a stored value is still a miss that ends the prefix, and the value is deleted."""
+    spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.float16)  # runs of 32 KiB per chunk
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 50_000, (3 * 64,), generator=gen).tolist()
+    kv = torch.randn(spec.chunk_shape(len(tokens)), generator=gen).to(spec.dtype)
+    verified = []
+    real = blob_module.copy_visiting
+    monkeypatch.setattr(blob_module, "copy_visiting", lambda *a: verified.append(1) or real(*a))
+    with KVCache(spec, "fused@1", CacheConfig(chunk_size=64, tiers=(tier_config(master),))) as cache:
+        assert cache.store(tokens, kv) == len(tokens)
+        out = torch.zeros_like(kv)
+        assert cache.retrieve(tokens, out)[1] == len(tokens) and torch.equal(out, kv)
+        assert len(verified) == 3, "the chunks were not verified in the copy's pass"
+        keys = cache.keys(tokens)
+        with cache.tiers[0].get([keys[1]]) as (value,):
+            flipped = bytearray(value)
+        flipped[len(flipped) // 2 + 12345] ^= 0x20  # in the payload, past the first piece
+        cache.tiers[0].delete([keys[1]])
+        assert cache.tiers[0].put([(keys[1], BytesPayload(bytes(flipped)))]) == [True]
+        out.zero_()
+        assert cache.retrieve(tokens, out)[1] == 64  # the prefix ends at the flipped chunk
+        assert torch.equal(out[:, :, :64], kv[:, :, :64])
+        assert cache.metrics.total("kvtier_corrupt_chunks_total") == 1
+        assert cache.lookup(tokens) == 64  # the bad value was removed from the pool
+        cache.tiers[0].delete(keys)
 
 
 def test_value_larger_than_a_replica_accepts_is_skipped_and_a_miss_left_in_place(master):
