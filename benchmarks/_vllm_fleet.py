@@ -193,8 +193,8 @@ def start_replicas(replicas: list[Replica]) -> None:
 @dataclass(frozen=True)
 class Routed:
     """A running router: its URL, and ``served()``: the requests each replica (host:port) got from it so far and
-    its sticky breaks. kvtier route reports both at its /metrics; vllm-router keeps no sessions and exports no
-    per-worker count, so its own selection log is read."""
+    its sticky breaks. kvtier route reports both at its /metrics; vllm-router counts no sticky breaks and exports
+    no per-worker count, so its own selection log is read."""
 
     url: str
     served: Callable[[], tuple[dict[str, int], float]]
