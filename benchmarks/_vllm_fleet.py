@@ -46,7 +46,7 @@ class Arm:
     sim_sticky: bool = False
     sim_weights: tuple[tuple[str, float], ...] = ()
     sim_tie_break: str = "home"
-    #: vllm-router --policy kv_aware in front (flags unused), not kvtier route
+    #: vllm-router --policy kv_aware in front (``flags`` are its own), not kvtier route
     peer: bool = False
 
 
@@ -73,9 +73,13 @@ PRIVATE_ARMS = (
         sim_tie_break="random"),
     Arm("tier-aware", TIER_AWARE, "GPU:CPU:DISK", sim_routing="load-bounded", sim_sticky=True),
     Arm("single", ROUND_ROBIN, replicas=(0,)),
-    #: the vLLM project's router over the same events: vLLM's own blocks credited 1.0, kvtier's (any tier) 0.6
-    Arm("vllm-router", (), peer=True, sim_routing="load-bounded", sim_weights=(("memory", 0.6), ("disk", 0.6)),
+    #: the vLLM project's router over the same events: vLLM's own blocks credited 1.0, kvtier's memory tier 0.8
+    #: (host) and disk tier 0.3 (disk), its defaults for the media the connector publishes without an ownership
+    Arm("vllm-router", (), peer=True, sim_routing="load-bounded", sim_weights=(("memory", 0.8), ("disk", 0.3)),
         sim_tie_break="random"),
+    #: the same with its session affinity on: a conversation (its X-Session-ID) stays where it started
+    Arm("vllm-router+sessions", ("--kv-aware-session-affinity-ttl-secs", "3600"), peer=True, sim_routing="load-bounded",
+        sim_sticky=True, sim_weights=(("memory", 0.8), ("disk", 0.3)), sim_tie_break="random"),
 )
 #: the same arms driven by conversations of the Mooncake trace
 TRACE_ARMS = tuple(dataclasses.replace(arm, label=f"trace-{arm.label}") for arm in PRIVATE_ARMS)
@@ -189,8 +193,8 @@ def start_replicas(replicas: list[Replica]) -> None:
 @dataclass(frozen=True)
 class Routed:
     """A running router: its URL, and ``served()``: the requests each replica (host:port) got from it so far and
-    its sticky breaks. kvtier route reports both at its /metrics; vllm-router keeps no sessions and exports no
-    per-worker count, so its own selection log is read."""
+    its sticky breaks. kvtier route reports both at its /metrics; vllm-router counts no sticky breaks and exports
+    no per-worker count, so its own selection log is read."""
 
     url: str
     served: Callable[[], tuple[dict[str, int], float]]
@@ -203,7 +207,8 @@ def router(replicas: list[Replica], arm: Arm, model: str, out: Path):
     port = free_port()
     if arm.peer:
         workers = [(r.server.url, f"tcp://127.0.0.1:{r.events}", f"tcp://127.0.0.1:{r.replay}") for r in replicas]
-        with VllmRouter(workers, NAME, BLOCK, port, free_port(), out / f"route-{arm.label}.log") as peer:
+        with VllmRouter(workers, NAME, BLOCK, port, free_port(), out / f"route-{arm.label}.log",
+                        extra=arm.flags) as peer:
             yield Routed(peer.url, lambda: ({k.removeprefix("http://"): v for k, v in peer.routed().items()}, 0.0))
         return
     cmd = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--log-level", "warning", "--model", model,

@@ -18,9 +18,11 @@ so load from elsewhere on this shared machine falls on every arm alike:
   with kvtier's ``CPU`` and ``DISK`` media too;
 * **single**: one replica (the first) that sees every request of its arm: the reference for cached share;
 * **vllm-router**: the vLLM project's Rust router, ``vllm-router --policy kv_aware`` (harness.vllm_router), fed by
-  the same events: vLLM's own blocks and kvtier's (published in 32-token blocks, ``event_block_size``; credited as
-  an external tier, 0.6), the prompt's tokens from the replicas' render endpoints; its target is a cached share
-  of at least 0.9x tier-aware's (``vllm_router_cached_share_over_tier_aware``).
+  the same events: vLLM's own blocks and kvtier's (published in 32-token blocks, ``event_block_size``; its memory
+  tier credited as host memory, 0.8, its disk tier as disk, 0.3), the prompt's tokens from the replicas' render
+  endpoints; its target is a cached share of at least 0.9x tier-aware's
+  (``vllm_router_cached_share_over_tier_aware``); **vllm-router+sessions**: the same with its session affinity on
+  (``--kv-aware-session-affinity-ttl-secs``; the conversation in an ``X-Session-ID`` header, which it reads);
 
 The workload is shaped so that TTFT measures what the targets are about (docs/benchmarks/fleet.md says why):
 each conversation carries its own long context (``context_words``, about 2k tokens) and a short shared system
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -366,10 +369,11 @@ def result_line(rows, places, killed, load, wall, args) -> dict:
             tier = rows[f"{pre}tier-aware"]["ttft_p50_s"]
             out[f"{pre}ttft_p50_speedup_vs_round_robin"] = round(rows[f"{pre}round-robin"]["ttft_p50_s"] / tier, 2)
             out[f"{pre}ttft_p50_speedup_vs_device_only"] = round(rows[f"{pre}device-only"]["ttft_p50_s"] / tier, 2)
-    for pre in ("", "trace-"):  # vllm-router kv_aware over kvtier's events against kvtier route (target 0.9x)
-        if {f"{pre}vllm-router", f"{pre}tier-aware"} <= set(rows) and rows[f"{pre}tier-aware"]["cached_share"]:
-            out[f"{pre}vllm_router_cached_share_over_tier_aware"] = round(
-                rows[f"{pre}vllm-router"]["cached_share"] / rows[f"{pre}tier-aware"]["cached_share"], 3)
+    for pre, peer in itertools.product(("", "trace-"), ("vllm-router", "vllm-router+sessions")):
+        # vllm-router kv_aware over kvtier's events against kvtier route (target 0.9x)
+        if {f"{pre}{peer}", f"{pre}tier-aware"} <= set(rows) and rows[f"{pre}tier-aware"]["cached_share"]:
+            key = f"{pre}{peer.replace('-', '_').replace('+', '_')}_cached_share_over_tier_aware"
+            out[key] = round(rows[f"{pre}{peer}"]["cached_share"] / rows[f"{pre}tier-aware"]["cached_share"], 3)
     for store in ("shared", "mooncake"):
         if {f"sticky+{store}", "single"} <= set(rows):
             out[f"sticky_{store}_over_single"] = round(

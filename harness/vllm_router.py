@@ -44,7 +44,7 @@ def binary() -> Path | None:
 
 class VllmRouter(ServerProcess):
     """``vllm-router --policy kv_aware`` on ``port`` in front of ``workers``: (OpenAI URL, events endpoint,
-    replay endpoint) each; ``model`` the served model name; blocks of ``block_size`` tokens. Its metrics are on
+    replay endpoint or None) each; ``model`` the served model name; blocks of ``block_size`` tokens. Its metrics are on
     ``metrics_port``; its log (debug level: one ``KV prefix decision`` line per request) in ``log``."""
 
     def __init__(self, workers: list[tuple[str, str, str]], model: str, block_size: int, port: int,
@@ -66,7 +66,9 @@ class VllmRouter(ServerProcess):
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
                "--log-level", "debug", *self.extra, "--worker-urls", *[url for url, _, _ in self.workers]]
         for url, events, replay in self.workers:
-            cmd += ["--kv-event-source", f"{url}={events}", "--kv-event-replay-source", f"{url}={replay}"]
+            cmd += ["--kv-event-source", f"{url}={events}"]
+            if replay:
+                cmd += ["--kv-event-replay-source", f"{url}={replay}"]
         return cmd
 
     def start(self, timeout: float = 120.0) -> Self:

@@ -29,7 +29,7 @@ def test_a_stored_chain_is_one_block_stored_and_evictions_are_block_removed():
     assert isinstance(taken, KVTierKVEvents)
     (stored,) = taken.get_all_events()
     keys = [bytes(k) for k in cache.keys(tokens)]
-    assert isinstance(stored, BlockStored) and stored.medium == "CPU" and stored.ownership == "kvtier"
+    assert isinstance(stored, BlockStored) and stored.medium == "CPU" and stored.ownership is None
     assert stored.block_hashes == keys and stored.parent_block_hash is None
     assert stored.token_ids == tokens and stored.block_size == CHUNK
     other = list(range(1000, 1000 + 2 * CHUNK))  # 5 chunks in a 4-chunk tier: one of the first chain goes

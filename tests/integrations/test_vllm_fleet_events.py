@@ -77,6 +77,12 @@ def _chain(tokens, chunk, tier="memory"):
                   for i in range(len(keys))]
 
 
+def _removal(tier):
+    from kvtier.core.events import ChunkEvent, ChunkEventKind
+
+    return [ChunkEvent(ChunkEventKind.REMOVED, tier, bytes([2]) * 32)]
+
+
 def test_chunks_published_as_vllm_sized_blocks_chain_and_remove_whole():
     """event_block_size: a 32-token chunk as four 8-token blocks (what vllm-router, which indexes only blocks of
     its --kv-event-block-size, needs); the chain's parents stay the chunk keys, a removal names every block, and
@@ -104,17 +110,37 @@ def test_chunks_published_as_vllm_sized_blocks_chain_and_remove_whole():
     assert index.cached("r", vllm_namespace(block).chunk_hashes(prompt)) == {"CPU": chunk // block}
 
 
-def test_every_tier_is_published_as_a_connectors_tier():
-    """The names published, per tier: memory CPU, disk DISK, a shared store SHARED (REMOTE), each with kvtier's
-    ownership. vllm-router 0.1.17 credits a block that carries an ownership as an external tier
-    (--kv-penalty-external) whatever its medium, and a block without one by its medium, an unknown medium (as
-    SHARED) as the device's: with the ownership no kvtier chunk is ever credited as if it sat in vLLM's cache."""
+def test_each_tier_is_published_as_what_it_costs():
+    """The names published, per tier: memory CPU and disk DISK without an ownership (the replica's own host
+    memory and disk, as vLLM's CPU offloading publishes them), a shared store SHARED, REMOTE, with kvtier's
+    ownership. vllm-router credits any block with an ownership as its external tier whatever the medium, and a
+    block without one by medium (an unknown one, as SHARED, as the device's): so memory and disk are weighted as
+    host and disk, and a shared store as external, never as vLLM's own cache. ``event_ownership`` "all" puts
+    the ownership on every tier (as before), "none" on none."""
     from kvtier.integrations.vllm.events import EventMedia, to_vllm
 
-    media = EventMedia(shared=frozenset({"redis"}))
-    published = {}
-    for tier in ("memory", "disk", "redis"):
-        [event] = to_vllm(_chain(list(range(64)), 32, tier)[1], 32, media)
-        published[tier] = (event.medium, event.locality, event.ownership)
-    assert published == {"memory": ("CPU", "LOCAL", "kvtier"), "disk": ("DISK", "LOCAL", "kvtier"),
-                         "redis": ("SHARED", "REMOTE", "kvtier")}
+    def published(mode: str) -> dict:
+        media = EventMedia(shared=frozenset({"redis"}), ownership_mode=mode)
+        out = {}
+        for tier in ("memory", "disk", "redis"):
+            stored, removed = to_vllm(_chain(list(range(64)), 32, tier)[1] + _removal(tier), 32, media)
+            assert (removed.medium, removed.locality, removed.ownership) == (
+                stored.medium, stored.locality, stored.ownership)  # a removal names what its store named
+            out[tier] = (stored.medium, stored.locality, stored.ownership)
+        return out
+
+    assert published("shared") == {"memory": ("CPU", "LOCAL", None), "disk": ("DISK", "LOCAL", None),
+                                   "redis": ("SHARED", "REMOTE", "kvtier")}
+    assert {t: o for t, (_, _, o) in published("all").items()} == {t: "kvtier" for t in ("memory", "disk", "redis")}
+    assert {t: o for t, (_, _, o) in published("none").items()} == {t: None for t in ("memory", "disk", "redis")}
+
+
+def test_an_unknown_ownership_mode_is_refused():
+    from kvtier.base.errors import ConfigError
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    with pytest.raises(ConfigError, match="event_ownership"):
+        ConnectorConfig.from_extra({"chunk_size": 32, "event_ownership": "kvtier",
+                                    "tiers": [{"kind": "memory", "capacity_bytes": "1MiB"}]})
+    assert ConnectorConfig.from_extra({"chunk_size": 32, "tiers": [{"kind": "memory", "capacity_bytes": "1MiB"}]
+                                       }).event_ownership == "shared"

@@ -57,7 +57,7 @@ def chat(doc: str, question: str) -> dict:
 
 class Replica:
     """A replica, and a subscriber of the test's own on its PUB socket counting the batches that carried kvtier's
-    blocks (ownership ``kvtier``)."""
+    blocks (its memory tier's medium ``CPU``; vLLM's own blocks are ``GPU``)."""
 
     def __init__(self, model: str, tmp: Path, label: str) -> None:
         self.events, self.replay = free_port(), free_port()
@@ -89,7 +89,7 @@ class Replica:
             except zmq.Again:
                 continue
             events = msgspec.msgpack.decode(payload)[1]  # vLLM's KVEventBatch: [ts, [event, ...], rank]
-            if any(e.get("type") == "BlockStored" and e.get("ownership") == "kvtier" for e in events):
+            if any(e.get("type") == "BlockStored" and e.get("medium") == "CPU" for e in events):  # kvtier's memory
                 self.kvtier_batches += 1
         sock.close(linger=0)
 

@@ -73,7 +73,10 @@ async def send(client: httpx.AsyncClient, target: Target, path: str, body: dict[
     result.sent_at = start - t0
     pieces: list[str] = []
     try:
-        async with client.stream("POST", target.url + path, json=body, headers=target.headers()) as response:
+        # the conversation as a header too: routers that keep sessions read one (vllm-router reads no ``user``)
+        session = {"X-Session-ID": body["user"]} if isinstance(body.get("user"), str) else {}
+        async with client.stream("POST", target.url + path, json=body,
+                                 headers={**target.headers(), **session}) as response:
             result.status = response.status_code
             result.replica = response.headers.get("x-kvtier-replica")
             decision = response.headers.get("x-kvtier-decision", "")

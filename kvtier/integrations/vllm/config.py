@@ -32,6 +32,9 @@ Everything but the connector's own keys goes to :meth:`kvtier.CacheConfig.from_d
 * ``event_block_size``: the size in tokens of the blocks those events publish (a divisor of ``chunk_size``;
   default the chunk size): a chunk becomes that many blocks. vllm-router indexes only blocks of its
   ``--kv-event-block-size``, so behind it set vLLM's ``--block-size`` here.
+* ``event_ownership``: which tiers' events carry ``ownership: "kvtier"``: ``"shared"`` (the default: shared
+  stores only), ``"all"`` or ``"none"``. Routers weight a block with an ownership as an external tier whatever
+  its medium (kvtier.integrations.vllm.events).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ from kvtier.core.config import CacheConfig
 
 _OWN_KEYS = ("model_id", "socket_dir", "metrics_host", "admin_key_file")
 LOAD_MODES = ("async", "sync")
+#: which tiers' KV events carry kvtier's ownership: shared stores only, every tier, or none
+#: (kvtier.integrations.vllm.events)
+OWNERSHIP_MODES = ("shared", "all", "none")
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class ConnectorConfig:
     lookup_timeout_s: float = 1.0
     event_media: dict[str, str] | None = None
     event_block_size: int | None = None
+    event_ownership: str = "shared"
     load_nice: int = 19
     #: the chunk boundaries whose sliding windows are stored (models with sliding-window layers): every one,
     #: unless ``state_snapshots`` is given
@@ -88,6 +95,10 @@ class ConnectorConfig:
         blocks = values.pop("event_block_size", None)
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0):
             raise ConfigError(f"kv_connector_extra_config.event_block_size must be a positive integer, got {blocks!r}")
+        ownership = values.pop("event_ownership", "shared")
+        if ownership not in OWNERSHIP_MODES:
+            raise ConfigError(f"kv_connector_extra_config.event_ownership must be one of {OWNERSHIP_MODES}, "
+                              f"got {ownership!r}")
         nice = values.pop("load_nice", 19)
         if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
             raise ConfigError(f"kv_connector_extra_config.load_nice must be an integer from 0 to 19, got {nice!r}")
@@ -99,7 +110,7 @@ class ConnectorConfig:
                               f"{cache.chunk_size}")
         windows = {"window_snapshots": cache.state_snapshots} if "state_snapshots" in values else {}
         return cls(cache=cache, metrics_port=port, load_mode=mode, event_media=media, event_block_size=blocks,
-                   load_nice=nice, **timeouts,
+                   event_ownership=ownership, load_nice=nice, **timeouts,
                    **windows, **own)
 
     def check_block_size(self, block_size: int) -> None:

@@ -131,7 +131,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._feed = MetricsFeed(cache.metrics)
         events = self._vllm_config.kv_events_config
         if rank == 0 and events is not None and events.enable_kv_cache_events:
-            self._tier_events = TierEvents(cache, self.config.event_media, self.config.event_block_size)
+            self._tier_events = TierEvents(cache, self.config.event_media, self.config.event_block_size,
+                                           self.config.event_ownership)
         if self.config.metrics_port is not None:
             self._metrics_server = self._admin_server(cache, rank)
         log.info("kvtier: %d layers, spec %s, tiers %s", len(kv_caches), spec, [t.name for t in cache.tiers])

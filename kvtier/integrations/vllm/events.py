@@ -2,9 +2,9 @@
 Dynamo, ``vllm serve --kv-events-config``) see what kvtier's tiers hold.
 
 * Worker side: ``TierEvents`` subscribes to the worker's ``KVCache.events`` and turns them into vLLM's
-  ``BlockStored`` / ``BlockRemoved`` with the tier's medium (``EventMedia``), ``ownership="kvtier"``,
-  ``locality`` ``REMOTE`` for a shared store (Redis, Mooncake) and ``LOCAL`` otherwise, one block per kvtier
-  chunk (``block_size`` is the chunk size, ``block_hashes`` the 32-byte chunk keys, ``parent_block_hash`` the
+  ``BlockStored`` / ``BlockRemoved`` with the tier's medium (``EventMedia``), ``locality`` ``REMOTE`` and
+  ``ownership="kvtier"`` for a shared store (Redis, Mooncake), ``LOCAL`` and no ownership otherwise (see
+  Ownership below), one block per kvtier chunk (``block_size`` is the chunk size, ``block_hashes`` the 32-byte chunk keys, ``parent_block_hash`` the
   previous chunk's key, ``token_ids`` the chunk's tokens; none for a chunk moved between tiers). ``extra_keys``
   carries, per block, what else the chunk's key was derived with, in vLLM's own event shape (vLLM's
   ``to_event_extra_keys``): the LoRA name (also in ``lora_name``), ``(mm identifier, offset in the block)`` pairs,
@@ -20,12 +20,23 @@ Media. Routers weight what they index by medium, and know only some names. llm-d
 lower-cases the medium and looks it up in ``kvCacheBackendConfigs`` (``gpu`` 1.0, ``cpu`` 0.8 by default; any
 other name once configured). Dynamo's KV router maps ``GPU`` to the device tier, ``CPU`` (and ``CPU_PINNED``) to
 host memory, ``DISK`` (and ``NVME``, and ``STORAGE`` in recent versions) to disk, ``SHARED`` (and ``REMOTE``,
-``EXTERNAL``) to external storage, and takes a name it does not know for the device tier. So by default the
-memory tier is ``CPU`` (vLLM's own ``MEDIUM_CPU``: what both weight as host memory), the disk tier ``DISK`` (what
-every Dynamo version maps to disk), a shared store (Redis, Mooncake) ``SHARED``, and any other tier its name in
+``EXTERNAL``) to external storage, and takes a name it does not know for the device tier (its newest versions
+drop it). vllm-router credits ``CPU`` as host memory, ``DISK`` and ``STORAGE`` as disk and any other name as the
+device. So by default the memory tier is ``CPU`` (vLLM's own ``MEDIUM_CPU``: what all three weight as host
+memory), the disk tier ``DISK`` (what every Dynamo version and vllm-router map to disk), a shared store (Redis, Mooncake) ``SHARED``, and any other tier its name in
 capitals; ``event_media`` in ``kv_connector_extra_config`` renames them. Two tiers never share a medium, so a
 consumer's removal of a chunk from one tier never removes it from another (docs/integrations/vllm-fleet.md gives
 the consumers' configuration).
+
+Ownership. vLLM sets ``ownership`` on the events of a secondary offloading tier, and consumers read it before
+the medium: vllm-router credits any block with an ownership as its external tier (``--kv-penalty-external``),
+whatever the medium, and Dynamo's newest KV router drops an event whose ownership it does not know (it knows
+only its own ``kvcr``). The memory and disk tiers are the replica's own host memory and disk, as vLLM's CPU
+offloading (which publishes no ownership) is: by default they carry none, so their media are weighted as what
+they are (vllm-router: ``CPU`` host, ``DISK`` disk). A shared store carries ``ownership="kvtier"``: vllm-router
+then credits it as external (without one it would take ``SHARED``, a name it does not know, for the device), and
+Dynamo drops it either way (it keeps only ``LOCAL`` events). ``event_ownership`` in ``kv_connector_extra_config``
+chooses: ``"shared"`` (the default), ``"all"`` (every tier, as before) or ``"none"``.
 
 Only tensor-parallel rank 0 reports: every rank's chunks carry its rank in their keys, so ranks never hold
 the same keys, and the ranks' caches change together.
@@ -45,6 +56,7 @@ from kvtier.base.errors import ConfigError
 from kvtier.base.keys import InputKind, SpanKey
 from kvtier.core.cache import KVCache
 from kvtier.core.events import ChunkEvent, ChunkEventKind, EntryKind
+from kvtier.integrations.vllm.config import OWNERSHIP_MODES
 from kvtier.tiers import SharedStore
 
 OWNERSHIP = "kvtier"
@@ -59,11 +71,13 @@ DEVICE_MEDIUM = "GPU"
 
 @dataclass(frozen=True)
 class EventMedia:
-    """The medium of each of a cache's tiers in the events (``names`` overrides the defaults), and which tiers
-    are shared stores (``locality="REMOTE"``). Two tiers of one cache never share a medium."""
+    """The medium of each of a cache's tiers in the events (``names`` overrides the defaults), which tiers are
+    shared stores (``locality="REMOTE"``) and which carry kvtier's ownership (``ownership``: one of
+    ``OWNERSHIP_MODES``). Two tiers of one cache never share a medium."""
 
     names: Mapping[str, str] = field(default_factory=dict)
     shared: frozenset[str] = frozenset()
+    ownership_mode: str = "shared"
 
     def medium(self, tier: str) -> str:
         if tier in self.names:
@@ -73,6 +87,10 @@ class EventMedia:
     def locality(self, tier: str) -> str:
         return "REMOTE" if tier in self.shared else "LOCAL"
 
+    def ownership(self, tier: str) -> str | None:
+        mode = self.ownership_mode
+        return OWNERSHIP if mode == "all" or (mode == "shared" and tier in self.shared) else None
+
     def check(self, tiers: Sequence[str]) -> None:
         """ConfigError unless ``tiers`` get distinct media, none of them vLLM's device medium."""
         media = [self.medium(t) for t in tiers]
@@ -81,8 +99,11 @@ class EventMedia:
                               f"its own medium, and {DEVICE_MEDIUM} is vLLM's device cache (event_media)")
 
     @classmethod
-    def of(cls, cache: KVCache, names: Mapping[str, str] | None = None) -> EventMedia:
-        media = cls(dict(names or {}), frozenset(t.name for t in cache.tiers if isinstance(t, SharedStore)))
+    def of(cls, cache: KVCache, names: Mapping[str, str] | None = None, ownership: str = "shared") -> EventMedia:
+        if ownership not in OWNERSHIP_MODES:
+            raise ConfigError(f"event_ownership must be one of {OWNERSHIP_MODES}, got {ownership!r}")
+        media = cls(dict(names or {}), frozenset(t.name for t in cache.tiers if isinstance(t, SharedStore)),
+                    ownership)
         media.check([t.name for t in cache.tiers])
         return media
 
@@ -136,10 +157,10 @@ def to_vllm(events: Sequence[ChunkEvent], chunk_size: int, media: EventMedia = E
     for event in events:
         if event.entry in _NOT_BLOCKS:
             continue
-        medium, locality = media.medium(event.tier), media.locality(event.tier)
+        medium, locality, owner = media.medium(event.tier), media.locality(event.tier), media.ownership(event.tier)
         hashes = block_keys(bytes(event.key), chunk_size // block)
         if event.kind is ChunkEventKind.REMOVED:
-            out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality, ownership=OWNERSHIP))
+            out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality, ownership=owner))
             continue
         tokens = np.frombuffer(event.tokens, "<u4").tolist() if event.tokens is not None else []
         start = (event.position or 0) * chunk_size
@@ -160,7 +181,7 @@ def to_vllm(events: Sequence[ChunkEvent], chunk_size: int, media: EventMedia = E
                                parent_block_hash=bytes(event.parent) if event.parent is not None else None,
                                token_ids=tokens, block_size=block, lora_id=None, medium=medium,
                                lora_name=lora, extra_keys=extra,
-                               locality=locality, ownership=OWNERSHIP))
+                               locality=locality, ownership=owner))
     return out
 
 
@@ -199,12 +220,14 @@ class TierEvents:
     """Worker side: collects a cache's events between steps (they come from the save thread, the disk tier's
     threads and the forward path alike)."""
 
-    def __init__(self, cache: KVCache, media: Mapping[str, str] | None = None, block_size: int | None = None) -> None:
+    def __init__(self, cache: KVCache, media: Mapping[str, str] | None = None, block_size: int | None = None,
+                 ownership: str = "shared") -> None:
         """``media``: tier name -> medium, over the defaults (ConfigError if two tiers would share one);
-        ``block_size``: the published blocks' size (:func:`to_vllm`; default the chunk size)."""
+        ``block_size``: the published blocks' size (:func:`to_vllm`; default the chunk size); ``ownership``:
+        which tiers' events carry kvtier's ownership (``OWNERSHIP_MODES``)."""
         self._chunk_size = cache.chunk_size
         self._block_size = block_size
-        self._media = EventMedia.of(cache, media)
+        self._media = EventMedia.of(cache, media, ownership)
         self._pending: list[ChunkEvent] = []
         self._lock = threading.Lock()
         self._unsubscribe = cache.events.subscribe(self._collect)
