@@ -4,8 +4,9 @@ Dynamo, ``vllm serve --kv-events-config``) see what kvtier's tiers hold.
 * Worker side: ``TierEvents`` subscribes to the worker's ``KVCache.events`` and turns them into vLLM's
   ``BlockStored`` / ``BlockRemoved`` with the tier's medium (``EventMedia``), ``locality`` ``REMOTE`` and
   ``ownership="kvtier"`` for a shared store (Redis, Mooncake), ``LOCAL`` and no ownership otherwise (see
-  Ownership below), one block per kvtier chunk (``block_size`` is the chunk size, ``block_hashes`` the 32-byte chunk keys, ``parent_block_hash`` the
-  previous chunk's key, ``token_ids`` the chunk's tokens; none for a chunk moved between tiers). ``extra_keys``
+  Ownership below), one block per kvtier chunk (``block_size`` is the chunk size, ``block_hashes`` the 32-byte
+  chunk keys, ``parent_block_hash`` the previous chunk's key, ``token_ids`` the chunk's tokens; none for a chunk
+  moved between tiers). ``extra_keys``
   carries, per block, what else the chunk's key was derived with, in vLLM's own event shape (vLLM's
   ``to_event_extra_keys``): the LoRA name (also in ``lora_name``), ``(mm identifier, offset in the block)`` pairs,
   the cache salt (first block) and the prompt-embeddings digest of the block's span; ``None`` for a block with
@@ -23,10 +24,10 @@ host memory, ``DISK`` (and ``NVME``, and ``STORAGE`` in recent versions) to disk
 ``EXTERNAL``) to external storage, and takes a name it does not know for the device tier (its newest versions
 drop it). vllm-router credits ``CPU`` as host memory, ``DISK`` and ``STORAGE`` as disk and any other name as the
 device. So by default the memory tier is ``CPU`` (vLLM's own ``MEDIUM_CPU``: what all three weight as host
-memory), the disk tier ``DISK`` (what every Dynamo version and vllm-router map to disk), a shared store (Redis, Mooncake) ``SHARED``, and any other tier its name in
-capitals; ``event_media`` in ``kv_connector_extra_config`` renames them. Two tiers never share a medium, so a
-consumer's removal of a chunk from one tier never removes it from another (docs/integrations/vllm-fleet.md gives
-the consumers' configuration).
+memory), the disk tier ``DISK`` (what every Dynamo version and vllm-router map to disk), a shared store (Redis,
+Mooncake) ``SHARED``, and any other tier its name in capitals; ``event_media`` in ``kv_connector_extra_config``
+renames them. Two tiers never share a medium, so a consumer's removal of a chunk from one tier never removes it
+from another (docs/integrations/vllm-fleet.md gives the consumers' configuration).
 
 Ownership. vLLM sets ``ownership`` on the events of a secondary offloading tier, and consumers read it before
 the medium: vllm-router credits any block with an ownership as its external tier (``--kv-penalty-external``),
