@@ -17,6 +17,6 @@ Nothing in ``kvtier`` imports it.
 | ``fleet`` | ``ReplicaProcess`` (a ``kvtier serve`` process), ``LiveRouter``, ``scrape`` |
 | ``serve`` | ``build_tiny_model``, ``LiveServer``/``start_server`` (kvtier serve in this process) |
 | ``stub_replica``, ``hostile_events``, ``malformed`` | hostile peers and bodies for the router and the server |
-| ``vllm_router``, ``render_replica`` | ``VllmRouter`` (vllm-router kv_aware); ``RenderReplica`` (a vLLM that only renders) |
+| ``vllm_router``, ``render_replica`` | ``VllmRouter`` (kv_aware); ``RenderReplica`` (a vLLM that only renders) |
 | ``blend_models``, ``sglang_pool`` | tiny decoders for blending; SGLang's host pool layout without CUDA |
 """
