@@ -188,17 +188,19 @@ class SchedulerSide(PDScheduling):
         return end - num_computed_tokens, self.load_async
 
     def _room_for(self, request: Request, computed: int, end: int) -> bool | None:
-        """Whether to promise the request an asynchronous load of ``[computed, end)`` now (True), not yet (None:
-        counted in ``deferred_loads``) or never (False). vLLM parks a promised load with its blocks allocated and
-        goes on admitting; loads promised beyond its free blocks deadlock (parked requests none of which can run)
-        or preempt running requests. ``Room.admits`` says the rule; before vLLM bound its KV cache manager, or
-        while nothing holds blocks that it will give back, the hit is promised as vLLM would admit it."""
+        """Promise a load of ``[computed, end)`` now (True), not yet (None: ``deferred_loads``) or never (False),
+        by ``Room.admits``. Without vLLM's KV cache manager bound, or while nothing holds blocks that it will give
+        back, the hit is promised as vLLM would admit it."""
         if self.kv_cache_manager is None:
             return True
         room = Room(self.kv_cache_manager)
-        park, lack = room.park_and_lack(request, computed, end)
-        running = [(self._requests[r], n) for r, n in self._running.items() if r in self._requests]
-        steps = sum(room.step(r, n, self.block_size) for r, n in running)
+        try:
+            park, lack = room.park_and_lack(request, computed, end)
+            running = [(self._requests[r], n) for r, n in self._running.items() if r in self._requests]
+            steps = sum(room.step(r, n, self.block_size) for r, n in running)
+        except Exception:  # a vLLM whose accounting differs: never raise into its scheduler; vLLM's gate remains
+            log.exception("kvtier: vLLM's block counts could not be read; the load is promised unchecked")
+            return True
         answer = room.admits(park, lack, list(self._parked.values()), steps)
         if answer is None and not self._parked and not self._running:
             answer = True
