@@ -39,9 +39,10 @@ def prompt_ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
-def run_engine_spec(workdir: Path, name: str, spec: dict, *, in_process: bool) -> tuple:
+def run_engine_spec(workdir: Path, name: str, spec: dict, *, in_process: bool, timeout: float = 900) -> tuple:
     """Run ``tests/integrations/vllm_engine.py`` on ``spec`` in its own interpreter (the engine in that process
-    with ``in_process``, else in vLLM's worker processes); returns ``(completed process, output path)``."""
+    with ``in_process``, else in vLLM's worker processes); returns ``(completed process, output path)``. An engine
+    still running after ``timeout`` seconds is killed (``subprocess.TimeoutExpired``)."""
     import os
     import subprocess
     import sys
@@ -52,5 +53,5 @@ def run_engine_spec(workdir: Path, name: str, spec: dict, *, in_process: bool) -
     env = {**os.environ, "PYTHONPATH": str(root), "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
     proc = subprocess.run([sys.executable, str(root / "tests/integrations/vllm_engine.py"), str(spec_path),
-                           str(out_path)], env=env, cwd=workdir, capture_output=True, text=True, timeout=900)
+                           str(out_path)], env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
     return proc, out_path

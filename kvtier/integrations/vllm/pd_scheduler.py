@@ -28,8 +28,9 @@ class PDScheduling:
             keys = self._keys(self._usable(request), inputs)[num_computed_tokens // self.chunk_size :]
             if any(k in self._in_flight for k in keys):
                 return None, False
-        if not self._room_for(request):
-            return None, False
+        room = self._room_for(request, num_computed_tokens, end)
+        if not room:
+            return (None if room is None else 0), False
         self._hits[request.request_id] = end - end % self.chunk_size
         self._plans[request.request_id] = (num_computed_tokens, end)
         return end - num_computed_tokens, True

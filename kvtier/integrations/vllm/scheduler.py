@@ -4,8 +4,8 @@
   a miss past its deadline) and promises vLLM the part beyond its own prefix-cache hit, always leaving at least
   one token for vLLM to compute. It answers ``None`` ("ask again") only while chunks vLLM lacks are being
   loaded or saved for another request (once they land, vLLM's prefix cache or kvtier has them), and, for an
-  asynchronous load, while vLLM's free blocks cannot hold the request's prompt and first output token beside
-  what the loads already promised still need and one block per running request (``_room_for``).
+  asynchronous load, while vLLM's blocks, counted over every KV cache group by vLLM's own accounting, cannot
+  take it without a preemption or a deadlock (``_room_for``, room.py).
 * Asynchronous loads (the default): vLLM parks the request in ``WAITING_FOR_REMOTE_KVS`` with its blocks
   allocated; the :class:`LoadSpec` goes to the workers in the next step's metadata, and the request stays
   "loading" (its chunks in flight) until every rank reported it in ``finished_recving``. Synchronous loads
@@ -52,6 +52,7 @@ from kvtier.integrations.vllm.metadata import (
 )
 from kvtier.integrations.vllm.pd import PDRequests
 from kvtier.integrations.vllm.pd_scheduler import PDScheduling
+from kvtier.integrations.vllm.room import Room
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -89,8 +90,8 @@ class SchedulerSide(PDScheduling):
         self._req_jobs: Counter[str] = Counter()  # req_id -> its jobs not over on every rank
         self._next_job = 0
         self._ttls: dict[str, float | None] = {}  # req_id -> its stores' retention time (request_ttl)
-        self._parked: dict[str, int] = {}  # req_id -> blocks its promised load lacks to run, until it is scheduled
-        self._running = 0  # requests vLLM scheduled in the last step
+        self._parked: dict[str, tuple[int, int]] = {}  # req_id -> (blocks held, lacking to run) until it runs
+        self._running: dict[str, int] = {}  # req_id -> tokens vLLM scheduled for it in the last step
         self.deferred_loads = 0  #: hits answered "ask again" because vLLM's cache lacked room for them then
         self.ignored_params = 0  #: requests whose kv_transfer_params for kvtier were malformed (ignored)
         self._reported = (0, 0)  # (deferred_loads, ignored_params) at the last take_counters()
@@ -180,31 +181,31 @@ class SchedulerSide(PDScheduling):
         end = min(hit, request.num_tokens - 1)  # vLLM must compute at least one token
         if end <= num_computed_tokens:
             return 0, False
-        if self.load_async and not self._room_for(request):
-            return None, False  # parked now, it would overfill the cache: running requests would preempt others
+        room = self._room_for(request, num_computed_tokens, end) if self.load_async else True
+        if not room:
+            return (None if room is None else 0), False  # ask again; never room beside its load: vLLM computes
         self._plans[request.request_id] = (num_computed_tokens, end)
         return end - num_computed_tokens, self.load_async
 
-    def _blocks_to_run(self, request: Request) -> int:
-        """Blocks the request holds once its prompt and first output token are in vLLM's cache."""
-        return -(-(request.num_tokens + 1) // self.block_size)
-
-    def _room_for(self, request: Request) -> bool:
-        """Whether to promise the request an asynchronous load now. vLLM parks a promised load with its prompt's
-        blocks allocated and goes on admitting; when the loads land, the running requests' next blocks may find
-        none free, and vLLM preempts one of them, which then loads its prefix again. A synchronous load never
-        overfills: it runs at once, or waits while vLLM lacks blocks. So a load is promised only if the free
-        blocks hold this request's prompt and first output token, what the loads already promised lack to run,
-        and one block per running request to decode into. While nothing holds blocks that it will give back
-        (no promised load, nothing running), the hit is promised as vLLM would admit it."""
-        manager = self.kv_cache_manager
-        if manager is None or not (self._parked or self._running):
+    def _room_for(self, request: Request, computed: int, end: int) -> bool | None:
+        """Promise a load of ``[computed, end)`` now (True), not yet (None: ``deferred_loads``) or never (False),
+        by ``Room.admits``. Without vLLM's KV cache manager bound, or while nothing holds blocks that it will give
+        back, the hit is promised as vLLM would admit it."""
+        if self.kv_cache_manager is None:
             return True
-        free = manager.block_pool.get_num_free_blocks()
-        if free - sum(self._parked.values()) - self._running >= self._blocks_to_run(request):
+        room = Room(self.kv_cache_manager)
+        try:
+            park, lack = room.park_and_lack(request, computed, end)
+            running = [(self._requests[r], n) for r, n in self._running.items() if r in self._requests]
+            steps = sum(room.step(r, n, self.block_size) for r, n in running)
+        except Exception:  # a vLLM whose accounting differs: never raise into its scheduler; vLLM's gate remains
+            log.exception("kvtier: vLLM's block counts could not be read; the load is promised unchecked")
             return True
-        self.deferred_loads += 1
-        return False
+        answer = room.admits(park, lack, list(self._parked.values()), steps)
+        if answer is None and not self._parked and not self._running:
+            answer = True
+        self.deferred_loads += answer is None
+        return answer
 
     def after_alloc(self, request: Request, tables: tuple[list[int], ...], num_external_tokens: int) -> None:
         """``tables``: the request's block ids in every KV cache group."""
@@ -217,8 +218,8 @@ class SchedulerSide(PDScheduling):
             self._sync_loads[request.request_id] = (request, first, end)
             return
         spec, inputs = self._load_spec(request, tables, first, end)
-        held = len(tables[self.groups.full if self.groups.full is not None else self.groups.states[0]])
-        self._parked[request.request_id] = max(self._blocks_to_run(request) - held, 0) * len(tables)
+        if self.kv_cache_manager is not None:
+            self._parked[request.request_id] = (Room.held(tables), Room(self.kv_cache_manager).lack(request, end))
         keys = self._keys(self._usable(request)[: -(-end // self.chunk_size) * self.chunk_size], inputs)
         keys = keys[first // self.chunk_size :]
         self._loading[request.request_id] = keys
@@ -260,7 +261,7 @@ class SchedulerSide(PDScheduling):
         self._plans.clear()
         for req_id in out.num_scheduled_tokens:
             self._parked.pop(req_id, None)  # running: vLLM allocated its blocks
-        self._running = len(out.num_scheduled_tokens)
+        self._running = dict(out.num_scheduled_tokens)
         if self.kv_cache_manager is not None:
             for req_id, n_scheduled in out.num_scheduled_tokens.items():
                 request = self._requests.get(req_id)
